@@ -1,0 +1,52 @@
+"""``llmjp-ds <verb>``: each verb lives in the module that owns it and is imported only when used."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from llmjp_ds.errors import run_main
+
+# verb -> (module with ``cli_main(argv)``, one-line help)
+VERBS: dict[str, tuple[str, str]] = {
+    "demo": ("llmjp_ds.demo", "train the tiny model on the bundled corpus end to end and export it"),
+    "train": ("llmjp_ds.train", "pretrain (or resume) a run; same as `deepspeed llmjp_ds/train.py`"),
+    "train-tokenizer": ("llmjp_ds.data.tokenizer", "train a SentencePiece unigram tokenizer in LLM-jp v3 layout"),
+    "preprocess": ("llmjp_ds.data.preprocess", "jsonl -> Megatron-LM .bin/.idx corpus"),
+    "export": ("llmjp_ds.checkpoint", "export a training checkpoint as a Hugging Face Llama model"),
+    "import-hf": ("llmjp_ds.checkpoint", "start a run from a Hugging Face Llama checkpoint"),
+    "plot": ("llmjp_ds.plot", "draw loss and throughput of a run to PNG"),
+    "bench": ("llmjp_ds.bench", "measure training TFLOP/s: ours (BF16, FP8) against transformers + DeepSpeed"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, VERBS))
+    lines = ["usage: llmjp-ds <verb> [options]   (add --debug for tracebacks)", "", "verbs:"]
+    lines += [f"  {verb:<{width}}  {help_}" for verb, (_, help_) in VERBS.items()]
+    return "\n".join(lines)
+
+
+def dispatch(argv: list[str] | None) -> int:
+    argv = list(argv or [])
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0 if argv else 2
+    verb, rest = argv[0], argv[1:]
+    if verb not in VERBS:
+        import difflib
+
+        close = difflib.get_close_matches(verb, VERBS, n=1)
+        hint = f" (did you mean `{close[0]}`?)" if close else ""
+        print(f"error: unknown verb `{verb}`{hint}; run `llmjp-ds --help` for the list", file=sys.stderr)
+        return 2
+    module = importlib.import_module(VERBS[verb][0])
+    return module.cli_main(rest, verb=verb) or 0
+
+
+def main() -> None:
+    run_main(dispatch)
+
+
+if __name__ == "__main__":
+    main()

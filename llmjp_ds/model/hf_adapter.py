@@ -1,0 +1,114 @@
+"""Pure state-dict adapters between this package's TE layout and Hugging Face Llama names.
+
+No I/O here: dict of tensors in, dict of tensors out, bit-exact (only views, splits and concatenations).
+
+=========================================================  ==============================================
+ours (TE names)                                            Hugging Face LlamaForCausalLM
+=========================================================  ==============================================
+layers.N.self_attention.layernorm_qkv.layer_norm_weight    layers.N.input_layernorm.weight
+layers.N.self_attention.layernorm_qkv.weight               layers.N.self_attn.{q,k,v}_proj.weight
+                                                           (interleaved per KV group: [q heads, k, v])
+layers.N.self_attention.proj.weight                        layers.N.self_attn.o_proj.weight
+layers.N.layernorm_mlp.layer_norm_weight                   layers.N.post_attention_layernorm.weight
+layers.N.layernorm_mlp.fc1_weight                          layers.N.mlp.{gate,up}_proj.weight  (cat, gate first)
+layers.N.layernorm_mlp.fc2_weight                          layers.N.mlp.down_proj.weight
+=========================================================  ==============================================
+
+``model.embed_tokens.weight``, ``model.norm.weight`` and ``lm_head.weight`` keep their names. TE's
+``_extra_state`` entries (FP8 scaling metadata) have no HF counterpart and are dropped on export.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from llmjp_ds.errors import fail
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_SHARED = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+_RENAMES = {  # ours -> HF, within a layer
+    "self_attention.layernorm_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.proj.weight": "self_attn.o_proj.weight",
+    "layernorm_mlp.layer_norm_weight": "post_attention_layernorm.weight",
+    "layernorm_mlp.fc2_weight": "mlp.down_proj.weight",
+}
+_QKV = "self_attention.layernorm_qkv.weight"
+_FC1 = "layernorm_mlp.fc1_weight"
+_HF_QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+_HF_FC1 = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+_HF_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+
+
+def _dims(config):
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    return heads, kv, config.hidden_size // heads
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config) -> torch.Tensor:
+    """HF q/k/v projections -> TE's fused QKV weight, interleaved per KV group."""
+    heads, kv, d = _dims(config)
+    h = q.shape[1]
+    q = q.view(kv, heads // kv, d, h)
+    return torch.cat((q, k.view(kv, 1, d, h), v.view(kv, 1, d, h)), dim=1).reshape(-1, h)
+
+
+def split_qkv(qkv: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    heads, kv, d = _dims(config)
+    h = qkv.shape[1]
+    q, k, v = qkv.view(kv, heads // kv + 2, d, h).split([heads // kv, 1, 1], dim=1)
+    return q.reshape(heads * d, h), k.reshape(kv * d, h), v.reshape(kv * d, h)
+
+
+def to_hf_state_dict(state_dict: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state_dict.items():
+        if name.endswith("_extra_state"):
+            continue
+        if name in _SHARED:
+            out[name] = tensor
+            continue
+        match = _LAYER.match(name)
+        if not match:
+            fail(f"unexpected parameter {name!r} in an llmjp-ds state dict: it does not come from this model")
+        prefix, rest = f"model.layers.{match.group(1)}.", match.group(2)
+        if rest in _RENAMES:
+            out[prefix + _RENAMES[rest]] = tensor
+        elif rest == _QKV:
+            for hf_name, part in zip(_HF_QKV, split_qkv(tensor, config)):
+                out[prefix + hf_name] = part
+        elif rest == _FC1:
+            for hf_name, part in zip(_HF_FC1, tensor.chunk(2, dim=0)):
+                out[prefix + hf_name] = part
+        else:
+            fail(f"unexpected parameter {name!r} in an llmjp-ds state dict: it does not come from this model")
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def from_hf_state_dict(state_dict: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    inverse = {hf: ours for ours, hf in _RENAMES.items()}
+    out: dict[str, torch.Tensor] = {}
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in state_dict.items():
+        if _HF_IGNORED.search(name):
+            continue
+        if name in _SHARED:
+            out[name] = tensor
+            continue
+        match = _LAYER.match(name)
+        rest = match.group(2) if match else None
+        if rest in inverse:
+            out[f"model.layers.{match.group(1)}.{inverse[rest]}"] = tensor
+        elif rest in _HF_QKV or rest in _HF_FC1:
+            pending.setdefault(f"model.layers.{match.group(1)}.", {})[rest] = tensor
+        else:
+            fail(f"checkpoint tensor {name!r} is not part of a Llama model (biases, other architectures and "
+                 "quantised weights are not supported)")
+    for prefix, parts in pending.items():
+        missing = [n for n in _HF_QKV + _HF_FC1 if n not in parts]
+        if missing:
+            fail(f"checkpoint lacks {prefix}{missing[0]}: the file is incomplete or not a Llama model")
+        out[prefix + _QKV] = fuse_qkv(*(parts[n] for n in _HF_QKV), config)
+        out[prefix + _FC1] = torch.cat([parts[n] for n in _HF_FC1], dim=0)
+    return out

@@ -1,0 +1,108 @@
+"""Reading and writing Hugging Face Llama checkpoint directories (safetensors, sharded or not)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from llmjp_ds.errors import fail
+from llmjp_ds.io_utils import atomic_directory
+from llmjp_ds.model.hf_adapter import from_hf_state_dict, to_hf_state_dict
+
+SAFE_INDEX = "model.safetensors.index.json"
+
+
+def read_hf_config(path: Path):
+    from transformers import LlamaConfig
+
+    if not (path / "config.json").is_file():
+        fail(f"{path} is not a Hugging Face model directory (no config.json): pass the directory that "
+             "save_pretrained wrote")
+    raw = json.loads((path / "config.json").read_text())
+    archs = raw.get("architectures") or ["LlamaForCausalLM"]
+    if raw.get("model_type") != "llama" or "LlamaForCausalLM" not in archs:
+        fail(f"{path} holds a {raw.get('model_type')!r} model ({', '.join(archs)}), not a Llama "
+             "(LlamaForCausalLM): llmjp-ds imports Llama checkpoints only")
+    return LlamaConfig.from_pretrained(str(path))
+
+
+def read_hf_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    if (path / SAFE_INDEX).is_file():
+        weight_map = json.loads((path / SAFE_INDEX).read_text())["weight_map"]
+        tensors: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(weight_map.values())):
+            if not (path / shard).is_file():
+                fail(f"{path / shard} is listed in {SAFE_INDEX} but missing: the download is incomplete")
+            tensors.update(load_file(path / shard))
+        return tensors
+    if (path / "model.safetensors").is_file():
+        return load_file(path / "model.safetensors")
+    if (path / "pytorch_model.bin").is_file():
+        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    fail(f"{path} has no model.safetensors, {SAFE_INDEX} or pytorch_model.bin")
+
+
+def load_hf_checkpoint(cls, path: Path, backend=None, dtype=None, **model_kwargs):
+    if not path.is_dir():
+        fail(f"model directory {path} does not exist")
+    config = read_hf_config(path)
+    ours = from_hf_state_dict(read_hf_tensors(path), config)
+    dtype = dtype or ours["model.embed_tokens.weight"].dtype
+    model = cls(config, backend=backend, params_dtype=dtype, **model_kwargs)
+    result = model.load_state_dict(ours, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    if missing or result.unexpected_keys:
+        fail(f"{path} does not match its config.json (missing {missing[:3]}, unexpected "
+             f"{result.unexpected_keys[:3]}): the checkpoint is incomplete or its config is wrong")
+    return model
+
+
+def hf_config_for_export(config, dtype: torch.dtype):
+    """A plain ``model_type: llama`` config: no auto_map, our architecture name, the saved dtype."""
+    config = config.__class__.from_dict(config.to_dict())
+    config.architectures = ["LlamaForCausalLM"]
+    for attr in ("auto_map", "_name_or_path"):
+        if hasattr(config, attr):
+            try:
+                delattr(config, attr)
+            except AttributeError:
+                pass
+    config.dtype = dtype
+    return config
+
+
+def save_hf_checkpoint(model, path: Path, dtype=None, max_shard_size: int = 5 * 2**30, force: bool = True,
+                       tokenizer_dir: Path | None = None) -> None:
+    """Write ``model`` as an HF checkpoint; the directory appears complete or not at all."""
+    state = to_hf_state_dict({k: v.detach() for k, v in model.state_dict().items()}, model.config)
+    write_hf_checkpoint(state, model.config, path, dtype=dtype, max_shard_size=max_shard_size, force=force,
+                        tokenizer_dir=tokenizer_dir)
+
+
+def write_hf_checkpoint(hf_state: dict[str, torch.Tensor], config, path: Path, dtype=None,
+                        max_shard_size: int = 5 * 2**30, force: bool = True, tokenizer_dir: Path | None = None):
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
+    dtype = dtype or hf_state["model.embed_tokens.weight"].dtype
+    hf_state = {k: v.to(device="cpu", dtype=dtype).contiguous() for k, v in hf_state.items()}
+    split = split_torch_state_dict_into_shards(hf_state, max_shard_size=max_shard_size)
+    with atomic_directory(Path(path), force=force) as tmp:
+        for filename, names in split.filename_to_tensors.items():
+            save_file({n: hf_state[n] for n in names}, tmp / filename, metadata={"format": "pt"})
+        if split.is_sharded:
+            index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in hf_state.values())},
+                     "weight_map": split.tensor_to_filename}
+            (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=2))
+        hf_config_for_export(config, dtype).save_pretrained(str(tmp))
+        GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id).save_pretrained(
+            str(tmp))
+        if tokenizer_dir is not None:
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(tmp))

@@ -1,0 +1,262 @@
+"""LLM-jp-style Llama as a transformers ``PreTrainedModel`` built from Transformer Engine layers.
+
+Read top to bottom: ``rope_freqs`` -> ``SelfAttention`` -> ``DecoderLayer`` -> ``Embedding`` / ``FinalNormHead``
+-> ``LlamaForCausalLM``. The layer modules come from a backend (``te_layers`` on a CUDA GPU with TE,
+``torch_layers`` elsewhere) with identical parameter names; the pipeline-parallel split (``pipeline.py``) reuses
+``Embedding``, ``DecoderLayer`` and ``FinalNormHead`` unchanged.
+
+Parameter names (TE's, inside each decoder layer)::
+
+    model.embed_tokens.weight                                   [V, h]
+    model.layers.N.self_attention.layernorm_qkv.layer_norm_weight  [h]
+    model.layers.N.self_attention.layernorm_qkv.weight          [(heads + 2 kv) * d, h]  per-KV-group interleaved
+    model.layers.N.self_attention.proj.weight                   [h, heads * d]
+    model.layers.N.layernorm_mlp.layer_norm_weight              [h]
+    model.layers.N.layernorm_mlp.fc1_weight                     [2 ffn, h]   = [gate; up]
+    model.layers.N.layernorm_mlp.fc2_weight                     [h, ffn]
+    model.norm.weight                                           [h]
+    lm_head.weight                                              [V, h]
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import GenerationMixin, LlamaConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from llmjp_ds.model.backend import layers_module, resolve_backend
+from llmjp_ds.model.loss import LossParts, causal_lm_loss, shift_labels
+from llmjp_ds.model.presets import check_supported, rope_theta
+
+
+@functools.lru_cache(maxsize=16)
+def _inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+
+
+def rope_freqs(positions: torch.Tensor, head_dim: int, theta: float) -> torch.Tensor:
+    """RoPE angles for ``positions`` (``[s]`` or ``[b, s]``) as ``[..., head_dim]`` fp32: ``cat(f, f)``."""
+    freqs = positions.float()[..., None] * _inv_freq(head_dim, theta, positions.device)
+    return torch.cat((freqs, freqs), dim=-1)
+
+
+def head_dim_of(config) -> int:
+    return config.hidden_size // config.num_attention_heads
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config, layer_idx: int, L, params_dtype=None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        std = config.initializer_range
+        self.layernorm_qkv = L.LayerNormLinear(
+            config.hidden_size, (self.num_heads + 2 * self.num_kv) * self.head_dim, eps=config.rms_norm_eps,
+            init_std=std, params_dtype=params_dtype)
+        self.core_attention = L.DotProductAttention(self.num_heads, self.head_dim, self.num_kv)
+        self.proj = L.Linear(self.num_heads * self.head_dim, config.hidden_size,
+                             init_std=std / math.sqrt(2.0 * config.num_hidden_layers), params_dtype=params_dtype)
+        self._L = L
+
+    def forward(self, x, freqs, mask=None, cache=None):
+        b, s, _ = x.shape
+        group = self.num_heads // self.num_kv
+        # TE's fused QKV layout: [kv groups, (q heads of the group, k, v), head_dim]
+        qkv = self.layernorm_qkv(x).view(b, s, self.num_kv, group + 2, self.head_dim)
+        q, k, v = qkv.split([group, 1, 1], dim=3)
+        q = q.reshape(b, s, self.num_heads, self.head_dim)
+        k = k.reshape(b, s, self.num_kv, self.head_dim)
+        v = v.reshape(b, s, self.num_kv, self.head_dim)
+        q, k = self._L.apply_rope(q, freqs), self._L.apply_rope(k, freqs)
+        if cache is None and mask is None:
+            out = self.core_attention(q, k, v)
+        else:
+            if cache is not None:
+                k, v = cache.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_idx)
+                k, v = k.transpose(1, 2), v.transpose(1, 2)
+            out = self._L.sdpa(q, k, v, mask=mask, scale=1.0 / math.sqrt(self.head_dim))
+        return self.proj(out.reshape(b, s, -1))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; the norms live inside TE's fused modules."""
+
+    def __init__(self, config, layer_idx: int, backend: str, params_dtype=None):
+        super().__init__()
+        L = layers_module(backend)
+        self.self_attention = SelfAttention(config, layer_idx, L, params_dtype)
+        self.layernorm_mlp = L.LayerNormMLP(
+            config.hidden_size, config.intermediate_size, eps=config.rms_norm_eps, init_std=config.initializer_range,
+            output_std=config.initializer_range / math.sqrt(2.0 * config.num_hidden_layers), params_dtype=params_dtype)
+
+    def forward(self, x, freqs, mask=None, cache=None):
+        x = x + self.self_attention(x, freqs, mask, cache)
+        return x + self.layernorm_mlp(x)
+
+
+def _device_for(backend: str):
+    return "cuda" if backend == "te" else None
+
+
+class Embedding(nn.Embedding):
+    def __init__(self, config, backend: str, params_dtype=None):
+        super().__init__(config.vocab_size, config.hidden_size, device=_device_for(backend), dtype=params_dtype)
+        nn.init.normal_(self.weight, std=config.initializer_range)
+
+
+class FinalNormHead(nn.Module):
+    """Final RMSNorm and the output projection. The head is a plain ``nn.Linear``: it stays in BF16 in FP8
+    phases, as in Megatron-LM, whose output layer is not a TE module."""
+
+    def __init__(self, config, backend: str, params_dtype=None):
+        super().__init__()
+        self.norm = layers_module(backend).RMSNorm(config.hidden_size, eps=config.rms_norm_eps,
+                                                   params_dtype=params_dtype)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=_device_for(backend),
+                                 dtype=params_dtype)
+        nn.init.normal_(self.lm_head.weight, std=config.initializer_range)
+
+    def forward(self, x):
+        return self.lm_head(self.norm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, backend: str, params_dtype=None):
+        super().__init__()
+        self.embed_tokens = Embedding(config, backend, params_dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, backend, params_dtype)
+                                    for i in range(config.num_hidden_layers))
+        self.norm: nn.Module | None = None  # set by LlamaForCausalLM from its FinalNormHead
+
+
+def _attention_mask(attention_mask, q_len: int, past: int, device) -> torch.Tensor | None:
+    """Boolean ``[b, 1, q, past + q]`` mask (causal, bottom-right aligned, and padding), or None when plain
+    causal attention over the whole sequence is exact."""
+    if past == 0 and (attention_mask is None or bool(attention_mask.all())):
+        return None
+    q_pos = torch.arange(past, past + q_len, device=device)[:, None]
+    kv_pos = torch.arange(past + q_len, device=device)[None, :]
+    mask = (kv_pos <= q_pos)[None, None]
+    if attention_mask is not None:
+        mask = mask & attention_mask[:, None, None, -(past + q_len):].to(torch.bool)
+        # a padding query sees no key at all, which would give NaN: let it attend to itself
+        mask = mask | (~mask.any(-1, keepdim=True) & (kv_pos == q_pos))
+    return mask
+
+
+def _output(**fields) -> CausalLMOutputWithPast:
+    cache = fields.pop("cache")
+    name = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+    return CausalLMOutputWithPast(**fields, **{name: cache})
+
+
+class LlamaForCausalLM(PreTrainedModel, GenerationMixin):
+    """HF-compatible causal LM. ``backend``: ``"auto"`` (TE on CUDA if installed), ``"te"`` or ``"torch"``.
+
+    ``forward`` follows transformers' contract (``input_ids``, ``attention_mask``, ``labels`` -> ``.loss``,
+    ``.logits``, plus ``.lm_loss`` / ``.z_loss`` when ``z_loss_coeff`` is set); ``generate()`` works with a KV
+    cache on both backends. ``training_loss`` is the training hot path on pre-shifted targets.
+    """
+
+    config_class = LlamaConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DecoderLayer"]
+    _supports_sdpa = True
+
+    def __init__(self, config: LlamaConfig, backend: str | None = None, params_dtype: torch.dtype | None = None,
+                 z_loss_coeff: float = 0.0):
+        check_supported(config)
+        super().__init__(config)
+        self.backend = resolve_backend(backend)
+        self.z_loss_coeff = z_loss_coeff
+        self.activation_checkpointing = False
+        self.model = LlamaModel(config, self.backend, params_dtype)
+        head = FinalNormHead(config, self.backend, params_dtype)
+        self.model.norm, self.lm_head = head.norm, head.lm_head  # HF's names for the same two modules
+        self.post_init()
+
+    # transformers calls this from post_init; every module above initialised itself already
+    def _init_weights(self, module):
+        pass
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    @property
+    def layers_fn(self):
+        return layers_module(self.backend)
+
+    def hidden_states(self, input_ids, position_ids=None, attention_mask=None, cache=None, inputs_embeds=None):
+        x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        b, s = x.shape[:2]
+        past = cache.get_seq_length() if cache is not None else 0
+        if position_ids is None:
+            freqs = rope_freqs(torch.arange(past, past + s, device=x.device), head_dim_of(self.config),
+                               rope_theta(self.config))
+        else:
+            freqs = rope_freqs(position_ids, head_dim_of(self.config), rope_theta(self.config))
+            if freqs.dim() == 3 and freqs.shape[0] == 1:
+                freqs = freqs[0]
+        mask = _attention_mask(attention_mask, s, past, x.device)
+        checkpointing = self.activation_checkpointing and self.training and cache is None and mask is None
+        for layer in self.model.layers:
+            if checkpointing:
+                x = self.layers_fn.checkpoint(layer, x, freqs)
+            else:
+                x = layer(x, freqs, mask, cache)
+        return self.model.norm(x)
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                labels=None, use_cache=None, logits_to_keep=0, past_key_values=None, **kwargs):
+        cache = cache if cache is not None else past_key_values
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and cache is None and not self.training:
+            from transformers import DynamicCache
+
+            cache = DynamicCache(config=self.config)
+        hidden = self.hidden_states(input_ids, position_ids, attention_mask, cache, inputs_embeds)
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        logits = self.lm_head(hidden)
+        parts = LossParts(None, None, None)
+        if labels is not None:
+            parts = causal_lm_loss(logits, shift_labels(labels), self.z_loss_coeff)
+        out = _output(loss=parts.loss, logits=logits, cache=cache if use_cache else None)
+        if labels is not None:
+            out["lm_loss"], out["z_loss"] = parts.lm_loss, parts.z_loss
+        return out
+
+    def training_loss(self, input_ids: torch.Tensor, targets: torch.Tensor) -> LossParts:
+        """Loss of ``input_ids [b, s]`` against ``targets [b, s]`` (already shifted), z-loss included."""
+        return causal_lm_loss(self.lm_head(self.hidden_states(input_ids)), targets, self.z_loss_coeff)
+
+    # --- Hugging Face checkpoints -------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, path, backend: str | None = None, dtype: torch.dtype | None = None,
+                        **kwargs) -> "LlamaForCausalLM":
+        """Load any HF ``LlamaForCausalLM`` safetensors checkpoint directory (sharded or not)."""
+        from llmjp_ds.model.hf_io import load_hf_checkpoint
+
+        return load_hf_checkpoint(cls, Path(path), backend=backend, dtype=dtype, **kwargs)
+
+    def save_pretrained(self, path, dtype: torch.dtype | None = None, max_shard_size: int = 5 * 2**30,
+                        **_) -> None:
+        """Write a plain ``model_type: llama`` checkpoint (safetensors + config.json + generation_config.json)."""
+        from llmjp_ds.model.hf_io import save_hf_checkpoint
+
+        save_hf_checkpoint(self, Path(path), dtype=dtype, max_shard_size=max_shard_size)

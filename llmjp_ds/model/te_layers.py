@@ -1,0 +1,77 @@
+"""Transformer Engine backend: the model's building blocks as TE modules (CUDA only).
+
+Why these modules and not ``te.TransformerLayer``: the decoder layer (``llama.py``) composes
+``LayerNormLinear`` (RMSNorm + fused QKV), ``DotProductAttention`` (fused/flash attention), ``Linear`` (output
+projection) and ``LayerNormMLP`` (RMSNorm + SwiGLU) itself. These are exactly the modules ``TransformerLayer``
+is made of, under the same attribute names, so the parameter names, shapes and FP8 behaviour are TE's; but the
+decoder layer keeps RoPE, the KV cache for ``generate()`` and the padding-mask path in one place for both
+backends, where ``TransformerLayer`` would hide them behind its own inference API.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import transformer_engine.pytorch as te
+from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb
+
+from llmjp_ds.model.torch_layers import rotate_half, sdpa  # noqa: F401  (shared by both backends)
+
+NAME = "te"
+
+
+def _normal(std: float):
+    return lambda w: nn.init.normal_(w, mean=0.0, std=std)
+
+
+def _device_kwargs(params_dtype):
+    return {"params_dtype": params_dtype or torch.get_default_dtype(), "device": "cuda"}
+
+
+def RMSNorm(hidden_size: int, eps: float, params_dtype=None):
+    return te.RMSNorm(hidden_size, eps=eps, **_device_kwargs(params_dtype))
+
+
+def LayerNormLinear(in_features, out_features, eps, init_std, params_dtype=None):
+    return te.LayerNormLinear(
+        in_features, out_features, eps=eps, bias=False, normalization="RMSNorm",
+        init_method=_normal(init_std), **_device_kwargs(params_dtype),
+    )
+
+
+def Linear(in_features, out_features, init_std, params_dtype=None):
+    return te.Linear(in_features, out_features, bias=False, init_method=_normal(init_std),
+                     **_device_kwargs(params_dtype))
+
+
+def LayerNormMLP(hidden_size, ffn_hidden_size, eps, init_std, output_std, params_dtype=None):
+    return te.LayerNormMLP(
+        hidden_size, ffn_hidden_size, eps=eps, bias=False, normalization="RMSNorm", activation="swiglu",
+        init_method=_normal(init_std), output_layer_init_method=_normal(output_std), **_device_kwargs(params_dtype),
+    )
+
+
+def DotProductAttention(num_attention_heads, head_dim, num_gqa_groups, **_):
+    return te.DotProductAttention(
+        num_attention_heads, head_dim, num_gqa_groups=num_gqa_groups, attention_dropout=0.0,
+        qkv_format="bshd", attn_mask_type="causal",
+    )
+
+
+def apply_rope(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """TE's fused RoPE kernel when every sequence shares positions (training); else the torch formula."""
+    if freqs.dim() == 2:
+        return apply_rotary_pos_emb(t, freqs[:, None, None, :], tensor_format="bshd", fused=True)
+    from llmjp_ds.model.torch_layers import apply_rope as torch_apply_rope
+
+    return torch_apply_rope(t, freqs)
+
+
+def checkpoint(function, *args):
+    """TE's checkpoint: the recompute runs under the same FP8 context (amax/scales) as the forward."""
+    return te.checkpoint(function, *args, use_reentrant=False)
+
+
+def available() -> bool:
+    return torch.cuda.is_available()

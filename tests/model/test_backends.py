@@ -1,0 +1,164 @@
+"""The pure-PyTorch backend reproduces Transformer Engine's layout; on a GPU with TE both backends agree.
+
+The CPU half checks the layout against TE's own naming (as ``te.TransformerLayer`` names its modules) and the
+math of each fused op against a plain formula. The GPU half (run on the H200) builds the TE backend, checks
+HF parity there and moves state dicts between the backends in both directions.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmjp_ds.model import LlamaForCausalLM, model_config
+from llmjp_ds.model.hf_adapter import fuse_qkv, split_qkv
+
+TE_LAYER_KEYS = {  # what te.TransformerLayer(fuse_qkv_params=True, normalization="RMSNorm", bias=False) holds
+    "self_attention.layernorm_qkv.layer_norm_weight", "self_attention.layernorm_qkv.weight",
+    "self_attention.layernorm_qkv._extra_state", "self_attention.core_attention._extra_state",
+    "self_attention.proj.weight", "self_attention.proj._extra_state",
+    "layernorm_mlp.layer_norm_weight", "layernorm_mlp.fc1_weight", "layernorm_mlp.fc2_weight",
+    "layernorm_mlp._extra_state",
+}
+
+
+def small_config(**kw):
+    base = dict(hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2, ffn_hidden_size=96,
+                vocab_size=256, seq_len=64)
+    return model_config("tiny", **{**base, **kw})
+
+
+def test_torch_backend_uses_te_names_and_shapes():
+    config = small_config()
+    model = LlamaForCausalLM(config, backend="torch")
+    layer0 = {k[len("model.layers.0."):]: v for k, v in model.state_dict().items() if k.startswith("model.layers.0.")}
+    assert set(layer0) == TE_LAYER_KEYS
+    assert layer0["self_attention.layernorm_qkv.weight"].shape == ((4 + 2 * 2) * 16, 64)
+    assert layer0["layernorm_mlp.fc1_weight"].shape == (2 * 96, 64)
+    assert layer0["layernorm_mlp.fc2_weight"].shape == (64, 96)
+
+
+def test_qkv_interleaving_is_per_kv_group():
+    config = small_config()
+    d, h = 16, 64
+    q = torch.arange(4 * d * h, dtype=torch.float32).view(4 * d, h)
+    k = -torch.arange(2 * d * h, dtype=torch.float32).view(2 * d, h) - 1
+    v = k - 10_000
+    fused = fuse_qkv(q, k, v, config).view(2, 4, d, h)  # [groups, q heads of group + k + v, d, h]
+    assert torch.equal(fused[0, 0], q[:d]) and torch.equal(fused[0, 1], q[d:2 * d])
+    assert torch.equal(fused[0, 2], k[:d]) and torch.equal(fused[0, 3], v[:d])
+    assert torch.equal(fused[1, 0], q[2 * d:3 * d]) and torch.equal(fused[1, 2], k[d:])
+    for a, b in zip(split_qkv(fused.view(-1, h), config), (q, k, v)):
+        assert torch.equal(a, b)
+
+
+def test_swiglu_gates_the_first_half_of_fc1():
+    from llmjp_ds.model.torch_layers import LayerNormMLP
+
+    mlp = LayerNormMLP(8, 5, eps=1e-5, init_std=0.5, output_std=0.5)
+    x = torch.randn(3, 8)
+    n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+    gate, up = mlp.fc1_weight[:5], mlp.fc1_weight[5:]
+    expected = (torch.nn.functional.silu(n @ gate.T) * (n @ up.T)) @ mlp.fc2_weight.T
+    torch.testing.assert_close(mlp(x), expected)
+
+
+def test_extra_state_round_trips_opaquely():
+    config = small_config()
+    a = LlamaForCausalLM(config, backend="torch")
+    state = a.state_dict()
+    blob = torch.tensor([1, 2, 3], dtype=torch.uint8)
+    state["model.layers.1.layernorm_mlp._extra_state"] = blob
+    b = LlamaForCausalLM(config, backend="torch")
+    b.load_state_dict(state, strict=True)
+    assert torch.equal(b.state_dict()["model.layers.1.layernorm_mlp._extra_state"], blob)
+
+
+def test_activation_checkpointing_gives_identical_gradients():
+    config = small_config()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config, backend="torch").train()
+    ids = torch.randint(0, 256, (2, 32))
+    grads = []
+    for ckpt in (False, True):
+        model.zero_grad()
+        model.activation_checkpointing = ckpt
+        model.training_loss(ids[:, :-1], ids[:, 1:]).loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for g0, g1 in zip(*grads):
+        torch.testing.assert_close(g0, g1, atol=0, rtol=0)
+
+
+needs_te = pytest.mark.skipif(
+    not torch.cuda.is_available() or not __import__("llmjp_ds.model.backend", fromlist=["x"]).te_importable(),
+    reason="needs CUDA and Transformer Engine (run on the H200)")
+
+
+@pytest.mark.gpu
+@needs_te
+@pytest.mark.parametrize("shape", ["gqa", "mha", "odd"])
+def test_te_backend_matches_hf_in_fp32_and_bf16(shape, tmp_path):
+    import transformers
+
+    from tests.conftest import PARITY_SHAPES
+
+    config = model_config("tiny", **{**PARITY_SHAPES[shape], "vocab_size": 512})
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    ids = torch.randint(0, 512, (2, 32))
+    with torch.no_grad():
+        ref = hf(ids, labels=ids)
+    ours = LlamaForCausalLM.from_pretrained(tmp_path / "hf", backend="te").eval()
+    with torch.no_grad():
+        out = ours(ids.cuda(), labels=ids.cuda())
+    fp32_err = (out.logits.float().cpu() - ref.logits).abs().max().item()
+    print(f"[te parity {shape}] fp32 max |dlogits| = {fp32_err:.2e}")
+    assert fp32_err <= 1e-4
+    # bf16: both models in bf16 against the fp32 reference; TE must be no worse than HF's own bf16 (+ slack)
+    hf16 = hf.to(torch.bfloat16).cuda()
+    ours16 = LlamaForCausalLM.from_pretrained(tmp_path / "hf", backend="te", dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        hf_err = (hf16(ids.cuda()).logits.float().cpu() - ref.logits).abs().max().item()
+        te_err = (ours16(ids.cuda()).logits.float().cpu() - ref.logits).abs().max().item()
+    print(f"[te parity {shape}] bf16 max |dlogits|: te {te_err:.2e}, hf {hf_err:.2e}")
+    assert te_err <= max(2 * hf_err, 2e-2)
+    gen_ref = hf.float().generate(ids[:, :5].cuda(), max_new_tokens=20, min_new_tokens=20, do_sample=False,
+                                  pad_token_id=0)
+    gen = ours.generate(ids[:, :5].cuda(), max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
+    assert torch.equal(gen.cpu(), gen_ref.cpu())
+
+
+@pytest.mark.gpu
+@needs_te
+def test_state_dicts_move_between_te_and_torch_backends():
+    config = small_config(vocab_size=512)
+    torch.manual_seed(0)
+    te_model = LlamaForCausalLM(config, backend="te").eval()
+    ids = torch.randint(0, 512, (2, 32))
+    state = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in te_model.state_dict().items()}
+    cpu_model = LlamaForCausalLM(config, backend="torch").eval()
+    cpu_model.load_state_dict(state, strict=True)  # TE-made state dict on the CPU twin
+    with torch.no_grad():
+        torch.testing.assert_close(cpu_model(ids).logits, te_model(ids.cuda()).logits.cpu(), atol=1e-4, rtol=0)
+    torch.manual_seed(1)
+    back = LlamaForCausalLM(config, backend="te").eval()
+    back.load_state_dict(cpu_model.state_dict(), strict=True)  # and the other way round
+    for (k, a), (_, b) in zip(sorted(back.state_dict().items()), sorted(te_model.state_dict().items())):
+        if not k.endswith("_extra_state"):
+            assert torch.equal(a.cpu(), b.cpu()), k
+
+
+@pytest.mark.gpu
+@needs_te
+def test_llmjp3_1_8b_forward_backward_on_te():
+    config = model_config("llmjp3-1.8b")
+    model = LlamaForCausalLM(config, backend="te", params_dtype=torch.bfloat16).train()
+    ids = torch.randint(0, config.vocab_size, (1, 4096), device="cuda")
+    loss = model.training_loss(ids[:, :-1], ids[:, 1:]).loss
+    loss.backward()
+    grad_norm = torch.sqrt(sum(p.grad.float().pow(2).sum() for p in model.parameters())).item()
+    print(f"[1.8b te] loss {loss.item():.4f} grad norm {grad_norm:.3f} "
+          f"peak mem {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+    assert abs(loss.item() - torch.log(torch.tensor(float(config.vocab_size))).item()) < 1.0
+    assert torch.isfinite(torch.tensor(grad_norm)) and grad_norm > 0

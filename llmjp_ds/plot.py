@@ -1,0 +1,175 @@
+"""``llmjp-ds plot RUN_DIR``: loss, learning rate and throughput of a run against step, from its metrics.jsonl.
+
+Precision phases (the ``phase`` metric, e.g. BF16 then FP8) are shaded and their changes marked; events
+(``rollback``, ``resume`` ...) are vertical lines. Drawn with matplotlib's Agg canvas (no display, no pyplot
+state) and written atomically, so a plot refreshed while the run is going never shows a half-written PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from pathlib import Path
+
+from llmjp_ds.errors import fail
+from llmjp_ds.metrics import METRICS_FILE, read_metrics
+
+__all__ = ["plot_run", "cli_main"]
+
+_PHASE_COLORS = ("tab:orange", "tab:green", "tab:purple", "tab:brown")
+_EVENT_COLORS = {"rollback": "tab:red", "resume": "tab:gray", "precision_flip": "tab:orange"}
+
+
+def _numeric(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _by_step(records: list[dict]) -> tuple[dict[int, dict], list[dict]]:
+    """Step records merged per step (a later record wins: a step replayed after a resume without truncation,
+    or a validation loss logged separately), and the events in file order."""
+    steps: dict[int, dict] = {}
+    events = []
+    for record in records:
+        if "event" in record:
+            events.append(record)
+        else:
+            steps.setdefault(record["step"], {}).update(record)
+    return dict(sorted(steps.items())), events
+
+
+def _series(steps: dict[int, dict], key: str) -> tuple[list[int], list[float]]:
+    pairs = [(step, r[key]) for step, r in steps.items() if _numeric(r.get(key))]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def _phase_spans(steps: dict[int, dict]) -> list[tuple[str, int, int]]:
+    """Contiguous (phase, first step, step where the next phase starts or the last step)."""
+    spans: list[list] = []
+    for step, record in steps.items():
+        phase = record.get("phase")
+        if not isinstance(phase, str):
+            continue
+        if spans and spans[-1][0] == phase:
+            spans[-1][2] = step
+        else:
+            if spans:
+                spans[-1][2] = step
+            spans.append([phase, step, step])
+    return [tuple(s) for s in spans]
+
+
+def _draw(steps: dict[int, dict], events: list[dict], title: str):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    panels = []  # (title, [(key, label, style)], twin (key, label) or None)
+    if _series(steps, "loss")[0] or _series(steps, "valid_loss")[0]:
+        panels.append(("loss", [("loss", "train loss", "-"), ("valid_loss", "valid loss", "o-")],
+                       ("z_loss", "z-loss")))
+    if _series(steps, "lr")[0]:
+        panels.append(("learning rate", [("lr", "lr", "-")], None))
+    if _series(steps, "tflops_per_gpu")[0]:
+        panels.append(("model TFLOP/s per GPU", [("tflops_per_gpu", "TFLOP/s per GPU", "-")], ("mfu", "MFU")))
+    elif _series(steps, "tokens_per_s")[0]:
+        panels.append(("tokens/s", [("tokens_per_s", "tokens/s", "-")], None))
+    if not panels:
+        fail("the metrics hold no loss, lr or throughput to plot")
+
+    fig = Figure(figsize=(10, 2.8 * len(panels) + 0.6), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    fig.suptitle(title)
+
+    spans = _phase_spans(steps)
+    phase_color = {}
+    for phase, *_ in spans[1:]:  # the first phase is the baseline, left unshaded
+        if phase != spans[0][0] and phase not in phase_color:
+            phase_color[phase] = _PHASE_COLORS[len(phase_color) % len(_PHASE_COLORS)]
+    event_names = list(dict.fromkeys(e["event"] for e in events))
+    extra_color = iter(["tab:pink", "tab:olive", "tab:cyan", "black"] * 8)
+    event_color = {n: _EVENT_COLORS.get(n) or next(extra_color) for n in event_names}
+
+    for ax, (name, lines, twin) in zip(axes, panels):
+        for key, label, style in lines:
+            xs, ys = _series(steps, key)
+            if xs:
+                ax.plot(xs, ys, style, label=label, markersize=3, linewidth=1.2)
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+        handles, labels = ax.get_legend_handles_labels()
+        if twin is not None:
+            xs, ys = _series(steps, twin[0])
+            if xs:
+                ax2 = ax.twinx()
+                ax2.plot(xs, ys, ":", color="tab:gray", alpha=0.7, label=twin[1], linewidth=1)
+                ax2.set_ylabel(twin[1])
+                h2, l2 = ax2.get_legend_handles_labels()
+                handles, labels = handles + h2, labels + l2
+        for phase, start, end in spans:
+            if phase in phase_color:
+                ax.axvspan(start, end, color=phase_color[phase], alpha=0.12, linewidth=0)
+        for _, _, boundary in spans[:-1]:  # where the next phase starts
+            ax.axvline(boundary, color="black", linestyle=":", linewidth=0.8)
+        for event in events:
+            ax.axvline(event["step"], color=event_color[event["event"]], linestyle="--", linewidth=1)
+        if ax is axes[0]:
+            handles += [Patch(color=c, alpha=0.3, label=f"{p} phase") for p, c in phase_color.items()]
+            handles += [Patch(color=event_color[n], label=n) for n in event_names]
+            labels = [h.get_label() for h in handles]
+        ax.legend(handles, labels, loc="upper right", fontsize="small")
+
+    top = axes[0]
+    for (_, _, boundary), (phase, _, _) in zip(spans, spans[1:]):
+        top.annotate(f"→ {phase}", (boundary, 1), xycoords=("data", "axes fraction"), xytext=(2, -2),
+                     textcoords="offset points", va="top", fontsize="small")
+    for event in events:
+        top.annotate(event["event"], (event["step"], 0), xycoords=("data", "axes fraction"), xytext=(2, 2),
+                     textcoords="offset points", rotation=90, fontsize="x-small",
+                     color=event_color[event["event"]])
+    axes[-1].set_xlabel("step")
+    return fig
+
+
+def plot_run(run_dir: str | os.PathLike, output: str | os.PathLike | None = None) -> Path:
+    """Draw ``<run_dir>/metrics.jsonl`` to ``output`` (default ``<run_dir>/metrics.png``); return its path."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        fail(f"run directory {run_dir} does not exist")
+    if not (run_dir / METRICS_FILE).is_file():
+        fail(f"no {METRICS_FILE} in {run_dir}: has the run logged a step yet?")
+    output = Path(output) if output is not None else run_dir / "metrics.png"
+    if not output.parent.is_dir():
+        fail(f"cannot write {output}: directory {output.parent} does not exist")
+    steps, events = _by_step(read_metrics(run_dir))
+    if not steps:
+        fail(f"{run_dir / METRICS_FILE} holds no step metrics yet")
+
+    last = max(steps)
+    fig = _draw(steps, events, title=f"{run_dir.resolve().name}  (step {last})")
+    fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, format="png", dpi=100)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp made it 0600
+        os.replace(tmp, output)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return output
+
+
+def cli_main(argv: list[str], verb: str = "plot") -> int:
+    parser = argparse.ArgumentParser(
+        prog=f"llmjp-ds {verb}",
+        description="Draw loss, learning rate and throughput (TFLOP/s per GPU) of a run against step, with "
+                    "precision phases shaded and events such as rollbacks marked.")
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (holds metrics.jsonl)")
+    parser.add_argument("--output", "-o", metavar="PNG", help="where to write the PNG (default RUN_DIR/metrics.png)")
+    args = parser.parse_args(argv)
+    path = plot_run(args.run_dir, args.output)
+    print(f"wrote {path}")
+    return 0

@@ -30,7 +30,8 @@ from transformers import GenerationMixin, LlamaConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from llmjp_ds.model.backend import layers_module, resolve_backend
-from llmjp_ds.model.loss import LossParts, causal_lm_loss, shift_labels
+from llmjp_ds.model.loss import LossParts, causal_lm_loss
+from llmjp_ds.model.loss import shift_labels as shift_labels_of
 from llmjp_ds.model.presets import check_supported, rope_theta
 
 
@@ -221,7 +222,9 @@ class LlamaForCausalLM(PreTrainedModel, GenerationMixin):
         return self.model.norm(x)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
-                labels=None, use_cache=None, logits_to_keep=0, past_key_values=None, **kwargs):
+                labels=None, use_cache=None, logits_to_keep=0, past_key_values=None, shift_labels=None, **kwargs):
+        """``labels`` align with ``input_ids`` (shifted here, as in transformers); ``shift_labels`` are already
+        shifted (transformers' name for it), which is how the trainer calls the model."""
         cache = cache if cache is not None else past_key_values
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None and not self.training:
@@ -233,10 +236,12 @@ class LlamaForCausalLM(PreTrainedModel, GenerationMixin):
             hidden = hidden[:, -logits_to_keep:]
         logits = self.lm_head(hidden)
         parts = LossParts(None, None, None)
-        if labels is not None:
-            parts = causal_lm_loss(logits, shift_labels(labels), self.z_loss_coeff)
+        targets = shift_labels if shift_labels is not None else (
+            shift_labels_of(labels) if labels is not None else None)
+        if targets is not None:
+            parts = causal_lm_loss(logits, targets, self.z_loss_coeff)
         out = _output(loss=parts.loss, logits=logits, cache=cache if use_cache else None)
-        if labels is not None:
+        if targets is not None:
             out["lm_loss"], out["z_loss"] = parts.lm_loss, parts.z_loss
         return out
 

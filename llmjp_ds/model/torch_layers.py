@@ -38,14 +38,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class _ExtraState:
-    """TE's ``_extra_state`` slot: a uint8 tensor, empty when there is no FP8 state."""
+    """TE's ``_extra_state`` slot. A uint8 tensor is TE's own FP8 metadata (kept opaque, so a TE checkpoint
+    survives a round trip through this backend); a float tensor is the emulated-FP8 amax history."""
 
     def get_extra_state(self) -> torch.Tensor:
+        emulated = getattr(self, "_fp8_emu_state", None)
+        if emulated is not None:
+            return emulated.clone()
         state = getattr(self, "_te_extra_state", None)
         return torch.empty(0, dtype=torch.uint8) if state is None else state
 
     def set_extra_state(self, state) -> None:
-        self._te_extra_state = state if isinstance(state, torch.Tensor) and state.numel() else None
+        self._te_extra_state = self._fp8_emu_state = None
+        if isinstance(state, torch.Tensor) and state.numel():
+            if state.dtype == torch.uint8:
+                self._te_extra_state = state
+            else:
+                self._fp8_emu_state = state.detach().float().cpu().clone()
 
 
 class RMSNorm(_ExtraState, nn.Module):
@@ -140,8 +149,24 @@ def apply_rope(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 
 
 def checkpoint(function, *args):
-    """Activation checkpointing (non-reentrant, so integer inputs and kwargs-free calls are fine)."""
-    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+    """Activation checkpointing (non-reentrant); the recompute runs under the forward's (emulated) FP8 state."""
+    import contextlib
+
+    def contexts():
+        saved = _linear_override
+
+        @contextlib.contextmanager
+        def recompute():
+            global _linear_override
+            previous, _linear_override = _linear_override, saved
+            try:
+                yield
+            finally:
+                _linear_override = previous
+
+        return contextlib.nullcontext(), recompute()
+
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, context_fn=contexts)
 
 
 def available() -> bool:

@@ -1,0 +1,253 @@
+"""Checkpoints: save and resume through DeepSpeed (atomically), export to Hugging Face, import from it.
+
+Layout of a run directory::
+
+    <run_dir>/config.yaml                 the resolved run config
+    <run_dir>/tokenizer/                  the tokenizer (HF files + tokenizer.model), exported with the model
+    <run_dir>/checkpoints/step00000100/   DeepSpeed's files for that step + llmjp_ds.json (written last)
+    <run_dir>/checkpoints/latest          names the newest complete checkpoint; moved only after a save is done
+    <run_dir>/metrics.jsonl, wandb/
+
+A save writes DeepSpeed's files, waits for every rank, then rank 0 writes the ``llmjp_ds.json`` marker and
+replaces ``latest`` atomically, then deletes checkpoints beyond ``keep_last``. A kill at any moment leaves
+``latest`` naming a complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from llmjp_ds.errors import fail
+from llmjp_ds.io_utils import atomic_file
+
+MARKER = "llmjp_ds.json"
+LATEST = "latest"
+_TAG = re.compile(r"^step(\d{8})(?:-r(\d+))?$")
+
+
+def checkpoint_dir(run_dir) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def tag_for(step: int, rollbacks: int = 0) -> str:
+    return f"step{step:08d}" + (f"-r{rollbacks}" if rollbacks else "")
+
+
+def complete_tags(run_dir) -> list[tuple[int, str]]:
+    """(step, tag) of every complete checkpoint, oldest first."""
+    root = checkpoint_dir(run_dir)
+    out = []
+    if root.is_dir():
+        for d in root.iterdir():
+            m = _TAG.match(d.name)
+            if m and (d / MARKER).is_file():
+                out.append((int(m.group(1)), int(m.group(2) or 0), d.name))
+    return [(step, tag) for step, _, tag in sorted(out)]
+
+
+def latest_tag(run_dir) -> str | None:
+    path = checkpoint_dir(run_dir) / LATEST
+    if not path.is_file():
+        return None
+    tag = path.read_text().strip()
+    if not (checkpoint_dir(run_dir) / tag / MARKER).is_file():
+        fail(f"{path} names {tag!r}, which is not a complete checkpoint: the run directory was altered by hand; "
+             f"point latest at one of {[t for _, t in complete_tags(run_dir)][-3:]}")
+    return tag
+
+
+def read_marker(run_dir, tag: str) -> dict:
+    path = checkpoint_dir(run_dir) / tag / MARKER
+    if not path.is_file():
+        known = [t for _, t in complete_tags(run_dir)]
+        fail(f"no complete checkpoint {tag!r} in {checkpoint_dir(run_dir)}: available tags are "
+             f"{', '.join(known[-5:]) or 'none'}")
+    return json.loads(path.read_text())
+
+
+def save(engine, run_dir, step: int, client_state: dict, marker: dict, keep_last: int, rollbacks: int = 0) -> str:
+    import torch.distributed as dist
+
+    root = checkpoint_dir(run_dir)
+    tag = tag_for(step, rollbacks)
+    engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with atomic_file(root / tag / MARKER, "w") as f:
+            json.dump({**marker, "step": step, "tag": tag}, f, indent=2)
+        with atomic_file(root / LATEST, "w") as f:
+            f.write(tag)
+        prune(run_dir, keep_last)
+    dist.barrier()
+    return tag
+
+
+def prune(run_dir, keep_last: int) -> None:
+    """Delete complete checkpoints beyond the newest ``keep_last`` and any incomplete ones left by a kill."""
+    root = checkpoint_dir(run_dir)
+    latest = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
+    keep = {t for _, t in complete_tags(run_dir)[-keep_last:]} | {latest}
+    for d in root.iterdir():
+        if d.is_dir() and _TAG.match(d.name) and d.name not in keep:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def trusted_te_extra_state():
+    """Our own checkpoints hold TE's pickled DelayedScaling state (amax history, scales). TE >= 2.18 refuses
+    pickled extra state unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1; we allow it only while loading a
+    checkpoint from this run's own directory, never for files from elsewhere (export and import-hf drop
+    ``_extra_state`` altogether)."""
+    key = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
+    previous = os.environ.get(key)
+    os.environ[key] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = previous
+
+
+def load(engine, run_dir, tag: str) -> dict:
+    with trusted_te_extra_state():
+        path, client_state = engine.load_checkpoint(str(checkpoint_dir(run_dir)), tag=tag,
+                                                    load_optimizer_states=True, load_lr_scheduler_states=False)
+    if path is None:
+        fail(f"DeepSpeed could not load checkpoint {tag!r} from {checkpoint_dir(run_dir)}")
+    return client_state or {}
+
+
+# --- reading a checkpoint without DeepSpeed's engine (export) -------------------------------------------
+
+def read_model_state(run_dir, tag: str, marker: dict) -> dict[str, torch.Tensor]:
+    """The model's full state dict (our names) from a ZeRO-0..3 or pipeline checkpoint, on CPU."""
+    from llmjp_ds.model.pipeline import pipeline_to_hf_names
+
+    d = checkpoint_dir(run_dir) / tag
+    if marker["pipeline_stages"] > 1:
+        n = marker["model_config"]["num_hidden_layers"]
+        state = {}
+        for f in sorted(d.glob("layer_*-model_states.pt")):
+            idx = int(f.name.split("_")[1].split("-")[0])
+            for name, tensor in torch.load(f, map_location="cpu", weights_only=False).items():
+                state[pipeline_to_hf_names(idx, n, name)] = tensor
+        return state
+    if marker["zero_stage"] == 3:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        with contextlib.redirect_stdout(open(os.devnull, "w")):
+            return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir(run_dir)), tag=tag)
+    files = sorted(d.glob("mp_rank_*_model_states.pt"))
+    if not files:
+        fail(f"{d} has no model states file: the checkpoint is incomplete")
+    return torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+
+
+def export(run_dir, output, tag: str | None = None, dtype: str = "bf16", force: bool = False) -> dict:
+    """Write an HF checkpoint (+ tokenizer) from a training checkpoint and verify it against the trained model:
+    ``AutoModelForCausalLM`` reloads the export and its logits on a probe batch must match ours."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from llmjp_ds.model import LlamaForCausalLM
+    from llmjp_ds.model.hf_adapter import to_hf_state_dict
+    from llmjp_ds.model.hf_io import write_hf_checkpoint
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        fail(f"run directory {run_dir} does not exist")
+    output = Path(output)
+    if output.exists() and any(output.iterdir()) and not force:
+        fail(f"{output} already exists: choose another --output or pass --force to replace it")
+    tag = tag or latest_tag(run_dir)
+    if tag is None:
+        fail(f"{run_dir} has no checkpoint yet: train first, or pass --tag")
+    marker = read_marker(run_dir, tag)
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    config = LlamaConfig.from_dict(marker["model_config"])
+    state = {k: v for k, v in read_model_state(run_dir, tag, marker).items() if not k.endswith("_extra_state")}
+    model = LlamaForCausalLM(config, backend="torch", params_dtype=torch_dtype).eval()
+    model.load_state_dict({k: v.to(torch_dtype) for k, v in state.items()}, strict=False)
+    tokenizer = run_dir / "tokenizer"
+    write_hf_checkpoint(to_hf_state_dict(model.state_dict(), config), config, output, dtype=torch_dtype,
+                        force=True, tokenizer_dir=tokenizer if (tokenizer / "tokenizer_config.json").is_file() else None)
+    # parity: the export, loaded by transformers alone, must compute what the trained weights compute
+    probe = torch.randint(0, config.vocab_size, (2, min(64, config.max_position_embeddings)),
+                          generator=torch.Generator().manual_seed(0))
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    reloaded = AutoModelForCausalLM.from_pretrained(str(output), dtype=torch_dtype).eval()
+    with torch.no_grad():
+        ours = model(probe).logits.float()
+        theirs = reloaded(probe).logits.float()
+    err = (ours - theirs).abs().max().item()
+    tolerance = 1e-4 if torch_dtype == torch.float32 else 2e-2 * max(1.0, ours.abs().max().item())
+    if not err <= tolerance:
+        shutil.rmtree(output, ignore_errors=True)
+        fail(f"export check failed: logits of the exported model differ from the trained model's by {err:.3g} "
+             f"(tolerance {tolerance:.3g}); the export was removed")
+    return {"tag": tag, "step": marker["step"], "output": str(output), "max_logit_diff": err, "dtype": dtype}
+
+
+def import_hf(model_dir, run_dir, preset: str = "llmjp3-1.8b", force: bool = False) -> Path:
+    """Start a run directory for continued pretraining from an HF Llama checkpoint: writes its config.yaml."""
+    import yaml
+
+    from llmjp_ds.config import RUN_PRESETS, merge
+    from llmjp_ds.model.hf_io import read_hf_config
+    from llmjp_ds.model.presets import check_supported, rope_theta
+
+    model_dir, run_dir = Path(model_dir).resolve(), Path(run_dir)
+    if not model_dir.is_dir():
+        fail(f"model directory {model_dir} does not exist")
+    hf = read_hf_config(model_dir)
+    check_supported(hf)
+    if (run_dir / "config.yaml").exists() and not force:
+        fail(f"{run_dir} already holds a run: choose another --run or pass --force")
+    overrides = {"hidden_size": hf.hidden_size, "num_layers": hf.num_hidden_layers,
+                 "num_attention_heads": hf.num_attention_heads, "num_key_value_heads": hf.num_key_value_heads,
+                 "ffn_hidden_size": hf.intermediate_size, "vocab_size": hf.vocab_size,
+                 "seq_len": hf.max_position_embeddings, "rope_theta": rope_theta(hf), "rms_norm_eps": hf.rms_norm_eps}
+    data = merge(RUN_PRESETS[preset](), {"run_dir": str(run_dir), "model": {
+        "preset": "tiny", "overrides": overrides, "init_from_hf": str(model_dir)}})
+    if (model_dir / "tokenizer_config.json").is_file():
+        data.setdefault("data", {})["tokenizer"] = str(model_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with atomic_file(run_dir / "config.yaml", "w") as f:
+        yaml.safe_dump(data, f, sort_keys=False)
+    return run_dir / "config.yaml"
+
+
+def cli_main(argv: list[str], verb: str = "export") -> int:
+    if verb == "import-hf":
+        p = argparse.ArgumentParser(prog=f"llmjp-ds {verb}",
+                                    description="start a run from a Hugging Face Llama checkpoint")
+        p.add_argument("--model", required=True, help="HF model directory (config.json + safetensors)")
+        p.add_argument("--run", required=True, help="run directory to create")
+        p.add_argument("--preset", default="llmjp3-1.8b", help="run preset for optimizer/batch settings")
+        p.add_argument("--force", action="store_true")
+        a = p.parse_args(argv)
+        path = import_hf(a.model, a.run, a.preset, a.force)
+        print(f"wrote {path}; start training with: llmjp-ds train --config {path}")
+        return 0
+    p = argparse.ArgumentParser(prog=f"llmjp-ds {verb}", description="export a checkpoint as a HF Llama model")
+    p.add_argument("--run", required=True, help="run directory")
+    p.add_argument("--tag", default=None, help="checkpoint tag (default: latest)")
+    p.add_argument("--output", required=True, help="output directory for the HF model")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--force", action="store_true", help="replace an existing output")
+    a = p.parse_args(argv)
+    result = export(a.run, a.output, a.tag, a.dtype, a.force)
+    print(f"exported {result['tag']} (step {result['step']}) to {result['output']} as {result['dtype']}; "
+          f"AutoModelForCausalLM reload check passed (max |dlogit| {result['max_logit_diff']:.2e})")
+    return 0

@@ -1,0 +1,113 @@
+"""What a run reads: the configured blend and tokenizer, or the bundled corpus prepared once and cached.
+
+The bundled default (no ``data.blend``): a SentencePiece tokenizer trained on the bundled corpus and the corpus
+preprocessed to ``.bin/.idx``, cached under ``$LLMJP_DS_CACHE`` (default ``~/.cache/llmjp-ds``) and keyed by the
+corpus files' contents, so every run and every rank reuses one copy. Concurrent ranks serialise on a file lock.
+The tokenizer is copied into ``<run_dir>/tokenizer`` so export ships it with the model.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmjp_ds.errors import fail
+
+BUNDLED_VOCAB = 8000
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("LLMJP_DS_CACHE", Path.home() / ".cache" / "llmjp-ds"))
+
+
+def _bundled_key(files) -> str:
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def prepare_bundled(vocab_size: int = BUNDLED_VOCAB) -> tuple[str, Path]:
+    """(corpus prefix, tokenizer dir) of the bundled corpus, built on first use."""
+    from llmjp_ds.data import bundled_corpus_files
+    from llmjp_ds.data.preprocess import preprocess
+    from llmjp_ds.data.tokenizer import train_tokenizer
+
+    files = bundled_corpus_files()
+    root = cache_root() / f"bundled-{_bundled_key(files)}-v{vocab_size}"
+    root.mkdir(parents=True, exist_ok=True)
+    prefix = root / "corpus"
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / "tokenizer" / "tokenizer.model").is_file():
+            train_tokenizer(files, root / "tokenizer", vocab_size=vocab_size, force=True)
+        if not Path(f"{prefix}_text_document.idx").is_file():
+            preprocess(files, root / "tokenizer", prefix, workers=1, force=True)
+    return f"{prefix}_text_document", root / "tokenizer"
+
+
+@dataclass
+class DataPlan:
+    blend: list  # [(weight, prefix)]
+    tokenizer_dir: Path | None
+    vocab_size: int | None
+    split: list
+    seed: int
+    cache_dir: str | None
+
+    def build(self, seq_len: int, train_samples: int, valid_samples: int, barrier=None):
+        from llmjp_ds.data.dataset import build_datasets
+
+        return build_datasets(self.blend, seq_len, self.seed, train_samples, valid_samples, split=tuple(self.split),
+                              cache_dir=self.cache_dir, barrier=barrier, vocab_size=self.vocab_size)
+
+
+def _install_tokenizer(source: Path, run_dir: Path) -> Path:
+    """Copy the tokenizer into the run directory as HF files (``AutoTokenizer``-loadable) + tokenizer.model."""
+    from llmjp_ds.data.tokenizer import resolve_model_path, save_hf_tokenizer
+
+    target = run_dir / "tokenizer"
+    if (target / "tokenizer_config.json").is_file():
+        return target
+    if source.is_dir() and (source / "tokenizer_config.json").is_file() and (source / "tokenizer.model").is_file():
+        tmp = run_dir / ".tokenizer.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(source, tmp)
+        os.replace(tmp, target)
+    else:
+        save_hf_tokenizer(resolve_model_path(source), target)
+    return target
+
+
+def resolve_data(cfg, model_config, world_rank: int = 0) -> DataPlan:
+    """The blend and tokenizer of a run; checks the tokenizer fits the model's embedding."""
+    from llmjp_ds.data.dataset import parse_blend
+    from llmjp_ds.data.tokenizer import load_tokenizer
+
+    run_dir = Path(cfg.run_dir)
+    if cfg.data.blend:
+        blend = parse_blend(list(map(str, cfg.data.blend)))
+        tokenizer = Path(cfg.data.tokenizer) if cfg.data.tokenizer else None
+    else:
+        prefix, tokenizer = prepare_bundled()
+        blend = [(1.0, prefix)]
+    vocab = None
+    if tokenizer is not None:
+        if not tokenizer.exists():
+            fail(f"data.tokenizer {tokenizer} does not exist: pass a SentencePiece .model or an HF tokenizer dir")
+        tok = load_tokenizer(tokenizer)
+        vocab = tok.vocab_size
+        if vocab > model_config.vocab_size:
+            fail(f"the tokenizer has {vocab} pieces but the model's embedding only {model_config.vocab_size} rows: "
+                 f"set model.overrides.vocab_size to at least {vocab} (padded: a multiple of 128)")
+        if world_rank == 0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            with open(run_dir / ".tokenizer.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                _install_tokenizer(tokenizer, run_dir)
+    return DataPlan(blend, tokenizer, vocab, list(cfg.data.split), cfg.data.seed, cfg.data.cache_dir)

@@ -1,0 +1,122 @@
+"""DeepSpeed initialisation from the run config: ZeRO 0-3 on the HF model, or a pipeline of the same layers."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from llmjp_ds.config import REPO_ROOT, RunConfig, gradient_accumulation_steps
+from llmjp_ds.errors import fail
+
+
+def ds_config_path(cfg: RunConfig) -> Path:
+    if cfg.parallel.ds_config:
+        return Path(cfg.parallel.ds_config)
+    name = "pipeline.json" if cfg.parallel.pipeline_stages > 1 else f"zero{cfg.parallel.zero_stage}.json"
+    return REPO_ROOT / "ds_configs" / name
+
+
+def build_ds_config(cfg: RunConfig, world_size: int) -> dict:
+    """DeepSpeed's JSON with the values that must agree with the run config filled in from it."""
+    path = ds_config_path(cfg)
+    if path.is_file():
+        try:
+            ds = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            fail(f"DeepSpeed config {path} is not valid JSON ({exc.msg} at line {exc.lineno})")
+    elif cfg.parallel.ds_config:
+        fail(f"DeepSpeed config {path} does not exist: pass an existing file as parallel.ds_config")
+    else:
+        ds = {}
+    bf16 = cfg.precision.dtype == "bf16"
+    ds["train_batch_size"] = cfg.train.global_batch_size
+    ds["train_micro_batch_size_per_gpu"] = cfg.train.micro_batch_size
+    ds["gradient_accumulation_steps"] = gradient_accumulation_steps(cfg, world_size)
+    ds["gradient_clipping"] = cfg.optim.clip_grad
+    ds["bf16"] = {**ds.get("bf16", {}), "enabled": bf16}
+    ds.pop("fp16", None)
+    ds["zero_optimization"] = {**ds.get("zero_optimization", {}), "stage": cfg.parallel.zero_stage}
+    if cfg.parallel.pipeline_stages > 1 and bf16:
+        ds["data_types"] = {**ds.get("data_types", {}), "grad_accum_dtype": "fp32"}
+    ds.setdefault("steps_per_print", 1 << 30)  # the trainer logs; DeepSpeed stays quiet
+    ds.setdefault("wall_clock_breakdown", False)
+    for key in ("optimizer", "scheduler"):
+        if key in ds:
+            fail(f"{path} has an {key!r} block: llmjp-ds passes its own AdamW and LR schedule; remove the block "
+                 "and set optim.* in the run config")
+    return ds
+
+
+def init_distributed() -> None:
+    import deepspeed
+
+    for key, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                         ("MASTER_PORT", "29500")):
+        os.environ.setdefault(key, default)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+def build_model(cfg: RunConfig, model_config, backend: str):
+    """The HF model (no pipeline) or a ``PipelineModule`` of the same layer classes."""
+    from llmjp_ds.model import LlamaForCausalLM
+
+    if cfg.parallel.pipeline_stages == 1:
+        if cfg.model.init_from_hf:
+            model = LlamaForCausalLM.from_pretrained(cfg.model.init_from_hf, backend=backend,
+                                                     dtype=torch.float32, z_loss_coeff=cfg.model.z_loss)
+        else:
+            model = LlamaForCausalLM(model_config, backend=backend, z_loss_coeff=cfg.model.z_loss)
+        model.activation_checkpointing = cfg.model.activation_checkpointing
+        return model, None
+    from llmjp_ds.model.backend import layers_module
+    from llmjp_ds.model.pipeline import PipelineLoss, layer_specs, pipeline_module_class
+
+    loss = PipelineLoss(cfg.model.z_loss)
+    ckpt = cfg.model.activation_checkpointing
+    module = pipeline_module_class()(
+        layers=layer_specs(model_config, backend), num_stages=cfg.parallel.pipeline_stages, loss_fn=loss,
+        partition_method=cfg.parallel.partition_method,
+        activation_checkpoint_interval=1 if ckpt else 0,
+        activation_checkpoint_func=layers_module(backend).checkpoint,
+        checkpointable_layers=["DecoderLayerPipe"])
+    if cfg.model.init_from_hf:
+        load_hf_into_pipeline(module, cfg.model.init_from_hf, model_config)
+    return module, loss
+
+
+def load_hf_into_pipeline(module, hf_dir: str, model_config) -> None:
+    from llmjp_ds.model.hf_adapter import from_hf_state_dict
+    from llmjp_ds.model.hf_io import read_hf_tensors
+    from llmjp_ds.model.pipeline import pipeline_to_hf_names
+
+    ours = from_hf_state_dict(read_hf_tensors(Path(hf_dir)), model_config)
+    n = model_config.num_hidden_layers
+    for idx, layer in zip(range(module._local_start, module._local_stop), module.forward_funcs):
+        state = {name: ours[pipeline_to_hf_names(idx, n, name)]
+                 for name in layer.state_dict() if not name.endswith("_extra_state")}
+        layer.load_state_dict(state, strict=False)
+
+
+def initialize(cfg: RunConfig, model, world_size: int):
+    import deepspeed
+
+    from llmjp_ds.optim import build_optimizer
+
+    optimizer = build_optimizer(model, cfg.optim)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=build_ds_config(cfg, world_size))
+    return engine
+
+
+def data_parallel_info(engine) -> tuple[int, int, object]:
+    """(dp rank, dp size, the data-parallel process group: FP8 amax reduction group under pipelines)."""
+    import torch.distributed as dist
+
+    grid = getattr(engine, "grid", None)
+    if grid is not None:
+        return grid.get_data_parallel_rank(), grid.get_data_parallel_world_size(), grid.get_data_parallel_group()
+    return dist.get_rank(), dist.get_world_size(), None

@@ -1,0 +1,133 @@
+"""Emulated FP8 for the pure-PyTorch backend: the same recipes as TE, with torch's float8 dtypes.
+
+Used where Transformer Engine cannot run (CPU, CI) and only when ``precision.emulate_fp8`` asks for it; every
+log line of such a phase says ``emulated``. Each GEMM casts its input and weight to ``float8_e4m3fn`` and its
+output gradient to ``float8_e5m2`` (``hybrid``) or ``float8_e4m3fn`` (``e4m3``), scaled per tensor:
+
+* ``delayed``: scale from the amax history (``max`` or ``most_recent``) of earlier iterations;
+* ``current``: scale from this tensor's own amax;
+* ``block``: scales per 1x128 tile along the last dimension.
+
+Amax values seen in a region are committed to the history when the next region starts, so an activation
+recompute inside the same micro-batch sees the same scales as the forward did. Histories live in the module's
+``_extra_state`` (a float tensor ``[gemms, 3 (input, weight, grad), history]``) and so travel with checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from llmjp_ds.model import torch_layers
+
+FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+INPUT, WEIGHT, GRAD = 0, 1, 2
+
+_pending: dict = {}  # module -> [gemms, 3] amax seen in the open region, committed at the next region's start
+
+
+def _slot(module, weight) -> int:
+    mats = [p for p in module.parameters(recurse=False) if p.dim() == 2]
+    for i, p in enumerate(mats):
+        if p is weight:
+            return i
+    return 0
+
+
+def _state(module, phase) -> torch.Tensor:
+    gemms = max(1, sum(1 for p in module.parameters(recurse=False) if p.dim() == 2))
+    state = getattr(module, "_fp8_emu_state", None)
+    if state is None or state.shape != (gemms, 3, phase.amax_history_len):
+        state = torch.zeros(gemms, 3, phase.amax_history_len)
+        module._fp8_emu_state = state
+    return state
+
+
+def _commit_pending() -> None:
+    for module, amax in _pending.items():
+        state = module._fp8_emu_state
+        state.copy_(torch.cat([amax.unsqueeze(-1), state[..., :-1]], dim=-1))
+    _pending.clear()
+
+
+def _record(module, slot: int, kind: int, amax: torch.Tensor) -> None:
+    buf = _pending.setdefault(module, torch.zeros(module._fp8_emu_state.shape[:2]))
+    buf[slot, kind] = torch.maximum(buf[slot, kind], amax.detach().float().cpu())
+
+
+def _quantize(t: torch.Tensor, fmt: str, phase, history: torch.Tensor) -> torch.Tensor:
+    fmax = FP8_MAX[fmt]
+    if phase.recipe == "block":
+        tile = 128 if t.shape[-1] % 128 == 0 else t.shape[-1]
+        tiles = t.reshape(*t.shape[:-1], t.shape[-1] // tile, tile)
+        amax = tiles.abs().amax(-1, keepdim=True).float().clamp(min=1e-12)
+        scale = fmax / amax
+        q = (tiles.float() * scale).clamp(-fmax, fmax).to(FP8_DTYPES[fmt]).float() / scale
+        return q.reshape(t.shape).to(t.dtype)
+    if phase.recipe == "current":
+        amax = t.abs().max().float()
+    else:
+        amax = history.max() if phase.amax_compute_algo == "max" else history[0]
+    scale = fmax / amax / (2.0 ** phase.margin) if float(amax) > 0 else torch.tensor(1.0)
+    return ((t.float() * scale).clamp(-fmax, fmax).to(FP8_DTYPES[fmt]).float() / scale).to(t.dtype)
+
+
+class _EmulatedFP8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, module, slot, phase, calibrating):
+        state = _state(module, phase)
+        _record(module, slot, INPUT, x.abs().max())
+        _record(module, slot, WEIGHT, weight.abs().max())
+        if not calibrating:
+            x = _quantize(x, "e4m3", phase, state[slot, INPUT])
+            weight = _quantize(weight, "e4m3", phase, state[slot, WEIGHT])
+        ctx.save_for_backward(x, weight)
+        ctx.meta = (module, slot, phase, calibrating)
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        module, slot, phase, calibrating = ctx.meta
+        _record(module, slot, GRAD, grad.abs().max())
+        if not calibrating:
+            fmt = "e5m2" if phase.fp8_format == "hybrid" else "e4m3"
+            grad = _quantize(grad, fmt, phase, module._fp8_emu_state[slot, GRAD])
+        grad_x = grad @ weight
+        grad_w = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        return grad_x, grad_w, None, None, None, None
+
+
+def _linear_for(phase, calibrating: bool):
+    def linear(module, x, weight):
+        return _EmulatedFP8Linear.apply(x, weight, module, _slot(module, weight), phase, calibrating)
+
+    linear.phase, linear.calibrating = phase, calibrating
+    return linear
+
+
+@contextlib.contextmanager
+def _override(fn):
+    previous = torch_layers._linear_override
+    torch_layers._linear_override = fn
+    try:
+        yield
+    finally:
+        torch_layers._linear_override = previous
+
+
+@contextlib.contextmanager
+def autocast(phase, calibrating: bool = False):
+    """Emulated-FP8 region for one micro-batch (``calibrating``: BF16 math, amax recorded)."""
+    _commit_pending()
+    with _override(_linear_for(phase, calibrating)):
+        yield
+
+
+def disabled():
+    return _override(None)
+
+

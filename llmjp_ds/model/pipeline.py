@@ -1,0 +1,94 @@
+"""The pipeline-parallel split, visible in one place: embedding | decoder layers | final norm + head.
+
+The stages are DeepSpeed ``LayerSpec``s of the same classes the HF model is made of, so each rank builds only
+its own layers. Activations travel between stages as one ``[b, s, h]`` tensor; RoPE angles are recomputed per
+layer from the sequence length (cheap, and nothing extra crosses a stage boundary).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmjp_ds.model.llama import DecoderLayer, Embedding, FinalNormHead, head_dim_of, rope_freqs
+from llmjp_ds.model.loss import causal_lm_loss
+from llmjp_ds.model.presets import rope_theta
+
+# layer index in the PipelineModule -> prefix of the HF-layout names (used when reading pipeline checkpoints)
+EMBEDDING_INDEX = 0
+
+
+class EmbeddingPipe(Embedding):
+    def forward(self, input_ids):
+        return super().forward(input_ids)
+
+
+class DecoderLayerPipe(DecoderLayer):
+    def __init__(self, config, layer_idx, backend, params_dtype=None):
+        super().__init__(config, layer_idx, backend, params_dtype)
+        self.head_dim, self.theta = head_dim_of(config), rope_theta(config)
+
+    def forward(self, hidden):
+        freqs = rope_freqs(torch.arange(hidden.shape[1], device=hidden.device), self.head_dim, self.theta)
+        return super().forward(hidden, freqs)
+
+
+class FinalNormHeadPipe(FinalNormHead):
+    pass
+
+
+class PipelineLoss:
+    """``loss_fn`` for the last stage: returns the total loss, keeps the parts of the current step for logging."""
+
+    def __init__(self, z_loss_coeff: float):
+        self.z_loss_coeff = z_loss_coeff
+        self.reset()
+
+    def reset(self):
+        self.scale = 1.0  # NaN in fault drills
+        self.lm_loss_sum = 0.0
+        self.z_loss_sum = 0.0
+        self.micro_batches = 0
+
+    def __call__(self, logits, targets):
+        parts = causal_lm_loss(logits, targets, self.z_loss_coeff)
+        self.lm_loss_sum = self.lm_loss_sum + parts.lm_loss.detach() * self.scale
+        self.z_loss_sum = self.z_loss_sum + parts.z_loss.detach()
+        self.micro_batches += 1
+        return parts.loss * self.scale
+
+
+def pipeline_module_class():
+    """``PipelineModule`` whose forward (one micro-batch on this stage) runs inside ``precision_context()``,
+    the precision schedule's per-micro-batch autocast."""
+    import contextlib
+
+    from deepspeed.pipe import PipelineModule
+
+    class PrecisionPipelineModule(PipelineModule):
+        precision_context = staticmethod(contextlib.nullcontext)
+
+        def forward(self, forward_input):
+            with self.precision_context():
+                return super().forward(forward_input)
+
+    return PrecisionPipelineModule
+
+
+def layer_specs(config, backend: str, params_dtype=None) -> list:
+    from deepspeed.pipe import LayerSpec
+
+    return ([LayerSpec(EmbeddingPipe, config, backend, params_dtype)]
+            + [LayerSpec(DecoderLayerPipe, config, i, backend, params_dtype)
+               for i in range(config.num_hidden_layers)]
+            + [LayerSpec(FinalNormHeadPipe, config, backend, params_dtype)])
+
+
+def pipeline_to_hf_names(layer_index: int, num_layers: int, name: str) -> str:
+    """Name of a pipeline layer's parameter in the HF-model layout of :class:`LlamaForCausalLM`."""
+    if layer_index == EMBEDDING_INDEX:
+        return f"model.embed_tokens.{name}"
+    if layer_index <= num_layers:
+        return f"model.layers.{layer_index - 1}.{name}"
+    if name.startswith("norm."):
+        return "model." + name
+    return name  # lm_head.weight

@@ -1,0 +1,46 @@
+"""AdamW with the LLM-jp parameter groups, and the learning-rate schedule as a pure function."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def lr_at(step: int, *, lr: float, warmup_steps: int, decay_steps: int, min_lr_ratio: float) -> float:
+    """Linear warmup over ``warmup_steps`` to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at
+    ``decay_steps``, flat after (Megatron-LM's ``cosine`` style, as LLM-jp-3 used). ``step`` counts from 0."""
+    min_lr = lr * min_lr_ratio
+    if warmup_steps and step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if step >= decay_steps:
+        return min_lr
+    progress = (step - warmup_steps) / max(1, decay_steps - warmup_steps)
+    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def schedule_lr(step: int, optim_cfg, total_steps: int) -> float:
+    return lr_at(step, lr=optim_cfg.lr, warmup_steps=optim_cfg.warmup_steps,
+                 decay_steps=optim_cfg.decay_steps or total_steps, min_lr_ratio=optim_cfg.min_lr_ratio)
+
+
+def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices (and embeddings), not on norm weights (1-D)."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(model: torch.nn.Module, optim_cfg) -> torch.optim.Optimizer:
+    on_cuda = next(model.parameters()).is_cuda
+    return torch.optim.AdamW(parameter_groups(model, optim_cfg.weight_decay), lr=optim_cfg.lr,
+                             betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps,
+                             **({"fused": True} if on_cuda else {"foreach": True}))
+
+
+def set_lr(optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

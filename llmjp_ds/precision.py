@@ -1,0 +1,277 @@
+"""The precision schedule: BF16 -> FP8 mid-run with Transformer Engine recipes, and the divergence guard.
+
+One place answers "what precision does micro-batch m of step s run in": :class:`PrecisionSchedule`. The trainer
+wraps every micro-batch's forward in :meth:`PrecisionSchedule.autocast` (not the whole step: a TE module must
+not run twice inside one autocast region). What happens there:
+
+* ``bf16`` phase: nothing, except during the last ``calibration_steps`` BF16 steps before a delayed-scaling FP8
+  phase, which run ``te.autocast(enabled=False, calibrating=True)`` so TE records amax histories and the first
+  FP8 step already has real scales instead of 1.
+* ``fp8`` phase: ``te.autocast(enabled=True, recipe=..., amax_reduction_group=...)``; under pipeline
+  parallelism the group is the stage's data-parallel group (the world would hang: stages hold different
+  modules). Decoder layers in ``bf16_first_layers`` / ``bf16_last_layers`` run with FP8 disabled; the LM head is
+  a plain ``nn.Linear`` and always BF16.
+* Without TE (CPU, CI) FP8 phases run as **emulated FP8** when ``precision.emulate_fp8`` is set: each GEMM's
+  inputs are cast through ``torch.float8_e4m3fn`` (gradients ``float8_e5m2`` for ``hybrid``) with per-tensor
+  scales from the same recipe logic (delayed: amax history; current: this tensor's amax; block: 1x128 tiles).
+  The emulated amax histories live in the modules' ``_extra_state`` as float tensors, so checkpoints carry them
+  as they carry TE's. Emulation reduces amax per rank (no cross-rank reduction).
+
+The :class:`DivergenceGuard` watches the loss after a flip and asks the trainer to roll back to the last good
+checkpoint and continue in the fallback precision.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import deque
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from llmjp_ds.errors import fail
+
+RECIPES = ("delayed", "current", "block")
+FORMATS = ("hybrid", "e4m3")
+FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+
+
+def validate_phases(cfg, num_layers: int) -> None:
+    phases = cfg.phases
+    if phases[0].start_step != 0 or phases[0].start_tokens not in (None, 0):
+        fail("precision.phases[0] must start at step 0 (it is the precision the run begins in)")
+    previous = -1
+    for i, ph in enumerate(phases):
+        where = f"precision.phases[{i}]"
+        if ph.precision not in ("bf16", "fp8"):
+            fail(f"{where}.precision must be bf16 or fp8, got {ph.precision!r}")
+        if ph.recipe not in RECIPES:
+            fail(f"{where}.recipe must be one of {', '.join(RECIPES)}, got {ph.recipe!r}")
+        if ph.fp8_format not in FORMATS:
+            fail(f"{where}.fp8_format must be hybrid or e4m3, got {ph.fp8_format!r}")
+        if ph.amax_compute_algo not in ("max", "most_recent"):
+            fail(f"{where}.amax_compute_algo must be max or most_recent, got {ph.amax_compute_algo!r}")
+        if ph.amax_history_len < 1 or ph.calibration_steps < 0:
+            fail(f"{where}: amax_history_len must be >= 1 and calibration_steps >= 0")
+        if ph.start_tokens is None and i and ph.start_step <= previous:
+            fail(f"{where}.start_step={ph.start_step} must be after the previous phase's start ({previous})")
+        previous = ph.start_step if ph.start_tokens is None else previous
+    if cfg.bf16_first_layers + cfg.bf16_last_layers > num_layers:
+        fail(f"precision.bf16_first_layers + bf16_last_layers exceeds the model's {num_layers} layers")
+
+
+@dataclass(frozen=True)
+class Phase:
+    index: int
+    precision: str
+    start_step: int
+    recipe: str = "delayed"
+    fp8_format: str = "hybrid"
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    margin: int = 0
+    calibration_steps: int = 1
+
+    @property
+    def label(self) -> str:
+        return "bf16" if self.precision == "bf16" else f"fp8-{self.recipe}-{self.fp8_format}"
+
+
+def fp8_hardware_available() -> bool:
+    from llmjp_ds.model.backend import te_importable
+
+    if not (torch.cuda.is_available() and te_importable()):
+        return False
+    return torch.cuda.get_device_capability() >= (8, 9)
+
+
+class PrecisionSchedule:
+    """Phases resolved to start steps (token thresholds become steps: every rank computes the same)."""
+
+    def __init__(self, cfg, backend: str, tokens_per_step: int, amax_reduction_group=None):
+        self.cfg = cfg
+        self.backend = backend
+        self.amax_reduction_group = amax_reduction_group
+        phases = []
+        for i, ph in enumerate(cfg.phases):
+            start = ph.start_step if ph.start_tokens is None else math.ceil(ph.start_tokens / tokens_per_step)
+            fields = {k: v for k, v in asdict(ph).items() if k in Phase.__dataclass_fields__}
+            phases.append(Phase(**{**fields, "index": i, "start_step": start}))
+        self.phases = sorted(phases, key=lambda p: p.start_step)
+        # after a rollback: from this step on every FP8 phase runs in the fallback precision
+        self.fallback_from_step: int | None = None
+        self.rollbacks = 0
+        uses_fp8 = any(p.precision == "fp8" for p in self.phases)
+        self.emulated = uses_fp8 and backend != "te"
+        if uses_fp8 and backend == "te" and not fp8_hardware_available():
+            if not cfg.emulate_fp8:
+                fail("FP8 phases need an sm89+ GPU (Ada, Hopper or newer) with Transformer Engine: this GPU "
+                     "cannot run FP8; set precision.emulate_fp8=true to emulate, or remove the fp8 phases")
+            self.emulated = True
+        if self.emulated and not cfg.emulate_fp8:
+            fail("FP8 phases need Transformer Engine on a CUDA GPU (sm89+); on this machine set "
+                 "precision.emulate_fp8=true to run them as emulated FP8, or remove the fp8 phases")
+
+    # --- which phase ----------------------------------------------------------------------------------
+    def scheduled_phase(self, step: int) -> Phase:
+        current = self.phases[0]
+        for ph in self.phases:
+            if ph.start_step <= step:
+                current = ph
+        return current
+
+    def phase_at(self, step: int) -> Phase:
+        ph = self.scheduled_phase(step)
+        if ph.precision == "fp8" and self.fallback_from_step is not None and step >= self.fallback_from_step:
+            return replace(ph, precision="bf16")
+        return ph
+
+    def next_fp8_phase(self, step: int) -> Phase | None:
+        for ph in self.phases:
+            if ph.start_step > step and ph.precision == "fp8":
+                return ph if self.phase_at(ph.start_step).precision == "fp8" else None
+        return None
+
+    def calibrating(self, step: int) -> Phase | None:
+        """The delayed-scaling FP8 phase whose amax this BF16 step records, if any."""
+        if self.phase_at(step).precision != "bf16":
+            return None
+        nxt = self.next_fp8_phase(step)
+        if nxt and nxt.recipe == "delayed" and nxt.start_step - nxt.calibration_steps <= step:
+            return nxt
+        return None
+
+    def is_flip_step(self, step: int) -> bool:
+        return step > 0 and self.phase_at(step).label != self.phase_at(step - 1).label
+
+    def describe(self, step: int) -> dict:
+        ph = self.phase_at(step)
+        precision = "fp8" if ph.precision == "fp8" else self.cfg.dtype
+        return {"precision": precision, "phase": ph.index, "recipe": ph.label if precision == "fp8" else precision,
+                "emulated": bool(self.emulated and ph.precision == "fp8"),
+                "calibrating": self.calibrating(step) is not None}
+
+    # --- contexts -------------------------------------------------------------------------------------
+    def autocast(self, step: int):
+        """Context for one micro-batch's forward at ``step``."""
+        ph = self.phase_at(step)
+        calib = self.calibrating(step)
+        if ph.precision == "bf16" and calib is None:
+            return contextlib.nullcontext()
+        target = ph if ph.precision == "fp8" else calib
+        if self.emulated:
+            from llmjp_ds import fp8_emulation
+
+            return fp8_emulation.autocast(target, calibrating=ph.precision == "bf16")
+        import transformer_engine.pytorch as te
+
+        return te.autocast(enabled=ph.precision == "fp8", calibrating=ph.precision == "bf16",
+                           recipe=te_recipe(target), amax_reduction_group=self.amax_reduction_group)
+
+    def exempt_layers(self, layers) -> None:
+        """Keep the first/last N decoder layers out of FP8 (forward hooks that disable FP8 around them)."""
+        n = len(layers)
+        chosen = list(range(self.cfg.bf16_first_layers)) + list(range(n - self.cfg.bf16_last_layers, n))
+        for i in sorted(set(chosen)):
+            layer = layers[i]
+            layer.register_forward_pre_hook(_enter_no_fp8(self))
+            layer.register_forward_hook(_exit_no_fp8)
+
+    # --- state ----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"fallback_from_step": self.fallback_from_step, "rollbacks": self.rollbacks}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.fallback_from_step = state.get("fallback_from_step")
+        self.rollbacks = state.get("rollbacks", 0)
+
+
+def _enter_no_fp8(schedule):
+    def hook(module, args):
+        if schedule.emulated:
+            from llmjp_ds import fp8_emulation
+
+            ctx = fp8_emulation.disabled()
+        else:
+            import transformer_engine.pytorch as te
+
+            ctx = te.autocast(enabled=False)
+        module._no_fp8_ctx = ctx
+        ctx.__enter__()
+
+    return hook
+
+
+def _exit_no_fp8(module, args, output):
+    module._no_fp8_ctx.__exit__(None, None, None)
+    return output
+
+
+def te_recipe(ph: Phase):
+    from transformer_engine.common import recipe as R
+
+    fmt = R.Format.HYBRID if ph.fp8_format == "hybrid" else R.Format.E4M3
+    if ph.recipe == "delayed":
+        return R.DelayedScaling(fp8_format=fmt, amax_history_len=ph.amax_history_len,
+                                amax_compute_algo=ph.amax_compute_algo, margin=ph.margin)
+    if ph.recipe == "current":
+        return R.Float8CurrentScaling(fp8_format=fmt)
+    return R.Float8BlockScaling(fp8_format=R.Format.E4M3 if ph.fp8_format == "e4m3" else fmt)
+
+
+class DivergenceGuard:
+    """After a flip to FP8: a non-finite loss, or a loss above ``factor`` x the running mean of the last
+    ``window`` pre-flip losses for ``patience`` consecutive steps, asks for a rollback."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.history: deque = deque(maxlen=cfg.window)
+        self.bad_steps = 0
+        self.first_bad_step: int | None = None
+
+    def observe(self, step: int, loss: float, precision: str) -> bool:
+        """Record ``loss`` of ``step``; True when the run should roll back."""
+        if not self.cfg.enabled:
+            return False
+        if precision != "fp8":
+            if math.isfinite(loss):
+                self.history.append(loss)
+            self.bad_steps, self.first_bad_step = 0, None
+            return False
+        mean = sum(self.history) / len(self.history) if self.history else None
+        bad = not math.isfinite(loss) or (mean is not None and loss > self.cfg.factor * mean)
+        if not bad:
+            self.bad_steps, self.first_bad_step = 0, None
+            return False
+        if self.first_bad_step is None:
+            self.first_bad_step = step
+        self.bad_steps += 1
+        return not math.isfinite(loss) or self.bad_steps >= self.cfg.patience
+
+    def state_dict(self) -> dict:
+        return {"history": list(self.history)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.history.clear()
+        self.history.extend(state.get("history", []))
+        self.bad_steps, self.first_bad_step = 0, None
+
+
+def fp8_summary(model) -> dict:
+    """amax / scale summaries of the FP8 state (TE modules' ``fp8_meta`` or the emulation's histories)."""
+    amaxes, scales = [], []
+    for module in model.modules():
+        meta = getattr(module, "fp8_meta", None)
+        if meta and "scaling_fwd" in meta:
+            amaxes.append(meta["scaling_fwd"].amax_history[0].max().item())
+            scales.append(meta["scaling_fwd"].scale.min().item())
+        emu = getattr(module, "_fp8_emu_state", None)
+        if emu is not None and emu.numel():
+            amaxes.append(emu[..., 0].max().item())
+    out = {}
+    if amaxes:
+        out["fp8/amax_max"] = max(amaxes)
+    if scales:
+        out["fp8/scale_min"] = min(scales)
+    return out

@@ -71,15 +71,17 @@ def build_model(cfg: RunConfig, model_config, backend: str):
                                                      dtype=torch.float32, z_loss_coeff=cfg.model.z_loss)
         else:
             model = LlamaForCausalLM(model_config, backend=backend, z_loss_coeff=cfg.model.z_loss)
+            init_like_pipeline(model, model_config, backend, cfg.train.seed)
         model.activation_checkpointing = cfg.model.activation_checkpointing
         return model, None
     from llmjp_ds.model.backend import layers_module
-    from llmjp_ds.model.pipeline import PipelineLoss, layer_specs, pipeline_module_class
+    from llmjp_ds.model.pipeline import PipelineLoss, pipeline_module_class
 
     loss = PipelineLoss(cfg.model.z_loss)
     ckpt = cfg.model.activation_checkpointing
     module = pipeline_module_class()(
-        layers=layer_specs(model_config, backend), num_stages=cfg.parallel.pipeline_stages, loss_fn=loss,
+        layers=seeded_layer_specs(model_config, backend, cfg.train.seed), num_stages=cfg.parallel.pipeline_stages,
+        loss_fn=loss,
         partition_method=cfg.parallel.partition_method,
         activation_checkpoint_interval=1 if ckpt else 0,
         activation_checkpoint_func=layers_module(backend).checkpoint,
@@ -87,6 +89,46 @@ def build_model(cfg: RunConfig, model_config, backend: str):
     if cfg.model.init_from_hf:
         load_hf_into_pipeline(module, cfg.model.init_from_hf, model_config)
     return module, loss
+
+
+def _layer_seed(seed: int, layer_index: int) -> int:
+    return (seed << 20) + layer_index
+
+
+def seeded_layer_specs(model_config, backend: str, seed: int) -> list:
+    """The pipeline's layer specs, each built right after seeding torch with (seed, its index): a stage builds
+    only its own layers, so without this its weights would depend on where the partition cuts (and differ
+    from the single-process model built from the same seed)."""
+    from deepspeed.pipe import LayerSpec
+
+    from llmjp_ds.model.pipeline import layer_specs
+
+    class SeededLayerSpec(LayerSpec):
+        def __init__(self, spec, layer_seed: int):
+            super().__init__(spec.typename, *spec.module_args, **spec.module_kwargs)
+            self.layer_seed = layer_seed
+
+        def build(self, log=False):
+            torch.manual_seed(self.layer_seed)
+            return super().build(log)
+
+    return [SeededLayerSpec(spec, _layer_seed(seed, i)) for i, spec in enumerate(layer_specs(model_config, backend))]
+
+
+def init_like_pipeline(model, model_config, backend: str, seed: int) -> None:
+    """Give the single-model layout the weights any pipeline layout builds from the same seed (layer by layer,
+    see :func:`seeded_layer_specs`), so runs on different layouts start from the same model."""
+    from llmjp_ds.model.pipeline import pipeline_to_hf_names
+
+    n = model_config.num_hidden_layers
+    for idx, spec in enumerate(seeded_layer_specs(model_config, backend, seed)):
+        layer = spec.build()
+        state = {pipeline_to_hf_names(idx, n, name): tensor for name, tensor in layer.state_dict().items()
+                 if not name.endswith("_extra_state")}
+        result = model.load_state_dict(state, strict=False)
+        if result.unexpected_keys:
+            raise RuntimeError(f"pipeline layer {idx} does not map onto the model: {result.unexpected_keys[:3]}")
+        del layer
 
 
 def load_hf_into_pipeline(module, hf_dir: str, model_config) -> None:

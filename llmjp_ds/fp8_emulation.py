@@ -46,7 +46,8 @@ def _state(module, phase) -> torch.Tensor:
     return state
 
 
-def _commit_pending() -> None:
+def commit() -> None:
+    """Fold the amax values seen since the last commit into the histories (newest first)."""
     for module, amax in _pending.items():
         state = module._fp8_emu_state
         state.copy_(torch.cat([amax.unsqueeze(-1), state[..., :-1]], dim=-1))
@@ -122,7 +123,7 @@ def _override(fn):
 @contextlib.contextmanager
 def autocast(phase, calibrating: bool = False):
     """Emulated-FP8 region for one micro-batch (``calibrating``: BF16 math, amax recorded)."""
-    _commit_pending()
+    commit()
     with _override(_linear_for(phase, calibrating)):
         yield
 

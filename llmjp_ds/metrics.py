@@ -248,6 +248,7 @@ class MetricsLogger:
         run = wandb.init(
             project=project, name=run_name, id=self._run_id, resume="allow" if resumed else None,
             config=_plain(config or {}), mode=self.wandb_mode, dir=str(self.run_dir.resolve()),
+            settings=wandb.Settings(quiet=True),  # the trainer prints its own log line; no run summary dump
         )
         run.define_metric("step")
         run.define_metric("*", step_metric="step")

@@ -169,6 +169,14 @@ class PrecisionSchedule:
         return te.autocast(enabled=ph.precision == "fp8", calibrating=ph.precision == "bf16",
                            recipe=te_recipe(target), amax_reduction_group=self.amax_reduction_group)
 
+    def end_step(self) -> None:
+        """Called after each optimizer step: emulated delayed scaling commits the step's amax values here, so a
+        checkpoint taken between steps holds the complete history (TE keeps its own in ``fp8_meta``)."""
+        if self.emulated:
+            from llmjp_ds import fp8_emulation
+
+            fp8_emulation.commit()
+
     def exempt_layers(self, layers) -> None:
         """Keep the first/last N decoder layers out of FP8 (forward hooks that disable FP8 around them)."""
         n = len(layers)

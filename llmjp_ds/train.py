@@ -187,7 +187,9 @@ def train(cfg: RunConfig) -> dict:
         return value.item()
 
     def rollback(reason: str) -> None:
-        good = [(s, t) for s, t in checkpoint.complete_tags(run_dir) if s < (guard.first_bad_step or state.step)]
+        # a tag's number counts completed steps: tag N holds the state before step index N ran
+        first_bad = guard.first_bad_step if guard.first_bad_step is not None else state.step
+        good = [(s, t) for s, t in checkpoint.complete_tags(run_dir) if s <= first_bad]
         if not good:
             fail(f"loss diverged after the FP8 flip ({reason}) and there is no checkpoint before it to roll back "
                  "to: lower checkpoint.interval so one is saved before the flip, or disable the guard")
@@ -217,6 +219,7 @@ def train(cfg: RunConfig) -> dict:
                                      dp_rank, dp_size, device)
         inject = step in cfg.train.inject_nan_steps and (phase["precision"] == "fp8" or not cfg.train.inject_only_fp8)
         lm_loss, z_loss = run_step(step, batches, inject)
+        schedule.end_step()
         applied = engine.was_step_applied() and math.isfinite(lm_loss)
         if torch.cuda.is_available():
             torch.cuda.synchronize()

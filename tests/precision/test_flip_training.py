@@ -1,0 +1,104 @@
+"""The BF16 -> FP8 flip inside real training runs (DeepSpeed on CPU, emulated FP8): the flip step, exact resume
+across it, and the divergence guard's rollback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TINY = ("model.overrides={hidden_size: 64, num_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, "
+        "ffn_hidden_size: 128}")
+FLIP_AT = 3
+PHASES = (f"precision.phases=[{{precision: bf16}}, {{precision: fp8, start_step: {FLIP_AT}, recipe: delayed, "
+          "amax_history_len: 4, calibration_steps: 1}]")
+BASE = [TINY, "data.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=2", "precision.dtype=fp32",
+        "precision.emulate_fp8=true", PHASES, "train.eval_interval=0", "logging.wandb=disabled",
+        "optim.warmup_steps=1", "optim.decay_steps=8", "checkpoint.interval=1", "checkpoint.keep_last=10"]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    e = dict(os.environ, OMP_NUM_THREADS="1", LLMJP_DS_CACHE=os.environ.get(
+        "LLMJP_DS_CACHE", str(Path.home() / ".cache" / "llmjp-ds")))
+    e.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "llmjp-ds" / "torch_extensions"))
+    return e
+
+
+def train(env, run_dir: Path, *sets: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "llmjp_ds.train", "--set", f"run_dir={run_dir}"]
+    for s in [*BASE, *sets]:
+        cmd += ["--set", s]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def trail(run_dir: Path) -> tuple[dict, list]:
+    """(last logged record per step, events) from metrics.jsonl."""
+    records, events = {}, []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "event" in rec:
+            events.append(rec)
+        else:
+            records[rec["step"]] = rec
+    return records, events
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(env, tmp_path_factory):
+    run = tmp_path_factory.mktemp("flip") / "run"
+    train(env, run, "train.steps=6")
+    return trail(run)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_flip_happens_at_the_configured_step_by_steps_and_by_tokens(env, uninterrupted, tmp_path):
+    records, events = uninterrupted
+    # metrics are logged after the step: record N describes step N-1
+    assert [records[n]["precision"] for n in range(1, 7)] == ["fp32"] * FLIP_AT + ["fp8"] * (6 - FLIP_AT)
+    assert records[FLIP_AT + 1]["phase"] == "fp8-delayed-hybrid" and records[FLIP_AT + 1]["emulated_fp8"]
+    flips = [e for e in events if e["event"] == "precision_flip"]
+    assert [e["step"] for e in flips] == [FLIP_AT]
+    # the same flip expressed in tokens: 4 samples x 32 tokens per step
+    tokens = FLIP_AT * 4 * 32
+    run = tmp_path / "tokens"
+    train(env, run, "train.steps=6", PHASES.replace(f"start_step: {FLIP_AT}", f"start_tokens: {tokens}"))
+    by_tokens, _ = trail(run)
+    assert [by_tokens[n]["loss"] for n in range(1, 7)] == [records[n]["loss"] for n in range(1, 7)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("stop_at", [FLIP_AT, FLIP_AT + 1])
+def test_resume_at_and_after_the_flip_reproduces_the_trail(env, uninterrupted, tmp_path, stop_at):
+    records, _ = uninterrupted
+    run = tmp_path / "run"
+    train(env, run, f"train.steps={stop_at}")
+    train(env, run, "train.steps=6")
+    resumed, events = trail(run)
+    assert any(e["event"] == "resume" for e in events)
+    assert [resumed[n]["loss"] for n in range(1, 7)] == [records[n]["loss"] for n in range(1, 7)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_injected_divergence_rolls_back_once_and_finishes_in_the_base_precision(env, uninterrupted, tmp_path):
+    run = tmp_path / "diverge"
+    proc = train(env, run, "train.steps=6", f"train.inject_nan_steps=[{FLIP_AT + 1}]", "train.inject_only_fp8=true")
+    records, events = trail(run)
+    rollbacks = [e for e in events if e["event"] == "rollback"]
+    assert len(rollbacks) == 1
+    assert rollbacks[0]["step"] == FLIP_AT + 1 and rollbacks[0]["fallback"] == "bf16"
+    assert rollbacks[0]["to_step"] <= FLIP_AT + 1
+    assert "rolled back" in proc.stdout
+    assert records[6]["precision"] == "fp32" and all(r["loss"] == r["loss"] for r in records.values())
+    # before the failed step the run is the uninterrupted one
+    ref, _ = uninterrupted
+    assert [records[n]["loss"] for n in range(1, FLIP_AT + 1)] == [ref[n]["loss"] for n in range(1, FLIP_AT + 1)]

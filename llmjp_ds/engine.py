@@ -53,6 +53,14 @@ def build_ds_config(cfg: RunConfig, world_size: int) -> dict:
 def init_distributed() -> None:
     import deepspeed
 
+    if "WORLD_SIZE" not in os.environ and "MASTER_PORT" not in os.environ:
+        # a lone process (python -m llmjp_ds.train, llmjp-ds demo): its rendezvous port is private, so take a free
+        # one rather than 29500, which another job on a shared machine may hold (EADDRINUSE at startup)
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     for key, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
                          ("MASTER_PORT", "29500")):
         os.environ.setdefault(key, default)

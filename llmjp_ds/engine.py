@@ -157,7 +157,10 @@ def initialize(cfg: RunConfig, model, world_size: int):
 
     from llmjp_ds.optim import build_optimizer
 
-    optimizer = build_optimizer(model, cfg.optim)
+    # fp32 + ZeRO-0 is the one layout where DeepSpeed steps our AdamW directly, with no overflow check: a
+    # non-finite step must still be skipped (and reported through was_step_applied) there
+    plain = cfg.parallel.zero_stage == 0 and cfg.precision.dtype == "fp32"
+    optimizer = build_optimizer(model, cfg.optim, skip_nonfinite=plain)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=build_ds_config(cfg, world_size))
     return engine
 

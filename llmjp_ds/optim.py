@@ -34,11 +34,31 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(model: torch.nn.Module, optim_cfg) -> torch.optim.Optimizer:
+class SkipNonFiniteAdamW(torch.optim.AdamW):
+    """AdamW that skips its update when any gradient is NaN/inf and reports it in ``overflow``, as DeepSpeed's
+    ZeRO, BF16 and FP16 optimizer wrappers do (``engine.was_step_applied()`` reads it). Needed where DeepSpeed
+    steps the client optimizer directly (fp32 with ZeRO-0): there nothing checks the gradients, and one
+    non-finite step would turn every weight into NaN."""
+
+    overflow = False
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        # amax, not a norm: a norm of large but finite gradients can overflow to inf; NaN propagates through amax
+        self.overflow = bool(grads) and not bool(torch.stack([g.abs().amax() for g in grads]).isfinite().all())
+        if self.overflow:
+            return None
+        return super().step(closure)
+
+
+def build_optimizer(model: torch.nn.Module, optim_cfg, skip_nonfinite: bool = False) -> torch.optim.Optimizer:
+    """AdamW with the LLM-jp groups; ``skip_nonfinite`` where no DeepSpeed wrapper checks gradients (see above)."""
     on_cuda = next(model.parameters()).is_cuda
-    return torch.optim.AdamW(parameter_groups(model, optim_cfg.weight_decay), lr=optim_cfg.lr,
-                             betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps,
-                             **({"fused": True} if on_cuda else {"foreach": True}))
+    cls = SkipNonFiniteAdamW if skip_nonfinite else torch.optim.AdamW
+    return cls(parameter_groups(model, optim_cfg.weight_decay), lr=optim_cfg.lr,
+               betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps,
+               **({"fused": True} if on_cuda else {"foreach": True}))
 
 
 def set_lr(optimizer, lr: float) -> None:

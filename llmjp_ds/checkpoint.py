@@ -70,7 +70,29 @@ def read_marker(run_dir, tag: str) -> dict:
         known = [t for _, t in complete_tags(run_dir)]
         fail(f"no complete checkpoint {tag!r} in {checkpoint_dir(run_dir)}: available tags are "
              f"{', '.join(known[-5:]) or 'none'}")
-    return json.loads(path.read_text())
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        fail(f"{path} is not valid JSON ({exc}): the checkpoint was altered by hand; point {LATEST} at another tag")
+
+
+# the fields that fix the weights' shapes: a checkpoint of another shape cannot be loaded into this model
+SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads")
+
+
+def check_resume(run_dir, model_config: dict) -> str | None:
+    """The tag a run will resume from (None for a fresh run), checked before any process group exists:
+    ``latest`` must name a complete checkpoint, saved from a model of the same shape."""
+    tag = latest_tag(run_dir)
+    if tag is None:
+        return None
+    saved = read_marker(run_dir, tag).get("model_config", {})
+    diff = [f"{k} {saved.get(k)} saved, {model_config.get(k)} now" for k in SHAPE_KEYS if saved.get(k) != model_config.get(k)]
+    if diff:
+        fail(f"{checkpoint_dir(run_dir) / tag} was saved from another model shape ({', '.join(diff)}): resume with "
+             f"the run's own model settings, or set a new run_dir to start afresh")
+    return tag
 
 
 def save(engine, run_dir, step: int, client_state: dict, marker: dict, keep_last: int, rollbacks: int = 0) -> str:

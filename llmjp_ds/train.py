@@ -71,11 +71,15 @@ def _all_ranks_agree(flag: bool, device) -> bool:
 
 def train(cfg: RunConfig) -> dict:
     """Run the configured training; returns a summary (final step, last loss, run directory)."""
+    # first, before torch, transformers and DeepSpeed load: a mistake in the config costs seconds, not a job
+    world_size = world_size_from_env()
+    validate(cfg, world_size)
     import torch
     import torch.distributed as dist
 
     from llmjp_ds import checkpoint
     from llmjp_ds.batching import step_micro_batches
+    from llmjp_ds.data.atomic import ensure_writable_dir
     from llmjp_ds.data.prepare import resolve_data
     from llmjp_ds.engine import build_model, data_parallel_info, init_distributed, initialize
     from llmjp_ds.metrics import MetricsLogger, Throughput, format_log_line, peak_memory_gib, reset_peak_memory
@@ -85,8 +89,6 @@ def train(cfg: RunConfig) -> dict:
     from llmjp_ds.optim import schedule_lr, set_lr
     from llmjp_ds.precision import DivergenceGuard, PrecisionSchedule, fp8_summary
 
-    world_size = world_size_from_env()
-    validate(cfg, world_size)
     run_dir = Path(cfg.run_dir)
     backend = resolve_backend(cfg.model.backend)
     model_config = make_model_config(cfg.model.preset, **cfg.model.overrides)
@@ -94,6 +96,10 @@ def train(cfg: RunConfig) -> dict:
     tokens_per_step = cfg.train.global_batch_size * seq_len
     # the schedule validates FP8 availability before any process group exists
     PrecisionSchedule(cfg.precision, backend, tokens_per_step)
+    # a run directory we cannot write, a `latest` that names no complete checkpoint, or a checkpoint of another
+    # model shape fail here, before any process group exists (and not in DeepSpeed's load, with a traceback)
+    ensure_writable_dir(run_dir, "run")
+    checkpoint.check_resume(run_dir, model_config.to_dict())
     data = resolve_data(cfg, model_config, world_rank=int(os.environ.get("RANK", "0")))
 
     init_distributed()

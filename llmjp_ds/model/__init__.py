@@ -1,7 +1,21 @@
-"""The model: an HF-compatible Llama built from Transformer Engine layers (or their pure-PyTorch twins)."""
+"""The model: an HF-compatible Llama built from Transformer Engine layers (or their pure-PyTorch twins).
 
-from llmjp_ds.model.llama import DecoderLayer, Embedding, FinalNormHead, LlamaForCausalLM
-from llmjp_ds.model.presets import MODEL_PRESETS, ModelPreset, model_config, pad_vocab_size
+The names below load on first use (PEP 562), so that config validation, which needs only ``presets`` and
+``backend``, does not pay for importing transformers' modeling code (~5 s) before it can report a mistake.
+"""
+
+_LAZY = {
+    "LlamaForCausalLM": "llama", "DecoderLayer": "llama", "Embedding": "llama", "FinalNormHead": "llama",
+    "MODEL_PRESETS": "presets", "ModelPreset": "presets", "model_config": "presets", "pad_vocab_size": "presets",
+}
 
 __all__ = ["LlamaForCausalLM", "DecoderLayer", "Embedding", "FinalNormHead", "MODEL_PRESETS", "ModelPreset",
            "model_config", "pad_vocab_size"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"llmjp_ds.model.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'llmjp_ds.model' has no attribute {name!r}")

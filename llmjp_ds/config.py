@@ -325,6 +325,13 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     world_size = world_size or world_size_from_env()
     t, p, o = cfg.train, cfg.parallel, cfg.optim
     preset = get_preset(cfg.model.preset)
+    shape_fields = typing.get_type_hints(type(preset))
+    for key, value in cfg.model.overrides.items():
+        if key not in shape_fields:
+            fail(f"unknown model.overrides key {key!r}{_did_you_mean(key, shape_fields)}: valid keys are "
+                 f"{', '.join(shape_fields)}")
+        if not _type_ok(value, shape_fields[key]) or value <= 0:
+            fail(f"model.overrides.{key} must be a positive {_type_name(shape_fields[key])}, got {value!r}")
     if cfg.model.backend not in BACKENDS:
         fail(f"model.backend {cfg.model.backend!r} is not one of {', '.join(BACKENDS)}")
     for name in ("steps", "global_batch_size", "micro_batch_size"):
@@ -358,7 +365,19 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     if len(cfg.data.split) != 2 or any(x < 0 for x in cfg.data.split) or cfg.data.split[0] <= 0:
         fail(f"data.split must be [train, valid] fractions, got {cfg.data.split}")
     if cfg.logging.wandb not in ("online", "offline", "disabled"):
-        fail(f"logging.wandb must be online, offline or disabled, got {cfg.logging.wandb!r}")
+        fail(f"logging.wandb must be online, offline or disabled, got {cfg.logging.wandb!r}"
+             f"{_did_you_mean(cfg.logging.wandb, ('online', 'offline', 'disabled'))}")
+    if cfg.logging.interval < 1:
+        fail(f"logging.interval must be >= 1 (log every N steps), got {cfg.logging.interval}")
+    if cfg.checkpoint.interval < 0 or t.eval_interval < 0:
+        fail(f"checkpoint.interval and train.eval_interval must be >= 0 (0 = off), got {cfg.checkpoint.interval} "
+             f"and {t.eval_interval}")
+    if not cfg.checkpoint.grace_seconds > 0:
+        fail(f"checkpoint.grace_seconds must be > 0 (time allowed for the save after SIGTERM), got "
+             f"{cfg.checkpoint.grace_seconds}")
+    if t.max_nonfinite_steps < 1:
+        fail(f"train.max_nonfinite_steps must be >= 1 (consecutive skipped steps before the run stops), got "
+             f"{t.max_nonfinite_steps}")
     if cfg.precision.dtype not in ("bf16", "fp32"):
         fail(f"precision.dtype must be bf16 or fp32, got {cfg.precision.dtype!r}")
     if cfg.checkpoint.keep_last < 1:
@@ -366,3 +385,6 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     from llmjp_ds.precision import validate_phases
 
     validate_phases(cfg.precision, num_layers)
+    from llmjp_ds.engine import build_ds_config
+
+    build_ds_config(cfg, world_size)  # the DeepSpeed JSON: exists, parses, has no optimizer/scheduler block

@@ -26,7 +26,10 @@ def build_ds_config(cfg: RunConfig, world_size: int) -> dict:
         try:
             ds = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
-            fail(f"DeepSpeed config {path} is not valid JSON ({exc.msg} at line {exc.lineno})")
+            fail(f"DeepSpeed config {path} is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}): "
+                 "fix the file, or leave parallel.ds_config unset for the bundled ds_configs/")
+        if not isinstance(ds, dict):
+            fail(f"DeepSpeed config {path} must hold a JSON object, not a {type(ds).__name__}: see ds_configs/")
     elif cfg.parallel.ds_config:
         fail(f"DeepSpeed config {path} does not exist: pass an existing file as parallel.ds_config")
     else:

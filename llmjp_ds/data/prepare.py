@@ -44,7 +44,8 @@ def prepare_bundled(vocab_size: int = BUNDLED_VOCAB) -> tuple[str, Path]:
     prefix = root / "corpus"
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (root / "tokenizer" / "tokenizer.model").is_file():
+        # tokenizer.json is what train_tokenizer writes last: a kill before it leaves a tokenizer to redo
+        if not (root / "tokenizer" / "tokenizer.json").is_file():
             train_tokenizer(files, root / "tokenizer", vocab_size=vocab_size, force=True)
         if not Path(f"{prefix}_text_document.idx").is_file():
             preprocess(files, root / "tokenizer", prefix, workers=1, force=True)
@@ -74,13 +75,15 @@ def _install_tokenizer(source: Path, run_dir: Path) -> Path:
     target = run_dir / "tokenizer"
     if (target / "tokenizer_config.json").is_file():
         return target
+    # built beside and renamed into place: a kill leaves no tokenizer/ or a complete one, never a partial one
+    tmp = run_dir / ".tokenizer.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
     if source.is_dir() and (source / "tokenizer_config.json").is_file() and (source / "tokenizer.model").is_file():
-        tmp = run_dir / ".tokenizer.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(source, tmp)
-        os.replace(tmp, target)
     else:
-        save_hf_tokenizer(resolve_model_path(source), target)
+        save_hf_tokenizer(resolve_model_path(source), tmp)
+    shutil.rmtree(target, ignore_errors=True)  # an incomplete one written in place by an older version
+    os.replace(tmp, target)
     return target
 
 
@@ -105,9 +108,16 @@ def resolve_data(cfg, model_config, world_rank: int = 0) -> DataPlan:
         if vocab > model_config.vocab_size:
             fail(f"the tokenizer has {vocab} pieces but the model's embedding only {model_config.vocab_size} rows: "
                  f"set model.overrides.vocab_size to at least {vocab} (padded: a multiple of 128)")
-        if world_rank == 0:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            with open(run_dir / ".tokenizer.lock", "w") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                _install_tokenizer(tokenizer, run_dir)
+    # open every corpus now: a truncated .bin/.idx, an unknown dtype code or token ids beyond the vocabulary
+    # fail here, before anything is written and before any process group exists (not in data.build())
+    from llmjp_ds.data.dataset import _check_vocab
+    from llmjp_ds.data.indexed import IndexedDataset
+
+    for _, prefix in blend:
+        _check_vocab(IndexedDataset(prefix), vocab or model_config.vocab_size, cfg.data.cache_dir)
+    if tokenizer is not None and world_rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with open(run_dir / ".tokenizer.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            _install_tokenizer(tokenizer, run_dir)
     return DataPlan(blend, tokenizer, vocab, list(cfg.data.split), cfg.data.seed, cfg.data.cache_dir)

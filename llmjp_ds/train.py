@@ -69,6 +69,18 @@ def _all_ranks_agree(flag: bool, device) -> bool:
     return bool(t.item() > 0)
 
 
+def _check_writable(run_dir: Path) -> None:
+    """The run directory, or for a new run its nearest existing parent, must be writable; creates nothing."""
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        fail(f"run_dir {run_dir}: {existing} is a file, not a directory; choose another run_dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        fail(f"run_dir {run_dir} is not writable ({existing} is read-only for this user): choose another run_dir "
+             "or fix its permissions or mount")
+
+
 def train(cfg: RunConfig) -> dict:
     """Run the configured training; returns a summary (final step, last loss, run directory)."""
     # first, before torch, transformers and DeepSpeed load: a mistake in the config costs seconds, not a job
@@ -79,7 +91,6 @@ def train(cfg: RunConfig) -> dict:
 
     from llmjp_ds import checkpoint
     from llmjp_ds.batching import step_micro_batches
-    from llmjp_ds.data.atomic import ensure_writable_dir
     from llmjp_ds.data.prepare import resolve_data
     from llmjp_ds.engine import build_model, data_parallel_info, init_distributed, initialize
     from llmjp_ds.metrics import MetricsLogger, Throughput, format_log_line, peak_memory_gib, reset_peak_memory
@@ -98,7 +109,7 @@ def train(cfg: RunConfig) -> dict:
     PrecisionSchedule(cfg.precision, backend, tokens_per_step)
     # a run directory we cannot write, a `latest` that names no complete checkpoint, or a checkpoint of another
     # model shape fail here, before any process group exists (and not in DeepSpeed's load, with a traceback)
-    ensure_writable_dir(run_dir, "run")
+    _check_writable(run_dir)
     checkpoint.check_resume(run_dir, model_config.to_dict())
     data = resolve_data(cfg, model_config, world_rank=int(os.environ.get("RANK", "0")))
 

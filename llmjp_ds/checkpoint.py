@@ -100,16 +100,39 @@ def save(engine, run_dir, step: int, client_state: dict, marker: dict, keep_last
 
     root = checkpoint_dir(run_dir)
     tag = tag_for(step, rollbacks)
-    engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
+    try:
+        engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
+    except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError
+        _save_failed(root, tag, exc)
     dist.barrier()
     if dist.get_rank() == 0:
-        with atomic_file(root / tag / MARKER, "w") as f:
-            json.dump({**marker, "step": step, "tag": tag}, f, indent=2)
-        with atomic_file(root / LATEST, "w") as f:
-            f.write(tag)
+        try:
+            with atomic_file(root / tag / MARKER, "w") as f:
+                json.dump({**marker, "step": step, "tag": tag}, f, indent=2)
+            with atomic_file(root / LATEST, "w") as f:
+                f.write(tag)
+        except OSError as exc:
+            _save_failed(root, tag, exc)
         prune(run_dir, keep_last)
     dist.barrier()
     return tag
+
+
+def _save_failed(root: Path, tag: str, exc: BaseException):
+    """A write of the save failed (full disk, quota, I/O error): drop the partial tag, say what ``latest`` still
+    names, stop. Under several ranks the others stop at their next collective (or the process-group timeout)."""
+    if not (root / tag / MARKER).is_file():
+        shutil.rmtree(root / tag, ignore_errors=True)
+    reason = getattr(exc, "strerror", None) or (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+    try:
+        n = shutil.disk_usage(root).free
+        free = f"{n / 2**30:.1f} GiB free" if n >= 2**30 else f"{n / 2**20:.1f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    latest = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
+    fail(f"saving checkpoint {tag} to {root} failed ({reason}; {free}): is the disk full? Free space or lower "
+         f"checkpoint.keep_last, then resume; {LATEST} still names "
+         + (f"the complete checkpoint {latest}" if latest else "no checkpoint (nothing was saved yet)"))
 
 
 def prune(run_dir, keep_last: int) -> None:
@@ -120,6 +143,8 @@ def prune(run_dir, keep_last: int) -> None:
     for d in root.iterdir():
         if d.is_dir() and _TAG.match(d.name) and d.name not in keep:
             shutil.rmtree(d, ignore_errors=True)
+        elif d.name.startswith(".") and d.name.endswith(".tmp") and d.is_file():
+            d.unlink(missing_ok=True)  # an atomic_file temp (latest, marker) left by a kill -9
 
 
 @contextlib.contextmanager

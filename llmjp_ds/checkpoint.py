@@ -203,12 +203,6 @@ def read_model_state(run_dir, tag: str, marker: dict) -> dict[str, torch.Tensor]
 def export(run_dir, output, tag: str | None = None, dtype: str = "bf16", force: bool = False) -> dict:
     """Write an HF checkpoint (+ tokenizer) from a training checkpoint and verify it against the trained model:
     ``AutoModelForCausalLM`` reloads the export and its logits on a probe batch must match ours."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from llmjp_ds.model import LlamaForCausalLM
-    from llmjp_ds.model.hf_adapter import to_hf_state_dict
-    from llmjp_ds.model.hf_io import write_hf_checkpoint
-
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         fail(f"run directory {run_dir} does not exist")
@@ -219,6 +213,13 @@ def export(run_dir, output, tag: str | None = None, dtype: str = "bf16", force: 
     if tag is None:
         fail(f"{run_dir} has no checkpoint yet: train first, or pass --tag")
     marker = read_marker(run_dir, tag)
+    # transformers' modeling code loads only now (~5 s): the checks above answer a mistake at once
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from llmjp_ds.model import LlamaForCausalLM
+    from llmjp_ds.model.hf_adapter import to_hf_state_dict
+    from llmjp_ds.model.hf_io import write_hf_checkpoint
+
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     config = LlamaConfig.from_dict(marker["model_config"])
     state = {k: v for k, v in read_model_state(run_dir, tag, marker).items() if not k.endswith("_extra_state")}

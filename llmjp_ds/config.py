@@ -349,7 +349,8 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         fail(f"parallel.pipeline_stages={p.pipeline_stages} exceeds the model's {num_layers} layers: use at most "
              f"{num_layers} stages")
     if world_size % p.pipeline_stages:
-        fail(f"world size {world_size} is not divisible by parallel.pipeline_stages={p.pipeline_stages}")
+        fail(f"world size {world_size} is not divisible by parallel.pipeline_stages={p.pipeline_stages}: launch a "
+             f"multiple of {p.pipeline_stages} ranks (nodes x GPUs), or change parallel.pipeline_stages")
     dp = data_parallel_size(cfg, world_size)
     if t.global_batch_size % (t.micro_batch_size * dp):
         fail(f"train.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size x data parallel "

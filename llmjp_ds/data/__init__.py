@@ -1,0 +1,46 @@
+"""The data layer: jsonl -> SentencePiece ids -> Megatron .bin/.idx -> shuffled, blended training windows.
+
+    tokenizer.py   train / load SentencePiece models (LLM-jp v3 layout), save them as HF tokenizers
+    jsonl.py       read jsonl / .gz / .zst, and say exactly which line is bad
+    preprocess.py  `llmjp-ds preprocess`: jsonl -> PREFIX_text_document.bin/.idx (parallel, atomic)
+    indexed.py     the Megatron MMIDIDX format: IndexedDataset (reader), IndexedDatasetWriter
+    dataset.py     GPT windows of seq_len + 1 tokens, per-epoch shuffles, weighted blends, cached indices
+    corpus/        the bundled demo corpus (ja, en, code); regenerate with `python -m llmjp_ds.data.corpus_gen`
+
+Names below import lazily so that `import llmjp_ds.data` stays cheap. `preprocess` is not among them: the name is
+its module's (use `from llmjp_ds.data.preprocess import preprocess`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
+
+_LAZY = {
+    "IndexedDataset": "indexed", "IndexedDatasetWriter": "indexed", "best_dtype": "indexed",
+    "Tokenizer": "tokenizer", "load_tokenizer": "tokenizer", "train_tokenizer": "tokenizer",
+    "save_hf_tokenizer": "tokenizer",
+    "parse_blend": "dataset", "build_datasets": "dataset", "SampleDataset": "dataset",
+}
+__all__ = ["CORPUS_DIR", "bundled_corpus_files", *_LAZY]
+
+
+def bundled_corpus_files() -> list[Path]:
+    """The demo corpus shipped with the package: Japanese, English (incl. stdlib docstrings) and Python code."""
+    files = [CORPUS_DIR / f"{name}.jsonl.gz" for name in ("ja", "en", "code")]
+    missing = [f for f in files if not f.exists()]
+    if missing:
+        from llmjp_ds.errors import fail
+
+        fail(f"bundled corpus file {missing[0]} is missing: reinstall llmjp-ds, or regenerate it with "
+             f"`python -m llmjp_ds.data.corpus_gen`")
+    return files
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"llmjp_ds.data.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'llmjp_ds.data' has no attribute {name!r}")

@@ -1,0 +1,209 @@
+"""``llmjp-ds preprocess``: jsonl (plain, .gz, .zst) -> ``PREFIX_text_document.bin/.idx`` (Megatron MMIDIDX).
+
+Each document becomes one sequence ``[bos] + sp.encode(text) + [eos]``: byte for byte what Megatron-LM's
+``tools/preprocess_data.py --tokenizer-type Llama2Tokenizer --append-eod`` writes for the same model (its
+``eod`` is the model's ``eos_id``; an empty text still gives ``[bos, eos]``), so LLM-jp's corpora and ours mix.
+
+The main process reads raw lines and writes; worker processes parse json and tokenize chunks of ~1 MB. Results
+come back in input order, so any ``workers`` gives the same bytes. At most ``2 * workers + 2`` chunks are in flight,
+so memory stays flat however large the input. Output is written atomically (see ``IndexedDatasetWriter``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import multiprocessing
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from llmjp_ds.data.indexed import IndexedDatasetWriter, best_dtype, check_output_free
+from llmjp_ds.data.jsonl import BadLine, check_inputs, iter_lines, text_of_line
+from llmjp_ds.errors import fail
+
+OUTPUT_SUFFIX = "_text_document"
+CHUNK_BYTES = 1 << 20
+
+# per-process state of a tokenizing worker (set by _init_worker)
+_STATE: dict = {}
+
+
+def output_prefix_for(output_prefix: str | Path) -> str:
+    """The corpus prefix ``preprocess`` writes for ``--output-prefix`` (Megatron's ``{prefix}_text_document``)."""
+    return os.fspath(output_prefix) + OUTPUT_SUFFIX
+
+
+def _init_worker(model_path: str, text_key: str, skip_bad: bool) -> None:
+    from llmjp_ds.data.tokenizer import load_tokenizer
+
+    _STATE.update(tok=load_tokenizer(model_path), text_key=text_key, skip_bad=skip_bad)
+
+
+def _encode_chunk(chunk: tuple[str, int, list[bytes]]):
+    """Tokenize one chunk of lines -> (tokens, lengths, skipped {kind: n}, first skipped message, error)."""
+    path, first_lineno, lines = chunk
+    tok, key, skip_bad = _STATE["tok"], _STATE["text_key"], _STATE["skip_bad"]
+    texts: list[str] = []
+    skipped: dict[str, int] = {}
+    first_skip = None
+    for n, line in enumerate(lines):
+        try:
+            text = text_of_line(line, key)
+        except BadLine as bad:
+            where = f"{path}:{first_lineno + n}"
+            if not skip_bad:
+                return None, None, skipped, None, f"{where}: {bad}, or pass --skip-bad to skip such lines"
+            skipped[bad.kind] = skipped.get(bad.kind, 0) + 1
+            first_skip = first_skip or f"{where}: {bad}"
+            continue
+        if text is not None:
+            texts.append(text)
+    pieces = tok.encode_batch(texts)
+    lengths = np.fromiter((len(p) + 2 for p in pieces), dtype=np.int64, count=len(pieces))
+    flat = np.empty(int(lengths.sum()), dtype=np.int32)
+    pos = 0
+    bos, eod = tok.bos_id, tok.eod_id
+    for p in pieces:
+        flat[pos] = bos
+        flat[pos + 1:pos + 1 + len(p)] = p
+        flat[pos + 1 + len(p)] = eod
+        pos += len(p) + 2
+    return flat, lengths, skipped, first_skip, None
+
+
+def _chunks(paths: list[Path], chunk_bytes: int, progress):
+    """(path, first line number, lines) of about ``chunk_bytes`` each, never spanning two files."""
+    for path in paths:
+        lines: list[bytes] = []
+        size = 0
+        first = 1
+        last_raw = 0
+        for lineno, line, raw_pos in iter_lines(path):
+            if not lines:
+                first = lineno
+            lines.append(line)
+            size += len(line)
+            if size >= chunk_bytes:
+                yield str(path), first, lines
+                progress.update(raw_pos - last_raw)
+                last_raw = raw_pos
+                lines, size = [], 0
+        if lines:
+            yield str(path), first, lines
+        progress.update(path.stat().st_size - last_raw)
+
+
+def _ordered_results(chunks, workers: int, init_args: tuple):
+    """Results of ``_encode_chunk`` in input order; in-process for one worker, else a bounded process pool."""
+    if workers <= 1:
+        _init_worker(*init_args)
+        for chunk in chunks:
+            yield _encode_chunk(chunk)
+        return
+    # fork: workers need nothing but sentencepiece, and spawn cannot start from a REPL or stdin script
+    ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    with ctx.Pool(workers, initializer=_init_worker, initargs=init_args) as pool:
+        pending: collections.deque = collections.deque()
+        for chunk in chunks:
+            pending.append(pool.apply_async(_encode_chunk, (chunk,)))
+            if len(pending) >= 2 * workers + 2:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+class _NoProgress:
+    def update(self, n):
+        pass
+
+    def close(self):
+        pass
+
+
+def preprocess(inputs: list[str | Path], tokenizer: str | Path, output_prefix: str | Path, workers: int = 1,
+               text_key: str = "text", force: bool = False, skip_bad: bool = False, progress: bool | None = None,
+               chunk_bytes: int = CHUNK_BYTES) -> dict:
+    """Tokenize jsonl files into ``{output_prefix}_text_document.bin/.idx``; returns statistics.
+
+    ``progress``: None shows a bar when stderr is a terminal. Bad lines raise a one-line UserError naming
+    ``file:line``, unless ``skip_bad``, which counts them instead (``stats["skipped"]``).
+    """
+    from llmjp_ds.data.tokenizer import load_tokenizer
+
+    start = time.perf_counter()
+    paths = check_inputs(inputs)
+    tok = load_tokenizer(tokenizer)
+    if workers < 1:
+        fail(f"--workers {workers}: need at least 1")
+    prefix = output_prefix_for(output_prefix)
+    check_output_free(prefix, force)  # before hours of work, not after
+    dtype = best_dtype(tok.vocab_size)
+
+    bar = _NoProgress()
+    if progress is not False:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sum(p.stat().st_size for p in paths), unit="B", unit_scale=True, file=sys.stderr,
+                   desc="preprocess", disable=None if progress is None else False, dynamic_ncols=True)
+    skipped: dict[str, int] = {}
+    first_skip = None
+    init = (str(tok.model_path), text_key, skip_bad)
+    try:
+        results = _ordered_results(_chunks(paths, chunk_bytes, bar), workers, init)
+        with contextlib.closing(results), IndexedDatasetWriter(prefix, dtype, force=force) as writer:
+            for flat, lengths, chunk_skipped, chunk_first, error in results:
+                if error:
+                    fail(error)
+                for kind, n in chunk_skipped.items():
+                    skipped[kind] = skipped.get(kind, 0) + n
+                first_skip = first_skip or chunk_first
+                if flat.size and (int(flat.max()) >= tok.vocab_size or int(flat.min()) < 0):
+                    bad = int(flat.max()) if int(flat.max()) >= tok.vocab_size else int(flat.min())
+                    fail(f"token id {bad} is outside the vocabulary (size {tok.vocab_size}) of {tok.model_path}: "
+                         f"the tokenizer file is corrupt; re-train or re-download it")
+                writer.add_documents(flat, lengths)
+            if writer.num_documents == 0:
+                why = f" ({sum(skipped.values())} bad lines skipped, e.g. {first_skip})" if skipped else ""
+                fail(f"no documents in {', '.join(map(str, paths))}{why}: nothing to write; check the files and "
+                     f"--text-key {text_key!r}")
+            documents, tokens = writer.num_documents, writer.num_tokens
+    finally:
+        bar.close()
+    seconds = time.perf_counter() - start
+    return {
+        "prefix": prefix, "documents": documents, "tokens": tokens, "skipped": sum(skipped.values()),
+        "skipped_by_kind": skipped, "first_skipped": first_skip, "seconds": seconds,
+        "tokens_per_second": tokens / seconds if seconds > 0 else float("inf"), "dtype": dtype.name,
+        "vocab_size": tok.vocab_size, "workers": workers,
+    }
+
+
+def cli_main(argv: list[str], verb: str = "preprocess") -> int:
+    parser = argparse.ArgumentParser(
+        prog=f"llmjp-ds {verb}",
+        description="Tokenize jsonl into a Megatron-LM indexed corpus PREFIX_text_document.bin/.idx "
+                    "([bos] + pieces + [eos] per document, as Megatron's --append-eod).")
+    parser.add_argument("--input", nargs="+", required=True, metavar="FILE", help="jsonl, .jsonl.gz or .jsonl.zst")
+    parser.add_argument("--tokenizer", required=True,
+                        help="SentencePiece .model, or a directory holding tokenizer.model")
+    parser.add_argument("--output-prefix", required=True, help="writes PREFIX_text_document.bin and .idx")
+    parser.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)))
+    parser.add_argument("--text-key", default="text", help="json key holding the document text (default: text)")
+    parser.add_argument("--force", action="store_true", help="replace an existing output")
+    parser.add_argument("--skip-bad", action="store_true",
+                        help="skip lines that are not json objects with a string text key, and count them")
+    args = parser.parse_args(argv)
+    stats = preprocess(args.input, args.tokenizer, args.output_prefix, workers=args.workers, text_key=args.text_key,
+                       force=args.force, skip_bad=args.skip_bad)
+    print(f"wrote {stats['prefix']}.bin/.idx: {stats['documents']:,} documents, {stats['tokens']:,} tokens "
+          f"({stats['dtype']}) in {stats['seconds']:.1f} s, {stats['tokens_per_second']:,.0f} tokens/s with "
+          f"{stats['workers']} workers", file=sys.stderr)
+    if stats["skipped"]:
+        kinds = ", ".join(f"{n} {kind}" for kind, n in stats["skipped_by_kind"].items())
+        print(f"skipped {stats['skipped']:,} bad lines ({kinds}); first: {stats['first_skipped']}", file=sys.stderr)
+    return 0

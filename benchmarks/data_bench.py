@@ -1,0 +1,268 @@
+"""Measurements of the data layer quoted in docs/data.md.
+
+    python benchmarks/data_bench.py preprocess --tokenizer MODEL [--repeat 2] [--workers 1 2]
+    python benchmarks/data_bench.py access --prefix PREFIX [--seq-len 4096] [--samples 20000]
+    python benchmarks/data_bench.py index [--tokens 1e9] [--seq-len 4096] [--mean-doc 600]
+    python benchmarks/data_bench.py blend [--samples 1e7]
+    python benchmarks/data_bench.py corpus-loss --tokenizer DIR [--steps 300]
+
+``index`` synthesises a corpus: a real ``.idx`` with random (log-normal) document lengths and a sparse ``.bin``
+(``truncate``, no 2 GB written), then times ``build_datasets`` in a fresh process and reports its peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _status_mb(field: str) -> float:
+    """VmRSS (now) or VmHWM (peak) of this process, in MB. Not ru_maxrss: Linux carries that over exec from
+    the parent, so a child of a big parent would report the parent's peak."""
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _rss_mb() -> float:
+    return _status_mb("VmHWM")
+
+
+def bench_preprocess(args) -> None:
+    from llmjp_ds.data import bundled_corpus_files
+    from llmjp_ds.data.preprocess import preprocess
+
+    work = Path(tempfile.mkdtemp(prefix="bench-pre-"))
+    try:
+        src = work / "corpus.jsonl"
+        with open(src, "wb") as out:
+            for _ in range(args.repeat):
+                for f in bundled_corpus_files():
+                    with gzip.open(f, "rb") as g:
+                        shutil.copyfileobj(g, out)
+        print(f"input: bundled corpus x{args.repeat} = {src.stat().st_size / 1e6:.1f} MB of jsonl, "
+              f"tokenizer {args.tokenizer}")
+        for workers in args.workers:
+            stats = preprocess([src], args.tokenizer, work / f"w{workers}", workers=workers, progress=False)
+            print(f"workers={workers}: {stats['documents']} documents, {stats['tokens']} tokens in "
+                  f"{stats['seconds']:.2f} s = {stats['tokens_per_second']:,.0f} tokens/s "
+                  f"({src.stat().st_size / 1e6 / stats['seconds']:.1f} MB/s of jsonl)")
+    finally:
+        shutil.rmtree(work)
+
+
+def bench_access(args) -> None:
+    from llmjp_ds.data.dataset import build_datasets
+
+    cache = tempfile.mkdtemp(prefix="bench-acc-")
+    try:
+        t = time.perf_counter()
+        train, _ = build_datasets([args.prefix], args.seq_len, seed=1, train_samples=args.samples, valid_samples=0,
+                                  cache_dir=cache)
+        build = time.perf_counter() - t
+        rng = np.random.default_rng(0)
+        idx = rng.integers(0, len(train), size=args.reads)
+        for i in idx[:100]:  # warm the page cache a little
+            train[int(i)]
+        t = time.perf_counter()
+        total = 0
+        for i in idx:
+            total += train[int(i)].size
+        secs = time.perf_counter() - t
+        print(f"corpus {args.prefix}: seq_len {args.seq_len}, {len(train)} samples (index built in {build:.2f} s)")
+        print(f"{args.reads} random reads in {secs:.3f} s = {args.reads / secs:,.0f} samples/s = "
+              f"{total / secs / 1e6:,.1f} M tokens/s (one process)")
+    finally:
+        shutil.rmtree(cache)
+
+
+def _synth_corpus(directory: Path, tokens: int, mean_doc: float, seed: int = 0) -> tuple[str, int]:
+    """A valid .idx with log-normal document lengths summing to ``tokens``, and a sparse uint16 .bin."""
+    from llmjp_ds.data.indexed import CODE_OF_DTYPE, INDEX_MAGIC
+
+    rng = np.random.default_rng(seed)
+    sigma = 1.0
+    n = int(tokens / mean_doc * 1.1) + 16
+    lengths = np.maximum(rng.lognormal(np.log(mean_doc) - sigma ** 2 / 2, sigma, size=n).astype(np.int64), 2)
+    cum = np.cumsum(lengths)
+    n = int(np.searchsorted(cum, tokens)) + 1
+    lengths = lengths[:n]
+    lengths[-1] -= int(cum[n - 1] - tokens)
+    assert lengths.sum() == tokens and lengths[-1] > 0
+    prefix = str(directory / "synth_text_document")
+    dtype = np.dtype(np.uint16)
+    pointers = np.concatenate([[0], np.cumsum(lengths[:-1])]) * dtype.itemsize
+    import struct
+
+    with open(prefix + ".idx", "wb") as f:
+        f.write(INDEX_MAGIC + struct.pack("<QBQQ", 1, CODE_OF_DTYPE[dtype], n, n + 1))
+        f.write(lengths.astype(np.int32).tobytes())
+        f.write(pointers.astype(np.int64).tobytes())
+        f.write(np.arange(n + 1, dtype=np.int64).tobytes())
+    with open(prefix + ".bin", "wb") as f:
+        f.truncate(tokens * dtype.itemsize)
+    return prefix, n
+
+
+def bench_index(args) -> None:
+    tokens = int(float(args.tokens))
+    work = Path(tempfile.mkdtemp(prefix="bench-idx-"))
+    try:
+        t = time.perf_counter()
+        prefix, docs = _synth_corpus(work, tokens, args.mean_doc)
+        print(f"synthetic corpus: {tokens:,} tokens in {docs:,} documents (mean {tokens / docs:.0f}), "
+              f".idx {os.path.getsize(prefix + '.idx') / 1e6:.1f} MB, sparse .bin "
+              f"{os.path.getsize(prefix + '.bin') / 1e9:.1f} GB (made in {time.perf_counter() - t:.1f} s)")
+        per_epoch = (int(tokens * 0.99) - 1) // args.seq_len
+        for label, samples in (("1 epoch", per_epoch), ("3 epochs", 3 * per_epoch)):
+            cmd = [sys.executable, __file__, "_build", prefix, str(args.seq_len), str(samples), str(work / label)]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip()
+            print(f"build_datasets seq_len={args.seq_len}, train_samples={samples:,} ({label}), "
+                  f"valid_samples=1000: {out}")
+    finally:
+        shutil.rmtree(work)
+
+
+def _child_build(prefix: str, seq_len: str, samples: str, cache: str) -> None:
+    import llmjp_ds.data.dataset as dataset  # imports first, so the baseline RSS includes numpy
+
+    base = _status_mb("VmRSS")
+    t = time.perf_counter()
+    train, valid = dataset.build_datasets([prefix], int(seq_len), seed=1, train_samples=int(samples),
+                                          valid_samples=1000, cache_dir=cache)
+    build = time.perf_counter() - t
+    peak = _rss_mb()
+    t = time.perf_counter()
+    dataset.build_datasets([prefix], int(seq_len), seed=1, train_samples=int(samples), valid_samples=1000,
+                           cache_dir=cache)
+    cached = time.perf_counter() - t
+    size = sum(f.stat().st_size for f in Path(cache).rglob("*.npy"))
+    print(f"built in {build:.2f} s, peak RSS {peak:.0f} MB (baseline after imports {base:.0f} MB, so "
+          f"+{peak - base:.0f} MB), cache {size / 1e6:.1f} MB on disk, reopened from the cache in {cached:.3f} s")
+
+
+def bench_blend(args) -> None:
+    from llmjp_ds.data.dataset import blend_assignment
+
+    weights = [609, 182, 83, 63, 5.5, 3.9, 4.7, 763, 237, 2.7, 2.6, 1.8, 114.0, 0.8, 0.3]  # LLM-jp exp2, B tokens
+    n = int(float(args.samples))
+    base = _status_mb("VmRSS")
+    t = time.perf_counter()
+    corpus, index = blend_assignment(weights, n)
+    secs = time.perf_counter() - t
+    print(f"blend of {len(weights)} corpora (LLM-jp exp2 token weights), {n:,} samples: {secs:.2f} s, "
+          f"peak RSS +{_rss_mb() - base:.0f} MB, index {(corpus.nbytes + index.nbytes) / 1e6:.0f} MB")
+
+
+def bench_corpus_loss(args) -> None:
+    """Is the bundled corpus learnable? A ~4M-parameter transformers Llama, AdamW, a few hundred CPU steps."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from llmjp_ds.data import bundled_corpus_files
+    from llmjp_ds.data.dataset import build_datasets, parse_blend
+    from llmjp_ds.data.preprocess import preprocess
+    from llmjp_ds.data.tokenizer import load_tokenizer
+
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    tok = load_tokenizer(args.tokenizer)
+    work = Path(tempfile.mkdtemp(prefix="bench-loss-"))
+    try:
+        prefixes = []
+        for f in bundled_corpus_files():
+            name = f.name.split(".")[0]
+            prefixes.append(preprocess([f], args.tokenizer, work / name, progress=False)["prefix"])
+        blend = parse_blend(prefixes)  # weights = token counts
+        train, valid = build_datasets(blend, args.seq_len, seed=1, train_samples=args.steps * args.batch,
+                                      valid_samples=64, cache_dir=work / "cache")
+        config = LlamaConfig(vocab_size=tok.vocab_size, hidden_size=160, intermediate_size=432, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=args.seq_len,
+                             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+        model = LlamaForCausalLM(config)
+        params = sum(p.numel() for p in model.parameters())
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
+
+        def batch(ds, start):
+            x = torch.from_numpy(np.stack([ds[start + i] for i in range(args.batch)]))
+            return x[:, :-1], x[:, 1:]
+
+        def valid_loss():
+            model.eval()
+            with torch.no_grad():
+                losses = [model(input_ids=x, labels=None).logits.flatten(0, 1).float().log_softmax(-1)
+                          .gather(1, y.reshape(-1, 1)).neg().mean().item()
+                          for x, y in (batch(valid, s) for s in range(0, 64, args.batch))]
+            model.train()
+            return sum(losses) / len(losses)
+
+        print(f"model: {params / 1e6:.2f} M parameters, vocab {tok.vocab_size}, seq {args.seq_len}, "
+              f"batch {args.batch}, corpora {[(round(w), Path(p).name) for w, p in blend]}")
+        print(f"step 0: valid loss {valid_loss():.3f} (ln vocab = {np.log(tok.vocab_size):.3f})")
+        t = time.perf_counter()
+        for step in range(1, args.steps + 1):
+            x, y = batch(train, (step - 1) * args.batch)
+            logits = model(input_ids=x).logits
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            if step % max(1, args.steps // 6) == 0 or step == args.steps:
+                print(f"step {step}: train loss {loss.item():.3f}, valid loss {valid_loss():.3f} "
+                      f"({time.perf_counter() - t:.0f} s)")
+        model.eval()
+        for prompt in ["今日は", "The weather", "def "]:
+            ids = torch.tensor([[tok.bos_id, *tok.encode(prompt)]])
+            out = model.generate(ids, max_new_tokens=40, do_sample=False, pad_token_id=tok.eos_id)
+            print(f"greedy from {prompt!r}: {tok.decode(out[0, 1:].tolist())!r}")
+    finally:
+        shutil.rmtree(work)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "_build":
+        _child_build(*sys.argv[2:6])
+        return
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="what", required=True)
+    p = sub.add_parser("preprocess")
+    p.add_argument("--tokenizer", required=True)
+    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    p = sub.add_parser("access")
+    p.add_argument("--prefix", required=True)
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--samples", type=int, default=1000)
+    p.add_argument("--reads", type=int, default=20000)
+    p = sub.add_parser("index")
+    p.add_argument("--tokens", default="1e9")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--mean-doc", type=float, default=600)
+    p = sub.add_parser("blend")
+    p.add_argument("--samples", default="1e7")
+    p = sub.add_parser("corpus-loss")
+    p.add_argument("--tokenizer", required=True)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    {"preprocess": bench_preprocess, "access": bench_access, "index": bench_index, "blend": bench_blend,
+     "corpus-loss": bench_corpus_loss}[args.what](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -279,16 +279,32 @@ def apply_set(data: dict, assignment: str) -> dict:
 def load_file(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
-        fail(f"config file {path} does not exist")
-    text = path.read_text()
+        fail(f"config file {path} does not exist: pass the path of a YAML or JSON run config (or use --preset)")
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        fail(f"cannot read config file {path} ({exc}): pass a UTF-8 YAML or JSON file")
     try:
         if path.suffix == ".json":
-            return json.loads(text)
-        import yaml
+            data = json.loads(text)
+        else:
+            import yaml
 
-        return yaml.safe_load(text) or {}
+            data = yaml.safe_load(text) or {}
     except Exception as exc:  # yaml / json syntax errors
-        fail(f"cannot parse config file {path}: {str(exc).splitlines()[0]}")
+        mark = getattr(exc, "problem_mark", None)  # yaml: where; json: msg + lineno/colno
+        if mark is not None:
+            where = f"{getattr(exc, 'problem', None) or str(exc).splitlines()[0]} at line {mark.line + 1}, column " \
+                    f"{mark.column + 1}"
+        elif isinstance(exc, json.JSONDecodeError):
+            where = f"{exc.msg} at line {exc.lineno}, column {exc.colno}"
+        else:
+            where = str(exc).splitlines()[0]
+        fail(f"cannot parse config file {path}: {where}; fix the syntax there")
+    if not isinstance(data, dict):
+        fail(f"config file {path} holds a {type(data).__name__}, not a mapping of sections (run_dir, model, data, "
+             "optim, train, ...): see the presets in llmjp_ds/config.py")
+    return data
 
 
 def load_config(path: str | Path | None = None, sets: list[str] = (), preset: str | None = None) -> RunConfig:

@@ -205,7 +205,7 @@ def export(run_dir, output, tag: str | None = None, dtype: str = "bf16", force: 
     ``AutoModelForCausalLM`` reloads the export and its logits on a probe batch must match ours."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        fail(f"run directory {run_dir} does not exist")
+        fail(f"run directory {run_dir} does not exist: pass --run the run_dir of a training run")
     output = Path(output)
     if output.exists() and any(output.iterdir()) and not force:
         fail(f"{output} already exists: choose another --output or pass --force to replace it")
@@ -256,8 +256,14 @@ def import_hf(model_dir, run_dir, preset: str = "llmjp3-1.8b", force: bool = Fal
     from llmjp_ds.model.presets import check_supported, rope_theta
 
     model_dir, run_dir = Path(model_dir).resolve(), Path(run_dir)
+    if preset not in RUN_PRESETS:
+        from llmjp_ds.config import _did_you_mean
+
+        fail(f"unknown run preset {preset!r}{_did_you_mean(preset, RUN_PRESETS)}: choose one of "
+             f"{', '.join(RUN_PRESETS)}")
     if not model_dir.is_dir():
-        fail(f"model directory {model_dir} does not exist")
+        fail(f"model directory {model_dir} does not exist: pass --model the directory save_pretrained wrote "
+             "(config.json + safetensors)")
     hf = read_hf_config(model_dir)
     check_supported(hf)
     if (run_dir / "config.yaml").exists() and not force:

@@ -1,0 +1,273 @@
+"""Fixtures of the trainer's CPU acceptance tests (several processes over gloo).
+
+* ``train_env`` (session): one ``LLMJP_DS_CACHE`` for the session, so the bundled corpus and tokenizer are
+  prepared once (~40 s), and a stable ``TORCH_EXTENSIONS_DIR`` (``$TORCH_EXTENSIONS_DIR`` if set, else
+  ``~/.cache/llmjp-ds/torch_extensions``), so DeepSpeed's ``deepspeed_shm_comm`` op compiles once (~22 s), not
+  once per session or per process. Both are warmed before the first run, so no test pays for them mid-run.
+* :func:`run_train` launches ``python -m llmjp_ds.train`` (1 process) or ``python -m torch.distributed.run
+  --nproc_per_node=N -m llmjp_ds.train`` as a subprocess with a tiny fp32 model, and fails the test with the
+  subprocess's stderr tail on a non-zero exit or a timeout (every process it started is killed then).
+* ``runs`` (session): the uninterrupted ``2N``-step run and the ``N`` + resume-to-``2N`` run of each parallel
+  layout, each launched at most once per session and shared by the resume, equivalence and export tests
+  (5 uninterrupted runs + 3 resumed pairs: 8 two-process launches and 3 one-process launches in all).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+N = 3  # the resume point; every run's LR schedule spans 2N steps (optim.decay_steps), so stopping at N is harmless
+STEPS = 2 * N
+TRAIN_TIMEOUT = 300  # seconds per launch (a 2-process run takes ~15 s on 2 idle cores)
+CLI_TIMEOUT = 300
+
+TINY_MODEL = "{hidden_size: 64, num_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, ffn_hidden_size: 128}"
+# vocab stays at the tiny preset's 8064 rows: the bundled tokenizer has 8000 pieces
+COMMON_SETS = (
+    "logging.wandb=disabled",
+    f"model.overrides={TINY_MODEL}",
+    "data.seq_len=32",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "precision.dtype=fp32",
+    "train.eval_interval=0",
+    f"optim.decay_steps={STEPS}",
+    "optim.warmup_steps=2",
+)
+
+# layout -> (processes, extra --set values); the global batch (8) is the same in every layout
+LAYOUTS = {
+    "single": (1, ()),  # the reference: 1 process (ZeRO-1 over one rank, 4 micro-batches per step)
+    "zero1": (2, ("parallel.zero_stage=1",)),
+    "zero2": (2, ("parallel.zero_stage=2",)),
+    "zero3": (2, ("parallel.zero_stage=3",)),
+    "pp2": (2, ("parallel.zero_stage=1", "parallel.pipeline_stages=2")),
+}
+
+_WARM_UP = """
+from llmjp_ds.data.prepare import prepare_bundled
+prepare_bundled()
+from deepspeed.comm.torch import build_shm_op
+build_shm_op()
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def subprocess_env(**extra: str) -> dict:
+    env = dict(os.environ)
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)  # a test process that set these for in-process runs must not leak them
+    env.update(OMP_NUM_THREADS="1", WANDB_SILENT="true", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL what we launched: torchrun's workers run in sessions of their own, so kill each child's process
+    group, then the launcher's."""
+    for child in _children(proc.pid):
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(child, signal.SIGKILL)
+                break
+            except (ProcessLookupError, PermissionError):
+                continue
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def tail(path: Path, chars: int = 4000) -> str:
+    text = path.read_text(errors="replace") if path.is_file() else ""
+    return text[-chars:]
+
+
+def run_command(cmd: list[str], log_prefix: Path, *, env: dict | None = None, timeout: float = CLI_TIMEOUT,
+                check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in a session of its own, stdout/stderr to ``<log_prefix>.out/.err``; kill everything it
+    started on timeout. ``check``: fail the test (with the stderr tail) on a non-zero exit."""
+    out, err = log_prefix.with_suffix(".out"), log_prefix.with_suffix(".err")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    with open(out, "w") as fo, open(err, "w") as fe:
+        proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, env=env or subprocess_env(), start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_tree(proc)
+            pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n--- stderr tail ---\n{tail(err)}\n"
+                        f"--- stdout tail ---\n{tail(out, 2000)}", pytrace=False)
+        finally:
+            if proc.poll() is None:  # interrupted (pytest-timeout, Ctrl-C): leave nothing running
+                _kill_tree(proc)
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out.read_text(errors="replace"),
+                                         err.read_text(errors="replace"))
+    result.wall_s = time.monotonic() - t0
+    if check and proc.returncode != 0:
+        pytest.fail(f"exit code {proc.returncode}: {' '.join(cmd)}\n--- stderr tail ---\n{tail(err)}\n"
+                    f"--- stdout tail ---\n{tail(out, 2000)}", pytrace=False)
+    return result
+
+
+_launches = 0
+
+
+def run_train(tmp, nproc: int, *sets: str, timeout: float = TRAIN_TIMEOUT) -> Path:
+    """Train in ``<tmp>/run`` (a second call with the same ``tmp`` resumes from ``latest``) with the tiny fp32
+    setup of :data:`COMMON_SETS` plus ``sets``; returns the run directory. Needs the ``train_env`` fixture."""
+    global _launches
+    if "LLMJP_DS_CACHE" not in os.environ:
+        raise RuntimeError("run_train needs the train_env fixture (LLMJP_DS_CACHE unset)")
+    tmp = Path(tmp)
+    run_dir = tmp / "run"
+    port = str(free_port())
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "llmjp_ds.train"]
+        env = subprocess_env(MASTER_PORT=port)
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}",
+               "-m", "llmjp_ds.train"]
+        env = subprocess_env()
+    for value in (f"run_dir={run_dir}", *COMMON_SETS, *sets):
+        cmd += ["--set", value]
+    _launches += 1
+    run_command(cmd, tmp / f"train-{_launches:02d}", env=env, timeout=timeout)
+    return run_dir
+
+
+def cli(args: list[str], log_prefix: Path, *, check: bool = True, timeout: float = CLI_TIMEOUT, env=None):
+    """``llmjp-ds <args>`` (the console script's entry point, through this interpreter)."""
+    return run_command([sys.executable, "-m", "llmjp_ds.cli", *args], log_prefix, env=env, timeout=timeout,
+                       check=check)
+
+
+def trail(run_dir) -> list[dict]:
+    """The step records (not events) of a run's metrics.jsonl, in order."""
+    from llmjp_ds.metrics import read_metrics
+
+    return [r for r in read_metrics(run_dir) if "event" not in r and "loss" in r]
+
+
+def losses(run_dir) -> list[float]:
+    return [r["loss"] for r in trail(run_dir)]
+
+
+def max_rel_diff(values, reference) -> float:
+    assert len(values) == len(reference)
+    return max(abs(a - b) / abs(b) for a, b in zip(values, reference))
+
+
+@pytest.fixture(scope="session")
+def train_env(tmp_path_factory):
+    """The session's corpus/tokenizer cache and DeepSpeed extensions dir (in ``os.environ`` for the session)."""
+    root = tmp_path_factory.mktemp("train-env")
+    extensions = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path.home() / ".cache" / "llmjp-ds" / "torch_extensions")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LLMJP_DS_CACHE", str(root / "cache"))
+        mp.setenv("TORCH_EXTENSIONS_DIR", extensions)
+        run_command([sys.executable, "-c", _WARM_UP], root / "warm-up", timeout=600)
+        yield root
+
+
+class Runs:
+    """Each layout's uninterrupted run and resumed run, launched on first use and shared for the session.
+    A failed launch is remembered, so the tests that share it fail at once instead of relaunching it."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._done: dict[tuple[str, str], Path | str] = {}
+
+    def _get(self, kind: str, layout: str, launch) -> Path:
+        key = (kind, layout)
+        if key not in self._done:
+            self._done[key] = "failed"
+            try:
+                self._done[key] = launch()
+            except BaseException as exc:
+                self._done[key] = f"{kind} run of {layout} failed earlier: {str(exc)[:3000]}"
+                raise
+        value = self._done[key]
+        if isinstance(value, str):
+            pytest.fail(value, pytrace=False)
+        return value
+
+    def full(self, layout: str) -> Path:
+        """``2N`` steps in one go."""
+        nproc, sets = LAYOUTS[layout]
+        return self._get("full", layout, lambda: run_train(self.root / f"{layout}-full", nproc, *sets,
+                                                           f"train.steps={STEPS}"))
+
+    def resumed(self, layout: str) -> Path:
+        """``N`` steps, stop (final save), then the same command with ``train.steps=2N``: resumes from latest."""
+        nproc, sets = LAYOUTS[layout]
+
+        def launch():
+            tmp = self.root / f"{layout}-resumed"
+            run_train(tmp, nproc, *sets, f"train.steps={N}")
+            return run_train(tmp, nproc, *sets, f"train.steps={STEPS}")
+
+        return self._get("resumed", layout, launch)
+
+
+@pytest.fixture(scope="session")
+def runs(train_env, tmp_path_factory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("runs"))
+
+
+class Exports:
+    """``llmjp-ds export --dtype fp32`` of each layout's uninterrupted run, once per session."""
+
+    def __init__(self, runs: Runs, root: Path):
+        self.runs, self.root = runs, root
+        self._done: dict[str, tuple[Path, str] | str] = {}
+
+    def __call__(self, layout: str) -> tuple[Path, str]:
+        """(export dir, the CLI's stdout)."""
+        if layout not in self._done:
+            run_dir = self.runs.full(layout)
+            out = self.root / layout
+            self._done[layout] = f"export of {layout} failed earlier"
+            result = cli(["export", "--run", str(run_dir), "--output", str(out), "--dtype", "fp32"],
+                         self.root / f"export-{layout}")
+            self._done[layout] = (out, result.stdout)
+        value = self._done[layout]
+        if isinstance(value, str):
+            pytest.fail(value, pytrace=False)
+        return value
+
+
+@pytest.fixture(scope="session")
+def exports(runs, tmp_path_factory) -> Exports:
+    return Exports(runs, tmp_path_factory.mktemp("exports"))
+
+
+def read_json(path) -> dict:
+    return json.loads(Path(path).read_text())

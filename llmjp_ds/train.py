@@ -278,7 +278,8 @@ def train(cfg: RunConfig) -> dict:
             logger.event(state.step, "preempted", tag=checkpoint.tag_for(state.step, schedule.rollbacks))
             break
     else:
-        if checkpoint.latest_tag(run_dir) != checkpoint.tag_for(state.step, schedule.rollbacks):
+        if cfg.checkpoint.save_at_end and checkpoint.latest_tag(run_dir) != checkpoint.tag_for(
+                state.step, schedule.rollbacks):
             save()
     logger.close()
     dist.barrier()
@@ -294,6 +295,8 @@ def _grad_norm(engine) -> float | None:
 
 
 def shutdown() -> None:
+    if "torch.distributed" not in sys.modules:  # failed before torch loaded (a config error): nothing to close
+        return
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

@@ -15,16 +15,21 @@ SAFE_INDEX = "model.safetensors.index.json"
 
 
 def read_hf_config(path: Path):
-    from transformers import LlamaConfig
-
     if not (path / "config.json").is_file():
         fail(f"{path} is not a Hugging Face model directory (no config.json): pass the directory that "
              "save_pretrained wrote")
-    raw = json.loads((path / "config.json").read_text())
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        fail(f"{path / 'config.json'} is not valid JSON ({exc}): the download is incomplete or the file was edited")
+    if not isinstance(raw, dict):
+        fail(f"{path / 'config.json'} is not a JSON object: the download is incomplete or the file was edited")
     archs = raw.get("architectures") or ["LlamaForCausalLM"]
     if raw.get("model_type") != "llama" or "LlamaForCausalLM" not in archs:
         fail(f"{path} holds a {raw.get('model_type')!r} model ({', '.join(archs)}), not a Llama "
              "(LlamaForCausalLM): llmjp-ds imports Llama checkpoints only")
+    from transformers import LlamaConfig  # after the checks: transformers takes seconds to import
+
     return LlamaConfig.from_pretrained(str(path))
 
 

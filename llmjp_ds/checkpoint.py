@@ -88,7 +88,8 @@ def check_resume(run_dir, model_config: dict) -> str | None:
     if tag is None:
         return None
     saved = read_marker(run_dir, tag).get("model_config", {})
-    diff = [f"{k} {saved.get(k)} saved, {model_config.get(k)} now" for k in SHAPE_KEYS if saved.get(k) != model_config.get(k)]
+    diff = [f"{k} {saved.get(k)} saved, {model_config.get(k)} now"
+            for k in SHAPE_KEYS if saved.get(k) != model_config.get(k)]
     if diff:
         fail(f"{checkpoint_dir(run_dir) / tag} was saved from another model shape ({', '.join(diff)}): resume with "
              f"the run's own model settings, or set a new run_dir to start afresh")

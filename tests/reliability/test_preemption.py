@@ -1,0 +1,52 @@
+"""Preemption: SIGTERM and SIGINT finish the step, save, exit 0 within ``checkpoint.grace_seconds``; the resumed
+run continues exactly. A save that overruns the grace time is cut off (exit 143) and leaves ``latest`` alone."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from tests.reliability.conftest import (
+    DRILL, Proc, assert_latest_complete, check_ok, events, latest_of, loss_trail, run_train, tag_step, train_argv,
+    wait_for,
+)
+
+GRACE = 30.0
+# checkpoints only on a signal and at the end: a checkpoint after a signal is the signal's doing
+SETS = [*DRILL, "checkpoint.interval=0", f"checkpoint.grace_seconds={GRACE}"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sigterm_and_sigint_save_exit_0_and_resume_exactly(baseline, tmp_path):
+    _, expected = baseline
+    run_dir = tmp_path / "run"
+    for sig, after in ((signal.SIGTERM, 3), (signal.SIGINT, 7)):
+        proc = Proc(train_argv(run_dir, SETS))
+        assert wait_for(lambda: proc.steps_done() >= after, proc), proc.output()[-3000:]
+        sent = time.monotonic()
+        proc.signal(sig)
+        rc = proc.wait(GRACE + 30)
+        took = time.monotonic() - sent
+        assert rc == 0, f"{sig.name}: exit {rc}\n{proc.output()[-3000:]}"
+        assert took < GRACE, f"{sig.name}: exited {took:.1f}s after the signal (grace {GRACE}s)"
+        tag = assert_latest_complete(run_dir)
+        assert tag is not None, f"{sig.name}: no checkpoint saved\n{proc.output()[-3000:]}"
+        step = tag_step(tag)
+        # it finished the step it was in, saved exactly there, and said so
+        assert step >= after and step == max(loss_trail(run_dir)), (tag, loss_trail(run_dir))
+        assert events(run_dir, "preempted")[-1] == {**events(run_dir, "preempted")[-1], "step": step, "tag": tag}
+
+    # a save that cannot finish within the grace time is cut off by the watchdog: exit 143, latest untouched
+    before = latest_of(run_dir)
+    proc = Proc(train_argv(run_dir, [*SETS, "checkpoint.grace_seconds=0.001"]))
+    assert wait_for(lambda: proc.steps_done() >= tag_step(before) + 1, proc), proc.output()[-3000:]
+    proc.signal(signal.SIGTERM)
+    assert proc.wait(GRACE) == 143, proc.output()[-3000:]
+    assert assert_latest_complete(run_dir) == before
+
+    final = run_train(run_dir, SETS)
+    check_ok(final)
+    assert loss_trail(run_dir) == expected

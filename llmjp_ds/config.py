@@ -126,6 +126,7 @@ class CheckpointConfig:
     interval: int = 1000  # steps; 0 = only on signal and at the end
     keep_last: int = 3
     grace_seconds: float = 600.0  # SIGTERM: time allowed for the final save
+    save_at_end: bool = True  # false for throughput experiments that need no final checkpoint
 
 
 @dataclass
@@ -246,7 +247,7 @@ def build(cls, data: dict, path: str = ""):
 def merge(base: dict, update: dict) -> dict:
     out = dict(base)
     for key, value in update.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "overrides":
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = merge(out[key], value)
         else:
             out[key] = value

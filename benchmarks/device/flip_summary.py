@@ -17,7 +17,7 @@ def records(run):
 
 base_dir, *flip_dirs = sys.argv[1:]
 base = records(base_dir)
-print("| run | steps 31-50 mean loss | BF16 run same steps | rel diff | max step rel diff | TFLOP/s steps 23-30 "
+print("| run | steps 31-50 mean loss | BF16 run same steps | rel diff | max step rel diff | TFLOP/s steps 27-30 "
       "(BF16) | TFLOP/s steps 33-50 (FP8) | FP8/BF16 |")
 print("|---|---|---|---|---|---|---|---|")
 for d in flip_dirs:
@@ -32,7 +32,7 @@ for d in flip_dirs:
     ours = statistics.mean(r[s]["loss"] for s in steps)
     ref = statistics.mean(base[s]["loss"] for s in steps)
     worst = max(abs(r[s]["loss"] - base[s]["loss"]) / base[s]["loss"] for s in steps)
-    before = [r[s]["tflops_per_gpu"] for s in range(23, 31) if s in r]
+    before = [r[s]["tflops_per_gpu"] for s in range(27, 31) if s in r]
     after = [r[s]["tflops_per_gpu"] for s in range(33, 51) if s in r and r[s].get("precision") == "fp8"]
     b, a = (statistics.median(before) if before else float("nan")), (statistics.median(after) if after else float("nan"))
     print(f"| {Path(d).name} | {ours:.4f} | {ref:.4f} | {100 * (ours - ref) / ref:+.2f}% | {100 * worst:.2f}% | "

@@ -58,10 +58,10 @@ class _ExtraState:
 
 
 class RMSNorm(_ExtraState, nn.Module):
-    def __init__(self, hidden_size: int, eps: float, **_):
+    def __init__(self, hidden_size: int, eps: float, params_dtype=None, **_):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype))
 
     def forward(self, x):
         return rms_norm(x, self.weight, self.eps)
@@ -70,11 +70,11 @@ class RMSNorm(_ExtraState, nn.Module):
 class LayerNormLinear(_ExtraState, nn.Module):
     """RMSNorm fused into the following projection (TE: ``layer_norm_weight``, ``weight``)."""
 
-    def __init__(self, in_features: int, out_features: int, eps: float, init_std: float, **_):
+    def __init__(self, in_features: int, out_features: int, eps: float, init_std: float, params_dtype=None, **_):
         super().__init__()
         self.eps = eps
-        self.layer_norm_weight = nn.Parameter(torch.ones(in_features))
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.layer_norm_weight = nn.Parameter(torch.ones(in_features, dtype=params_dtype))
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=params_dtype))
         nn.init.normal_(self.weight, std=init_std)
 
     def forward(self, x):
@@ -82,9 +82,9 @@ class LayerNormLinear(_ExtraState, nn.Module):
 
 
 class Linear(_ExtraState, nn.Module):
-    def __init__(self, in_features: int, out_features: int, init_std: float, **_):
+    def __init__(self, in_features: int, out_features: int, init_std: float, params_dtype=None, **_):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=params_dtype))
         nn.init.normal_(self.weight, std=init_std)
 
     def forward(self, x):
@@ -94,12 +94,13 @@ class Linear(_ExtraState, nn.Module):
 class LayerNormMLP(_ExtraState, nn.Module):
     """RMSNorm + SwiGLU MLP (TE: ``layer_norm_weight``, ``fc1_weight`` = [gate; up], ``fc2_weight``)."""
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float, init_std: float, output_std: float, **_):
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float, init_std: float, output_std: float,
+                 params_dtype=None, **_):
         super().__init__()
         self.eps = eps
-        self.layer_norm_weight = nn.Parameter(torch.ones(hidden_size))
-        self.fc1_weight = nn.Parameter(torch.empty(2 * ffn_hidden_size, hidden_size))
-        self.fc2_weight = nn.Parameter(torch.empty(hidden_size, ffn_hidden_size))
+        self.layer_norm_weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype))
+        self.fc1_weight = nn.Parameter(torch.empty(2 * ffn_hidden_size, hidden_size, dtype=params_dtype))
+        self.fc2_weight = nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, dtype=params_dtype))
         nn.init.normal_(self.fc1_weight, std=init_std)
         nn.init.normal_(self.fc2_weight, std=output_std)
 

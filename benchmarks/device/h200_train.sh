@@ -35,8 +35,10 @@ done
 log "fork: BF16 resumed from the step-25 checkpoint, 25-50"
 fork bf16; train 200 bf16 --set run_dir=$R/bf16 --set train.steps=50 --set checkpoint.save_at_end=false
 wait; tail -1 "$OUT/export_base.log" | tee -a "$S"
+rm -rf /tmp/hf_base $R/current/checkpoints $R/block/checkpoints $R/bf16/checkpoints
 log "fork: FP8 delayed from step 30, steps 25-40 (checkpoint after the flip)"
-fork delayed; train 150 delayed --set run_dir=$R/delayed --set train.steps=40 --set "$(phases delayed)" --set precision.log_amax=true
+mkdir -p $R/delayed && mv $R/base/checkpoints $R/delayed/ && cp -r $R/base/tokenizer $R/base/metrics.jsonl $R/delayed/
+train 150 delayed --set run_dir=$R/delayed --set train.steps=40 --set "$(phases delayed)" --set precision.log_amax=true
 log "FP8 delayed resumed after the flip, 40-50"
 train 150 delayed --set run_dir=$R/delayed --set train.steps=50 --set "$(phases delayed)" --set precision.log_amax=true \
   --set checkpoint.save_at_end=false

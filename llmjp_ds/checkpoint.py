@@ -101,6 +101,11 @@ def save(engine, run_dir, step: int, client_state: dict, marker: dict, keep_last
 
     root = checkpoint_dir(run_dir)
     tag = tag_for(step, rollbacks)
+    # a run resumed behind a complete tag (killed between its marker and `latest`) saves that tag again, in
+    # place: each rank drops the old marker before it rewrites files, so a marker always means complete files
+    latest = root / LATEST
+    if not (latest.is_file() and latest.read_text().strip() == tag):
+        (root / tag / MARKER).unlink(missing_ok=True)
     try:
         engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
     except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError

@@ -182,15 +182,24 @@ def tag_step(tag: str) -> int:
 
 
 def assert_latest_complete(run_dir) -> str | None:
-    """``latest`` (if any) names a complete checkpoint: marker present and valid, DeepSpeed's files loadable."""
+    """``latest`` (if any) names a complete checkpoint, and so does every other tag with a marker (export
+    ``--tag`` and the FP8 rollback trust markers): marker valid, DeepSpeed's files loadable, weights finite."""
+    root = Path(run_dir) / "checkpoints"
+    for d in sorted(root.glob("step*")) if root.is_dir() else []:
+        if (d / "llmjp_ds.json").is_file():
+            assert_tag_complete(run_dir, d.name)
+    tag = latest_of(run_dir)
+    if tag is not None:
+        assert_tag_complete(run_dir, tag)
+    return tag
+
+
+def assert_tag_complete(run_dir, tag: str) -> None:
     import torch
 
-    tag = latest_of(run_dir)
-    if tag is None:
-        return None
     d = Path(run_dir) / "checkpoints" / tag
     marker = d / "llmjp_ds.json"
-    assert marker.is_file(), f"latest names {tag} without a marker: {sorted(os.listdir(d)) if d.is_dir() else 'gone'}"
+    assert marker.is_file(), f"{tag} has no marker: {sorted(os.listdir(d)) if d.is_dir() else 'gone'}"
     info = json.loads(marker.read_text())
     assert info["tag"] == tag and info["step"] == tag_step(tag)
     model = torch.load(d / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
@@ -200,7 +209,6 @@ def assert_latest_complete(run_dir) -> str | None:
     optim_files = list(d.glob("*optim_states.pt"))
     optim = torch.load(optim_files[0], map_location="cpu", weights_only=False) if optim_files else model
     assert optim.get("optimizer_state_dict") or optim.get("optimizer"), sorted(optim)
-    return tag
 
 
 def finite(x) -> bool:

@@ -18,6 +18,7 @@ import gzip
 import json
 import os
 import random
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -121,6 +122,33 @@ def test_kill_9_during_training_and_saves_then_resume_exactly(baseline, tmp_path
     assert len(tags) == 2 and all((root / t / "llmjp_ds.json").is_file() for t in tags), (tags, story)
     assert latest_of(run_dir) == f"step{DRILL_STEPS:08d}"
     assert not [f for f in os.listdir(root) if f.endswith(".tmp")], story
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_kill_9_while_a_marked_tag_is_saved_again(baseline, tmp_path):
+    """A kill between a checkpoint's marker and the move of ``latest`` leaves a complete tag newer than latest;
+    the resumed run saves that tag again, in place. Killed during the rewrite, the tag must not keep a marker
+    over half-rewritten files (``export --tag`` and the FP8 rollback trust markers, not ``latest``)."""
+    _, expected = baseline
+    run_dir = tmp_path / "run"
+    shutil.copytree(baseline[0], run_dir)
+    (run_dir / "checkpoints" / "latest").write_text("step00000029")  # 30 has its marker, latest did not move
+    tag_dir = run_dir / "checkpoints" / f"step{DRILL_STEPS:08d}"
+    files = {f: f.stat().st_mtime_ns for f in tag_dir.glob("*.pt")}
+
+    def rewriting():
+        try:
+            return not (tag_dir / "llmjp_ds.json").exists() or any(f.stat().st_mtime_ns != t for f, t in files.items())
+        except FileNotFoundError:
+            return True
+
+    proc = Proc(train_argv(run_dir, DRILL))
+    assert wait_for(rewriting, proc, interval=0.0002), proc.output()[-2000:]
+    proc.kill()
+    assert assert_latest_complete(run_dir) == "step00000029"  # and every tag that has a marker loads
+    check_ok(run_train(run_dir, DRILL))
+    assert loss_trail(run_dir) == expected
 
 
 # --- preprocess --------------------------------------------------------------------------------------------

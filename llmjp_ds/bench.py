@@ -5,7 +5,8 @@ with FP32 gradient accumulation, fused AdamW, gradient accumulation 8 (as real p
 of random token ids already on the GPU. One step = ``gas`` forward/backward passes + the optimizer step.
 
 Variants: ``ours-bf16``, ``ours-fp8-delayed`` (DelayedScaling, HYBRID), ``ours-fp8-current``
-(Float8CurrentScaling), ``peer-bf16`` (transformers' ``LlamaForCausalLM``, sdpa attention).
+(Float8CurrentScaling), ``ours-fp8-block`` (Float8BlockScaling), ``peer-bf16`` (transformers'
+``LlamaForCausalLM``, sdpa attention).
 TFLOP/s are model FLOPs (:func:`llmjp_ds.model.flops.model_flops_per_token`: Megatron-LM's formula with GQA,
 SwiGLU, the logits layer and the causal attention term halved; no recompute counted) per GPU; MFU is against
 989 TFLOP/s (H100/H200 dense BF16).
@@ -27,7 +28,7 @@ SHAPES = {
     "llmjp3-1.8b": ("llmjp3-1.8b", {}, 2),
     "llmjp3-3.7b": ("llmjp3-3.7b", {}, 1),
 }
-VARIANTS = ("ours-bf16", "ours-fp8-delayed", "ours-fp8-current", "peer-bf16")
+VARIANTS = ("ours-bf16", "peer-bf16", "ours-fp8-delayed", "ours-fp8-current", "ours-fp8-block")
 PEAK_TFLOPS = 989.0
 
 

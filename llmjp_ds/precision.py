@@ -271,9 +271,11 @@ def fp8_summary(model) -> dict:
     amaxes, scales = [], []
     for module in model.modules():
         meta = getattr(module, "fp8_meta", None)
-        if meta and "scaling_fwd" in meta:
-            amaxes.append(meta["scaling_fwd"].amax_history[0].max().item())
-            scales.append(meta["scaling_fwd"].scale.min().item())
+        state = meta.get("scaling_fwd") if meta else None
+        # only delayed scaling keeps an amax history; current and block scaling hold no state between steps
+        if state is not None and hasattr(state, "amax_history"):
+            amaxes.append(state.amax_history[0].max().item())
+            scales.append(state.scale.min().item())
         emu = getattr(module, "_fp8_emu_state", None)
         if emu is not None and emu.numel():
             amaxes.append(emu[..., 0].max().item())

@@ -153,6 +153,14 @@ def prune(run_dir, keep_last: int) -> None:
             d.unlink(missing_ok=True)  # an atomic_file temp (latest, marker) left by a kill -9
 
 
+def discard_after(run_dir, step: int) -> None:
+    """Delete the checkpoints of an abandoned timeline (steps after ``step``), e.g. after an FP8 rollback, so
+    that pruning by step number and a later rollback only ever see the timeline that continues."""
+    for tag_step, tag in complete_tags(run_dir):
+        if tag_step > step:
+            shutil.rmtree(checkpoint_dir(run_dir) / tag, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def trusted_te_extra_state():
     """Our own checkpoints hold TE's pickled DelayedScaling state (amax history, scales). TE >= 2.18 refuses

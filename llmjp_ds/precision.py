@@ -274,8 +274,12 @@ def fp8_summary(model) -> dict:
         state = meta.get("scaling_fwd") if meta else None
         # only delayed scaling keeps an amax history; current and block scaling hold no state between steps
         if state is not None and hasattr(state, "amax_history"):
-            amaxes.append(state.amax_history[0].max().item())
-            scales.append(state.scale.min().item())
+            # TE rolls the history after each update (row 0 restarts at zero): read the whole window; slots
+            # that never saw a value (amax 0) keep scale 1 and say nothing about the scaling
+            seen = state.amax_history.amax(dim=0)
+            if bool((seen > 0).any()):
+                amaxes.append(seen.max().item())
+                scales.append(state.scale[seen > 0].min().item())
         emu = getattr(module, "_fp8_emu_state", None)
         if emu is not None and emu.numel():
             amaxes.append(emu[..., 0].max().item())

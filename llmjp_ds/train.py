@@ -222,6 +222,9 @@ def train(cfg: RunConfig) -> dict:
             print(f"[llmjp-ds] FP8 divergence at step {failed_step} ({reason}): rolled back to {good_tag}, "
                   "continuing in BF16", flush=True)
         save()
+        if rank == 0:
+            checkpoint.discard_after(run_dir, good_step)
+        dist.barrier()
 
     reset_peak_memory()
     last_loss = float("nan")

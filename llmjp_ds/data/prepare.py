@@ -32,24 +32,31 @@ def _bundled_key(files) -> str:
     return h.hexdigest()[:16]
 
 
-def prepare_bundled(vocab_size: int = BUNDLED_VOCAB) -> tuple[str, Path]:
-    """(corpus prefix, tokenizer dir) of the bundled corpus, built on first use."""
+def prepare_bundled(vocab_size: int = BUNDLED_VOCAB) -> tuple[list[tuple[float, str]], Path]:
+    """(blend, tokenizer dir) of the bundled corpus, built on first use.
+
+    Each language is its own corpus (``ja``, ``en``, ``code``) blended by token count, as LLM-jp weights its
+    corpora, so each has its own train/valid split and the validation set holds all three."""
     from llmjp_ds.data import bundled_corpus_files
+    from llmjp_ds.data.indexed import IndexedDataset
     from llmjp_ds.data.preprocess import preprocess
     from llmjp_ds.data.tokenizer import train_tokenizer
 
     files = bundled_corpus_files()
     root = cache_root() / f"bundled-{_bundled_key(files)}-v{vocab_size}"
     root.mkdir(parents=True, exist_ok=True)
-    prefix = root / "corpus"
+    blend = []
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         # tokenizer.json is what train_tokenizer writes last: a kill before it leaves a tokenizer to redo
         if not (root / "tokenizer" / "tokenizer.json").is_file():
             train_tokenizer(files, root / "tokenizer", vocab_size=vocab_size, force=True)
-        if not Path(f"{prefix}_text_document.idx").is_file():
-            preprocess(files, root / "tokenizer", prefix, workers=1, force=True)
-    return f"{prefix}_text_document", root / "tokenizer"
+        for f in files:
+            prefix = root / f.name.split(".")[0]
+            if not Path(f"{prefix}_text_document.idx").is_file():
+                preprocess([f], root / "tokenizer", prefix, workers=1, force=True)
+            blend.append((float(IndexedDataset(f"{prefix}_text_document").num_tokens), f"{prefix}_text_document"))
+    return blend, root / "tokenizer"
 
 
 @dataclass
@@ -97,8 +104,7 @@ def resolve_data(cfg, model_config, world_rank: int = 0) -> DataPlan:
         blend = parse_blend(list(map(str, cfg.data.blend)))
         tokenizer = Path(cfg.data.tokenizer) if cfg.data.tokenizer else None
     else:
-        prefix, tokenizer = prepare_bundled()
-        blend = [(1.0, prefix)]
+        blend, tokenizer = prepare_bundled()
     vocab = None
     if tokenizer is not None:
         if not tokenizer.exists():

@@ -98,6 +98,10 @@ def test_injected_divergence_rolls_back_once_and_finishes_in_the_base_precision(
     assert rollbacks[0]["step"] == FLIP_AT + 1 and rollbacks[0]["fallback"] == "bf16"
     assert rollbacks[0]["to_step"] <= FLIP_AT + 1
     assert "rolled back" in proc.stdout
+    # the diverged timeline's checkpoints are gone; latest is the fallback timeline's newest
+    tags = sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step"))
+    assert all(t.endswith("-r1") or int(t[4:12]) <= rollbacks[0]["to_step"] for t in tags), tags
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step00000006-r1"
     assert records[6]["precision"] == "fp32" and all(r["loss"] == r["loss"] for r in records.values())
     # before the failed step the run is the uninterrupted one
     ref, _ = uninterrupted

@@ -219,12 +219,12 @@ def finite(x) -> bool:
 
 @pytest.fixture(scope="session")
 def bundled():
-    """(corpus prefix, tokenizer dir) of the bundled corpus, built once into the cache the subprocesses share
+    """(a corpus prefix, tokenizer dir) of the bundled corpus, built once into the cache the subprocesses share
     (~40 s on a cold cache on 2 cores; a CI job should cache $LLMJP_DS_CACHE)."""
     from llmjp_ds.data.prepare import prepare_bundled
 
-    prefix, tokenizer = prepare_bundled()
-    return prefix, Path(tokenizer)
+    blend, tokenizer = prepare_bundled()
+    return blend[0][1], Path(tokenizer)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,9 @@
-"""Atomic writes: a file or directory appears under its final name complete, or not at all."""
+"""Atomic writes: a file or directory appears under its final name complete, or not at all.
+
+Used by every writer of lasting data: corpora and index caches, tokenizers, checkpoints' markers and
+``latest``, and Hugging Face exports. Temp files live beside their target (same filesystem, so the final
+``os.replace`` is atomic) under hidden names that pruning recognises.
+"""
 
 from __future__ import annotations
 
@@ -12,30 +17,52 @@ from typing import Iterator
 from llmjp_ds.errors import fail
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def fsync_dir(path: str | Path) -> None:
+    """Make a rename inside ``path`` durable (no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
     try:
         os.fsync(fd)
+    except OSError:
+        pass
     finally:
         os.close(fd)
 
 
-def _writable_parent(path: Path) -> Path:
-    parent = path.parent
+def ensure_writable_dir(path: str | Path, what: str = "output") -> Path:
+    path = Path(path)
     try:
-        parent.mkdir(parents=True, exist_ok=True)
+        path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        fail(f"cannot create {parent}: {exc.strerror}; choose a writable location")
-    if not os.access(parent, os.W_OK):
-        fail(f"{parent} is not writable: choose another output location or fix its permissions")
-    return parent
+        fail(f"cannot create {what} directory {path}: {exc.strerror}; choose a writable location")
+    if not os.access(path, os.W_OK):
+        fail(f"{what} directory {path} is not writable: choose another location or fix its permissions")
+    return path
+
+
+def temp_path_beside(path: str | Path) -> Path:
+    """A fresh, hidden file name in the directory of ``path`` (same filesystem, so ``os.replace`` is atomic)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    return Path(tmp)
+
+
+def remove_quietly(path: str | Path) -> None:
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        if Path(path).is_dir() and not Path(path).is_symlink():
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
 
 
 @contextlib.contextmanager
 def atomic_file(path: str | Path, mode: str = "wb") -> Iterator:
     """Open a temp file beside ``path``; on success fsync and rename it over ``path``; on error remove it."""
     path = Path(path)
-    parent = _writable_parent(path)
+    parent = ensure_writable_dir(path.parent)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
     try:
         with os.fdopen(fd, mode) as f:
@@ -57,7 +84,7 @@ def atomic_directory(path: str | Path, force: bool = False) -> Iterator[Path]:
     path = Path(path)
     if path.exists() and (not path.is_dir() or any(path.iterdir())) and not force:
         fail(f"{path} already exists: choose another output or pass --force to replace it")
-    parent = _writable_parent(path)
+    parent = ensure_writable_dir(path.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent))
     try:
         yield tmp
@@ -76,3 +103,8 @@ def atomic_directory(path: str | Path, force: bool = False) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> None:
+    with atomic_file(path) as f:
+        f.write(data)

@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from llmjp_ds.data.atomic import fsync_dir, remove_quietly
+from llmjp_ds.io_utils import fsync_dir, remove_quietly
 from llmjp_ds.data.indexed import IndexedDataset, split_prefix
 from llmjp_ds.errors import fail
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmjp_ds.data.atomic import ensure_writable_dir, fsync_dir, remove_quietly, temp_path_beside
+from llmjp_ds.io_utils import ensure_writable_dir, fsync_dir, remove_quietly, temp_path_beside
 from llmjp_ds.errors import fail
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"

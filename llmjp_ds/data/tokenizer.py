@@ -136,7 +136,7 @@ def train_tokenizer(inputs: list[str | Path], output_dir: str | Path, vocab_size
 
     import sentencepiece as spm
 
-    from llmjp_ds.data.atomic import ensure_writable_dir, write_bytes_atomic
+    from llmjp_ds.io_utils import ensure_writable_dir, write_bytes_atomic
     from llmjp_ds.data.jsonl import check_inputs
 
     inputs = check_inputs(inputs)
@@ -294,7 +294,7 @@ def save_hf_tokenizer(sp_model: str | Path, output_dir: str | Path) -> None:
     tokenizer). One known difference: text that literally spells a control piece (``</s>``) is read as that
     special token by HF but as plain characters by SentencePiece; the data pipeline uses SentencePiece.
     """
-    from llmjp_ds.data.atomic import ensure_writable_dir, write_bytes_atomic
+    from llmjp_ds.io_utils import ensure_writable_dir, write_bytes_atomic
 
     sp_model = Path(sp_model)
     if not sp_model.is_file():

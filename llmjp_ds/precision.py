@@ -177,14 +177,15 @@ class PrecisionSchedule:
 
             fp8_emulation.commit()
 
-    def exempt_layers(self, layers) -> None:
-        """Keep the first/last N decoder layers out of FP8 (forward hooks that disable FP8 around them)."""
-        n = len(layers)
-        chosen = list(range(self.cfg.bf16_first_layers)) + list(range(n - self.cfg.bf16_last_layers, n))
-        for i in sorted(set(chosen)):
-            layer = layers[i]
-            layer.register_forward_pre_hook(_enter_no_fp8(self))
-            layer.register_forward_hook(_exit_no_fp8)
+    def exempt_layers(self, layers, num_layers: int) -> None:
+        """Keep the first/last N decoder layers (by global index, so pipeline stages agree) out of FP8: forward
+        hooks disable FP8 around them."""
+        chosen = set(range(self.cfg.bf16_first_layers))
+        chosen |= set(range(num_layers - self.cfg.bf16_last_layers, num_layers))
+        for layer in layers:
+            if layer.self_attention.layer_idx in chosen:
+                layer.register_forward_pre_hook(_enter_no_fp8(self))
+                layer.register_forward_hook(_exit_no_fp8)
 
     # --- state ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

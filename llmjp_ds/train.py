@@ -126,8 +126,7 @@ def train(cfg: RunConfig) -> dict:
                                  amax_reduction_group=dp_group if pipeline else None)
     decoder_layers = ([m for m in engine.module.modules() if type(m).__name__ == "DecoderLayerPipe"] if pipeline
                       else list(engine.module.model.layers))
-    if not pipeline:
-        schedule.exempt_layers(decoder_layers)
+    schedule.exempt_layers(decoder_layers, model_config.num_hidden_layers)
     guard = DivergenceGuard(cfg.precision.guard)
     train_ds, valid_ds = data.build(seq_len, cfg.train.steps * cfg.train.global_batch_size,
                                     max(1, cfg.train.eval_batches) * cfg.train.global_batch_size,

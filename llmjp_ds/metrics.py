@@ -345,5 +345,5 @@ def format_log_line(step: int, total_steps: int | None, metrics: dict[str, Any])
     if num("peak_memory_gib") is not None:
         parts.append(f"mem {num('peak_memory_gib'):.1f} GiB")
     if metrics.get("phase"):
-        parts.append(str(metrics["phase"]))
+        parts.append(str(metrics["phase"]) + (" (emulated)" if metrics.get("emulated_fp8") else ""))
     return " | ".join(parts)

@@ -141,6 +141,13 @@ def _save_failed(root: Path, tag: str, exc: BaseException):
          + (f"the complete checkpoint {latest}" if latest else "no checkpoint (nothing was saved yet)"))
 
 
+def remove_tag(run_dir, tag: str) -> None:
+    """Delete a checkpoint, its marker first: a kill in the middle leaves an incomplete tag (pruned later), never
+    a marker over missing files."""
+    (checkpoint_dir(run_dir) / tag / MARKER).unlink(missing_ok=True)
+    shutil.rmtree(checkpoint_dir(run_dir) / tag, ignore_errors=True)
+
+
 def prune(run_dir, keep_last: int) -> None:
     """Delete complete checkpoints beyond the newest ``keep_last`` and any incomplete ones left by a kill."""
     root = checkpoint_dir(run_dir)
@@ -148,7 +155,7 @@ def prune(run_dir, keep_last: int) -> None:
     keep = {t for _, t in complete_tags(run_dir)[-keep_last:]} | {latest}
     for d in root.iterdir():
         if d.is_dir() and _TAG.match(d.name) and d.name not in keep:
-            shutil.rmtree(d, ignore_errors=True)
+            remove_tag(run_dir, d.name)
         elif d.name.startswith(".") and d.name.endswith(".tmp") and d.is_file():
             d.unlink(missing_ok=True)  # an atomic_file temp (latest, marker) left by a kill -9
 
@@ -158,7 +165,7 @@ def discard_after(run_dir, step: int) -> None:
     that pruning by step number and a later rollback only ever see the timeline that continues."""
     for tag_step, tag in complete_tags(run_dir):
         if tag_step > step:
-            shutil.rmtree(checkpoint_dir(run_dir) / tag, ignore_errors=True)
+            remove_tag(run_dir, tag)
 
 
 @contextlib.contextmanager

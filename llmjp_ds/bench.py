@@ -43,6 +43,7 @@ def run_one(shape: str, variant: str, steps: int, warmup: int, gas: int) -> dict
     import torch
 
     from llmjp_ds.engine import init_distributed
+    from llmjp_ds.metrics import Throughput
     from llmjp_ds.model.flops import flops_per_token_for
     from llmjp_ds.model.presets import model_config
 
@@ -88,11 +89,9 @@ def run_one(shape: str, variant: str, steps: int, warmup: int, gas: int) -> dict
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
-    tokens = gas * micro * seq
-    tflops = flops_per_token_for(config, seq) * tokens / step_s / 1e12
+    rates = Throughput(flops_per_token_for(config, seq), gas * micro * seq, peak_flops=PEAK_TFLOPS * 1e12)
     return {"shape": shape, "variant": variant, "micro_batch": micro, "gas": gas, "seq_len": seq,
-            "step_s": step_s, "tokens_per_s": tokens / step_s, "tflops_per_gpu": tflops,
-            "mfu": tflops / PEAK_TFLOPS, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "step_s": step_s, **rates.update(step_s), "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
             "steps": steps, "device": torch.cuda.get_device_name()}
 
 

@@ -238,8 +238,7 @@ def export(run_dir, output, tag: str | None = None, dtype: str = "bf16", force: 
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from llmjp_ds.model import LlamaForCausalLM
-    from llmjp_ds.model.hf_adapter import to_hf_state_dict
-    from llmjp_ds.model.hf_io import write_hf_checkpoint
+    from llmjp_ds.model.hf_io import save_hf_checkpoint
 
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     config = LlamaConfig.from_dict(marker["model_config"])
@@ -247,8 +246,8 @@ def export(run_dir, output, tag: str | None = None, dtype: str = "bf16", force: 
     model = LlamaForCausalLM(config, backend="torch", params_dtype=torch_dtype).eval()
     model.load_state_dict({k: v.to(torch_dtype) for k, v in state.items()}, strict=False)
     tokenizer = run_dir / "tokenizer"
-    write_hf_checkpoint(to_hf_state_dict(model.state_dict(), config), config, output, dtype=torch_dtype,
-                        force=True, tokenizer_dir=tokenizer if (tokenizer / "tokenizer_config.json").is_file() else None)
+    save_hf_checkpoint(model, output, dtype=torch_dtype, force=True,
+                       tokenizer_dir=tokenizer if (tokenizer / "tokenizer_config.json").is_file() else None)
     # parity: the export, loaded by transformers alone, must compute what the trained weights compute
     probe = torch.randint(0, config.vocab_size, (2, min(64, config.max_position_embeddings)),
                           generator=torch.Generator().manual_seed(0))

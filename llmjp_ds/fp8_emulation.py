@@ -111,24 +111,14 @@ def _linear_for(phase, calibrating: bool):
 
 
 @contextlib.contextmanager
-def _override(fn):
-    previous = torch_layers._linear_override
-    torch_layers._linear_override = fn
-    try:
-        yield
-    finally:
-        torch_layers._linear_override = previous
-
-
-@contextlib.contextmanager
 def autocast(phase, calibrating: bool = False):
     """Emulated-FP8 region for one micro-batch (``calibrating``: BF16 math, amax recorded)."""
     commit()
-    with _override(_linear_for(phase, calibrating)):
+    with torch_layers.linear_override(_linear_for(phase, calibrating)):
         yield
 
 
 def disabled():
-    return _override(None)
+    return torch_layers.linear_override(None)
 
 

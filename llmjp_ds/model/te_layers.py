@@ -16,7 +16,8 @@ from torch import nn
 import transformer_engine.pytorch as te
 from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb
 
-from llmjp_ds.model.torch_layers import rotate_half, sdpa  # noqa: F401  (shared by both backends)
+from llmjp_ds.model.torch_layers import apply_rope as torch_apply_rope
+from llmjp_ds.model.torch_layers import sdpa  # noqa: F401  (the masked / KV-cache path, shared by both backends)
 
 NAME = "te"
 
@@ -63,8 +64,6 @@ def apply_rope(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """TE's fused RoPE kernel when every sequence shares positions (training); else the torch formula."""
     if freqs.dim() == 2:
         return apply_rotary_pos_emb(t, freqs[:, None, None, :], tensor_format="bshd", fused=True)
-    from llmjp_ds.model.torch_layers import apply_rope as torch_apply_rope
-
     return torch_apply_rope(t, freqs)
 
 

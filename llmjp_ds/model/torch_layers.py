@@ -10,6 +10,7 @@ Every matrix product goes through :func:`linear`, the one place FP8 emulation ho
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable
 
@@ -21,6 +22,17 @@ NAME = "torch"
 
 # Set by llmjp_ds.precision while an emulated-FP8 region is active: fn(module, x, weight) -> output.
 _linear_override: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+
+@contextlib.contextmanager
+def linear_override(fn):
+    """Route every :func:`linear` through ``fn`` (or plain ``F.linear`` for None) inside the block."""
+    global _linear_override
+    previous, _linear_override = _linear_override, fn
+    try:
+        yield
+    finally:
+        _linear_override = previous
 
 
 def linear(module: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -151,23 +163,10 @@ def apply_rope(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 
 def checkpoint(function, *args):
     """Activation checkpointing (non-reentrant); the recompute runs under the forward's (emulated) FP8 state."""
-    import contextlib
-
-    def contexts():
-        saved = _linear_override
-
-        @contextlib.contextmanager
-        def recompute():
-            global _linear_override
-            previous, _linear_override = _linear_override, saved
-            try:
-                yield
-            finally:
-                _linear_override = previous
-
-        return contextlib.nullcontext(), recompute()
-
-    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, context_fn=contexts)
+    saved = _linear_override
+    return torch.utils.checkpoint.checkpoint(
+        function, *args, use_reentrant=False,
+        context_fn=lambda: (contextlib.nullcontext(), linear_override(saved)))
 
 
 def available() -> bool:

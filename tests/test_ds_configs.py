@@ -34,7 +34,7 @@ AUTO_PATHS = {
 # file -> (zero stage, grad_accum_dtype)
 EXPECTED = {
     "zero0": (0, None),
-    "zero1": (1, None),
+    "zero1": (1, "fp32"),
     "zero2": (2, None),
     "zero3": (3, None),
     "pipeline": (1, "fp32"),
@@ -127,8 +127,11 @@ def test_deepspeed_parses_filled_config(name, bf16, ds_config):
         assert c.zero_config.reduce_bucket_size == BUCKET
     if stage in (1, 2):
         assert c.zero_config.allgather_bucket_size == BUCKET
-    if name in ("zero1", "zero2", "zero3"):
+    if name in ("zero2", "zero3"):
         assert c.zero_config.overlap_comm is True and c.zero_config.contiguous_gradients is True
+    if name in ("zero1", "pipeline"):
+        # fp32 accumulation in a post-accumulate-grad hook; the bf16 .grad is freed right away
+        assert c.bfloat16_config.immediate_grad_update is True
     if stage == 3:
         z = c.zero_config
         assert z.prefetch_bucket_size == 50_000_000
@@ -222,7 +225,8 @@ def engine_results():
 OPTIMIZER_WRAPPER = {
     ("zero0", True): "FP16_UnfusedOptimizer",  # DDP_BFLOAT16: fp32 master weights, bf16 grads
     ("zero0", False): "AdamW",
-    ("zero1", True): "DeepSpeedZeroOptimizer", ("zero1", False): "DeepSpeedZeroOptimizer",
+    ("zero1", True): "BF16_Optimizer",  # bf16 + ZeRO-1 + grad_accum_dtype fp32
+    ("zero1", False): "DeepSpeedZeroOptimizer",
     ("zero2", True): "DeepSpeedZeroOptimizer", ("zero2", False): "DeepSpeedZeroOptimizer",
     ("zero3", True): "DeepSpeedZeroOptimizer_Stage3", ("zero3", False): "DeepSpeedZeroOptimizer_Stage3",
     ("pipeline", True): "BF16_Optimizer",  # bf16 + ZeRO-1 + grad_accum_dtype fp32

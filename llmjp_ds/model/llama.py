@@ -173,11 +173,12 @@ class LlamaForCausalLM(PreTrainedModel, GenerationMixin):
     _supports_sdpa = True
 
     def __init__(self, config: LlamaConfig, backend: str | None = None, params_dtype: torch.dtype | None = None,
-                 z_loss_coeff: float = 0.0):
+                 z_loss_coeff: float = 0.0, fused_loss: bool = False):
         check_supported(config)
         super().__init__(config)
         self.backend = resolve_backend(backend)
         self.z_loss_coeff = z_loss_coeff
+        self.fused_loss = fused_loss  # see llmjp_ds.model.loss
         self.activation_checkpointing = False
         self.model = LlamaModel(config, self.backend, params_dtype)
         head = FinalNormHead(config, self.backend, params_dtype)
@@ -239,7 +240,7 @@ class LlamaForCausalLM(PreTrainedModel, GenerationMixin):
         targets = shift_labels if shift_labels is not None else (
             shift_labels_of(labels) if labels is not None else None)
         if targets is not None:
-            parts = causal_lm_loss(logits, targets, self.z_loss_coeff)
+            parts = causal_lm_loss(logits, targets, self.z_loss_coeff, self.fused_loss)
         out = _output(loss=parts.loss, logits=logits, cache=cache if use_cache else None)
         if targets is not None:
             out["lm_loss"], out["z_loss"] = parts.lm_loss, parts.z_loss
@@ -247,7 +248,8 @@ class LlamaForCausalLM(PreTrainedModel, GenerationMixin):
 
     def training_loss(self, input_ids: torch.Tensor, targets: torch.Tensor) -> LossParts:
         """Loss of ``input_ids [b, s]`` against ``targets [b, s]`` (already shifted), z-loss included."""
-        return causal_lm_loss(self.lm_head(self.hidden_states(input_ids)), targets, self.z_loss_coeff)
+        return causal_lm_loss(self.lm_head(self.hidden_states(input_ids)), targets, self.z_loss_coeff,
+                              self.fused_loss)
 
     # --- Hugging Face checkpoints -------------------------------------------------------------------------
 

@@ -39,8 +39,9 @@ class FinalNormHeadPipe(FinalNormHead):
 class PipelineLoss:
     """``loss_fn`` for the last stage: returns the total loss, keeps the parts of the current step for logging."""
 
-    def __init__(self, z_loss_coeff: float):
+    def __init__(self, z_loss_coeff: float, fused: bool = False):
         self.z_loss_coeff = z_loss_coeff
+        self.fused = fused
         self.reset()
 
     def reset(self):
@@ -50,7 +51,7 @@ class PipelineLoss:
         self.micro_batches = 0
 
     def __call__(self, logits, targets):
-        parts = causal_lm_loss(logits, targets, self.z_loss_coeff)
+        parts = causal_lm_loss(logits, targets, self.z_loss_coeff, self.fused)
         self.lm_loss_sum = self.lm_loss_sum + parts.lm_loss.detach() * self.scale
         self.z_loss_sum = self.z_loss_sum + parts.z_loss.detach()
         self.micro_batches += 1

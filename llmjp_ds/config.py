@@ -29,6 +29,7 @@ class ModelConfig:
     backend: str = "auto"  # auto | te | torch
     z_loss: float = 1e-4
     activation_checkpointing: bool = False
+    fused_loss: bool = True  # on CUDA: the loss as one compiled kernel over bf16 logits (see model/loss.py)
     init_from_hf: str | None = None  # start from an HF Llama checkpoint (continued pretraining)
 
 
@@ -75,6 +76,7 @@ class ParallelConfig:
     zero_stage: int = 1
     pipeline_stages: int = 1
     partition_method: str = "type:DecoderLayerPipe"
+    fused_grad_accumulation: bool = True  # one-pass fp32 accumulation (engine.fuse_grad_accumulation)
     ds_config: str | None = None  # DeepSpeed JSON; default ds_configs/zero{stage}.json or pipeline.json
 
 
@@ -109,6 +111,7 @@ class PrecisionConfig:
     bf16_last_layers: int = 0  # ... and the last N (the head always stays BF16)
     emulate_fp8: bool = False  # allow emulated FP8 where TE FP8 cannot run (CPU, GPUs before sm89)
     log_amax: bool = False
+    fp8_weight_cache: bool = True  # FP8 phases: cast each weight once per step, reused by its micro-batches
     guard: GuardConfig = field(default_factory=GuardConfig)
 
 

@@ -76,19 +76,20 @@ def build_model(cfg: RunConfig, model_config, backend: str):
     """The HF model (no pipeline) or a ``PipelineModule`` of the same layer classes."""
     from llmjp_ds.model import LlamaForCausalLM
 
+    loss_kwargs = {"z_loss_coeff": cfg.model.z_loss, "fused_loss": cfg.model.fused_loss and torch.cuda.is_available()}
     if cfg.parallel.pipeline_stages == 1:
         if cfg.model.init_from_hf:
             model = LlamaForCausalLM.from_pretrained(cfg.model.init_from_hf, backend=backend,
-                                                     dtype=torch.float32, z_loss_coeff=cfg.model.z_loss)
+                                                     dtype=torch.float32, **loss_kwargs)
         else:
-            model = LlamaForCausalLM(model_config, backend=backend, z_loss_coeff=cfg.model.z_loss)
+            model = LlamaForCausalLM(model_config, backend=backend, **loss_kwargs)
             init_like_pipeline(model, model_config, backend, cfg.train.seed)
         model.activation_checkpointing = cfg.model.activation_checkpointing
         return model, None
     from llmjp_ds.model.backend import layers_module
     from llmjp_ds.model.pipeline import PipelineLoss, pipeline_module_class
 
-    loss = PipelineLoss(cfg.model.z_loss)
+    loss = PipelineLoss(cfg.model.z_loss, loss_kwargs["fused_loss"])
     ckpt = cfg.model.activation_checkpointing
     module = pipeline_module_class()(
         layers=seeded_layer_specs(model_config, backend, cfg.train.seed), num_stages=cfg.parallel.pipeline_stages,
@@ -165,7 +166,60 @@ def initialize(cfg: RunConfig, model, world_size: int):
     plain = cfg.parallel.zero_stage == 0 and cfg.precision.dtype == "fp32"
     optimizer = build_optimizer(model, cfg.optim, skip_nonfinite=plain)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=build_ds_config(cfg, world_size))
+    if cfg.parallel.fused_grad_accumulation:
+        fuse_grad_accumulation(engine.optimizer, engine.module.modules())
     return engine
+
+
+def fuse_grad_accumulation(optimizer, modules) -> int:
+    """FP32 gradient accumulation in one pass, for DeepSpeed's ``BF16_Optimizer`` (bf16 + ZeRO-1 or pipeline
+    with ``grad_accum_dtype`` fp32, ``ds_configs/zero1.json`` and ``pipeline.json``).
+
+    Per micro-batch and parameter DeepSpeed casts the bf16 gradient to a new fp32 tensor and then adds it to the
+    fp32 buffer: two kernels and 22 bytes of memory traffic per parameter, 17 % of a 172B-slice step on an H200
+    (docs/performance.md). Here (1) that add reads the bf16 gradient directly (``add_`` promotes inside the
+    kernel: one pass, 10 bytes, the same fp32 result bit for bit), and (2) with ``immediate_grad_update`` the
+    GEMM weights of TE modules (``GEMM_WEIGHTS`` in ``te_layers``) get DeepSpeed's fp32 buffer as
+    ``main_grad`` and ``fuse_wgrad_accumulation``: TE's weight-gradient GEMM accumulates into it in fp32 (no bf16
+    rounding of each micro-batch's gradient) and returns a placeholder, which the hook drops. Returns the number
+    of weights accumulated by their GEMM."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    if not isinstance(optimizer, BF16_Optimizer):
+        return 0
+    hp_grads, has_grads = optimizer.fp32_groups_gradients, optimizer.fp32_groups_has_gradients
+
+    @torch.no_grad()
+    def update_hp_grad(lp, group_idx, param_idx, clear_lp_grads):
+        if lp.grad is None:
+            return
+        hp = hp_grads[group_idx][param_idx]
+        if getattr(lp, "grad_added_to_main_grad", False):
+            lp.grad_added_to_main_grad = False  # the GEMM accumulated into hp; lp.grad is TE's placeholder
+        else:
+            hp.add_(lp.grad.view(hp.shape))
+        lp._hp_grad = hp
+        has_grads[group_idx][param_idx] = True
+        if clear_lp_grads:
+            lp.grad.zero_()
+
+    optimizer._update_hp_grad = update_hp_grad  # what DeepSpeed's grad hooks and update_hp_grads call
+    if not optimizer.immediate_grad_update:
+        return 0
+    where = {id(lp): (i, j) for i, group in enumerate(optimizer.bf16_groups) for j, lp in enumerate(group)}
+    fused = 0
+    for module in modules:
+        names = getattr(module, "GEMM_WEIGHTS", ())
+        weights = [getattr(module, name) for name in names]
+        if not weights or not all(id(w) in where for w in weights):
+            continue
+        for w in weights:
+            i, j = where[id(w)]
+            w.main_grad = hp_grads[i][j].view(w.shape)
+            w.grad_added_to_main_grad = False
+        module.fuse_wgrad_accumulation = True
+        fused += len(weights)
+    return fused
 
 
 def data_parallel_info(engine) -> tuple[int, int, object]:

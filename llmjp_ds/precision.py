@@ -24,6 +24,7 @@ checkpoint and continue in the fallback precision.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections import deque
 from dataclasses import asdict, dataclass, replace
@@ -31,6 +32,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from llmjp_ds.errors import fail
+from llmjp_ds.model import weight_cache
 
 RECIPES = ("delayed", "current", "block")
 FORMATS = ("hybrid", "e4m3")
@@ -112,6 +114,8 @@ class PrecisionSchedule:
         if self.emulated and not cfg.emulate_fp8:
             fail("FP8 phases need Transformer Engine on a CUDA GPU (sm89+); on this machine set "
                  "precision.emulate_fp8=true to run them as emulated FP8, or remove the fp8 phases")
+        # TE caches each FP8 weight cast for the rest of the step (llmjp_ds.model.weight_cache)
+        weight_cache.WEIGHT_CACHE.enabled = backend == "te" and uses_fp8 and not self.emulated and cfg.fp8_weight_cache
 
     # --- which phase ----------------------------------------------------------------------------------
     def scheduled_phase(self, step: int) -> Phase:
@@ -172,10 +176,15 @@ class PrecisionSchedule:
     def end_step(self) -> None:
         """Called after each optimizer step: emulated delayed scaling commits the step's amax values here, so a
         checkpoint taken between steps holds the complete history (TE keeps its own in ``fp8_meta``)."""
+        self.weights_changed()
         if self.emulated:
             from llmjp_ds import fp8_emulation
 
             fp8_emulation.commit()
+
+    def weights_changed(self) -> None:
+        """The weights were updated or loaded: FP8 copies cached from them are stale."""
+        weight_cache.weights_changed()
 
     def exempt_layers(self, layers, num_layers: int) -> None:
         """Keep the first/last N decoder layers (by global index, so pipeline stages agree) out of FP8: forward
@@ -217,7 +226,9 @@ def _exit_no_fp8(module, args, output):
     return output
 
 
+@functools.lru_cache(maxsize=None)
 def te_recipe(ph: Phase):
+    """TE's recipe object for a phase; one per phase (autocast runs per micro-batch)."""
     from transformer_engine.common import recipe as R
 
     fmt = R.Format.HYBRID if ph.fp8_format == "hybrid" else R.Format.E4M3

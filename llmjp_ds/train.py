@@ -171,13 +171,7 @@ def train(cfg: RunConfig) -> dict:
                                       torch.as_tensor(pipe_loss.z_loss_sum, device=device)]).float()
                 parts /= pipe_loss.micro_batches * dp_size
         else:
-            parts = torch.zeros(2, device=device)
-            for input_ids, targets in batches:
-                with schedule.autocast(step):
-                    out = engine(input_ids=input_ids, shift_labels=targets)
-                engine.backward(out.loss * scale)
-                engine.step()
-                parts += torch.stack([out.lm_loss.detach() * scale, out.z_loss.detach()]).float() / (gas * dp_size)
+            parts = forward_backward(engine, batches, lambda: schedule.autocast(step), scale) / dp_size
         dist.all_reduce(parts)
         lm, z = parts.tolist()
         return lm, z
@@ -213,6 +207,7 @@ def train(cfg: RunConfig) -> dict:
         failed_step = state.step
         rollbacks = schedule.rollbacks + 1
         loaded = checkpoint.load(engine, run_dir, good_tag)
+        schedule.weights_changed()
         state.__dict__.update(loaded["train_state"])
         guard.load_state_dict(loaded.get("guard", {}))
         schedule.fallback_from_step, schedule.rollbacks = good_step, rollbacks
@@ -287,6 +282,24 @@ def train(cfg: RunConfig) -> dict:
     dist.barrier()
     return {"step": state.step, "loss": last_loss, "run_dir": str(run_dir), "rollbacks": schedule.rollbacks,
             "skipped_steps": state.skipped_total}
+
+
+def forward_backward(engine, batches, autocast, scale: float = 1.0):
+    """One optimizer step without pipeline parallelism: forward (inside ``autocast()``, the precision schedule's
+    per-micro-batch context) and backward for each micro-batch; DeepSpeed applies the optimizer after the last.
+    Returns the mean (lm_loss, z_loss) over the micro-batches as a device tensor: nothing in the step waits for
+    the GPU. ``scale`` multiplies the loss (NaN in fault drills)."""
+    import torch
+
+    parts = None
+    for input_ids, targets in batches:
+        with autocast():
+            out = engine(input_ids=input_ids, shift_labels=targets)
+        engine.backward(out.loss * scale)
+        engine.step()
+        micro = torch.stack([out.lm_loss.detach() * scale, out.z_loss.detach()]).float()
+        parts = micro if parts is None else parts + micro
+    return parts / len(batches)
 
 
 def _grad_norm(engine) -> float | None:

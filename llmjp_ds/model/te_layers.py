@@ -18,8 +18,22 @@ from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb
 
 from llmjp_ds.model.torch_layers import apply_rope as torch_apply_rope
 from llmjp_ds.model.torch_layers import sdpa  # noqa: F401  (the masked / KV-cache path, shared by both backends)
+from llmjp_ds.model.weight_cache import ReusesFP8Weights
 
 NAME = "te"
+
+
+# GEMM_WEIGHTS: the weights whose gradient TE's GEMM can accumulate into ``main_grad`` (engine.fuse_grad_accumulation)
+class _LayerNormLinear(ReusesFP8Weights, te.LayerNormLinear):
+    GEMM_WEIGHTS = ("weight",)
+
+
+class _Linear(ReusesFP8Weights, te.Linear):
+    GEMM_WEIGHTS = ("weight",)
+
+
+class _LayerNormMLP(ReusesFP8Weights, te.LayerNormMLP):
+    GEMM_WEIGHTS = ("fc1_weight", "fc2_weight")
 
 
 def _normal(std: float):
@@ -35,19 +49,19 @@ def RMSNorm(hidden_size: int, eps: float, params_dtype=None):
 
 
 def LayerNormLinear(in_features, out_features, eps, init_std, params_dtype=None):
-    return te.LayerNormLinear(
+    return _LayerNormLinear(
         in_features, out_features, eps=eps, bias=False, normalization="RMSNorm",
         init_method=_normal(init_std), **_device_kwargs(params_dtype),
     )
 
 
 def Linear(in_features, out_features, init_std, params_dtype=None):
-    return te.Linear(in_features, out_features, bias=False, init_method=_normal(init_std),
+    return _Linear(in_features, out_features, bias=False, init_method=_normal(init_std),
                      **_device_kwargs(params_dtype))
 
 
 def LayerNormMLP(hidden_size, ffn_hidden_size, eps, init_std, output_std, params_dtype=None):
-    return te.LayerNormMLP(
+    return _LayerNormMLP(
         hidden_size, ffn_hidden_size, eps=eps, bias=False, normalization="RMSNorm", activation="swiglu",
         init_method=_normal(init_std), output_layer_init_method=_normal(output_std), **_device_kwargs(params_dtype),
     )

@@ -130,8 +130,12 @@ def test_deepspeed_parses_filled_config(name, bf16, ds_config):
     if name in ("zero2", "zero3"):
         assert c.zero_config.overlap_comm is True and c.zero_config.contiguous_gradients is True
     if name in ("zero1", "pipeline"):
-        # fp32 accumulation in a post-accumulate-grad hook; the bf16 .grad is freed right away
+        # fp32 accumulation in a post-accumulate-grad hook; the bf16 .grad is freed right away; the summed
+        # gradient stays fp32 through DeepSpeed's all-reduce (else it is rounded to bf16 there, even on one rank)
         assert c.bfloat16_config.immediate_grad_update is True
+        import torch
+
+        assert c.communication_data_type == torch.float32
     if stage == 3:
         z = c.zero_config
         assert z.prefetch_bucket_size == 50_000_000

@@ -177,6 +177,12 @@ class PrecisionSchedule:
         """Called after each optimizer step: emulated delayed scaling commits the step's amax values here, so a
         checkpoint taken between steps holds the complete history (TE keeps its own in ``fp8_meta``)."""
         self.weights_changed()
+        self.commit_amax()
+
+    def commit_amax(self) -> None:
+        """Emulated delayed scaling: fold the amax values recorded since the last commit into the histories. Also
+        called after evaluation, whose forwards record amax as TE's do, so that a checkpoint saved right after an
+        evaluation holds what the run continues with."""
         if self.emulated:
             from llmjp_ds import fp8_emulation
 

@@ -193,6 +193,7 @@ def train(cfg: RunConfig) -> dict:
                         total += engine(input_ids=input_ids, shift_labels=targets).lm_loss.float()
                 value = (total / (gas * dp_size)).reshape(1)
         engine.train()
+        schedule.commit_amax()
         dist.all_reduce(value)
         return value.item()
 

@@ -17,7 +17,7 @@ FLIP_AT = 3
 PHASES = (f"precision.phases=[{{precision: bf16}}, {{precision: fp8, start_step: {FLIP_AT}, recipe: delayed, "
           "amax_history_len: 4, calibration_steps: 1}]")
 BASE = [TINY, "data.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=2", "precision.dtype=fp32",
-        "precision.emulate_fp8=true", PHASES, "train.eval_interval=0", "logging.wandb=disabled",
+        "precision.emulate_fp8=true", PHASES, "train.eval_interval=2", "logging.wandb=disabled",
         "optim.warmup_steps=1", "optim.decay_steps=8", "checkpoint.interval=1", "checkpoint.keep_last=10"]
 
 

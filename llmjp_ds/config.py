@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -261,9 +262,12 @@ def parse_value(text: str) -> Any:
     import yaml
 
     try:
-        return yaml.safe_load(text)
+        value = yaml.safe_load(text)
     except yaml.YAMLError:
         return text
+    if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", value):
+        return float(value)  # YAML 1.1 reads 1e-4 (no dot in the mantissa) as a string
+    return value
 
 
 def apply_set(data: dict, assignment: str) -> dict:

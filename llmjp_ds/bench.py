@@ -1,15 +1,20 @@
 """``llmjp-ds bench``: training throughput of the product's full step against transformers + DeepSpeed.
 
-Every variant runs in its own process (a clean GPU) through the same DeepSpeed configuration: ZeRO-1, BF16
-with FP32 gradient accumulation, fused AdamW, gradient accumulation 8 (as real pretraining uses), micro-batches
-of random token ids already on the GPU. One step = ``gas`` forward/backward passes + the optimizer step.
+Every variant runs in its own process (a clean GPU) and goes through the trainer's own pieces: the run preset
+of its shape, ``engine.build_model`` / ``engine.initialize`` (the bundled ``ds_configs/zero1.json``: ZeRO-1,
+BF16 with FP32 gradient accumulation, the LLM-jp AdamW groups), the precision schedule, and
+``train.forward_backward`` over gradient accumulation 8 (as real pretraining uses) on micro-batches of random
+token ids already on the GPU. One step = ``gas`` forward/backward passes + the optimizer step.
 
 Variants: ``ours-bf16``, ``ours-fp8-delayed`` (DelayedScaling, HYBRID), ``ours-fp8-current``
 (Float8CurrentScaling), ``ours-fp8-block`` (Float8BlockScaling), ``peer-bf16`` (transformers'
-``LlamaForCausalLM``, sdpa attention).
+``LlamaForCausalLM``, sdpa attention, called as HF users call it, with ``labels``) under the same DeepSpeed
+config and optimizer. ``--set`` changes the run config of the ``ours`` variants (ablations: e.g.
+``--set model.fused_loss=false``).
 TFLOP/s are model FLOPs (:func:`llmjp_ds.model.flops.model_flops_per_token`: Megatron-LM's formula with GQA,
 SwiGLU, the logits layer and the causal attention term halved; no recompute counted) per GPU; MFU is against
-989 TFLOP/s (H100/H200 dense BF16).
+989 TFLOP/s (H100/H200 dense BF16). ``--profile`` adds one profiled step per variant: GPU time by kernel
+category (GEMM share) and the top kernels.
 """
 
 from __future__ import annotations
@@ -23,106 +28,225 @@ import sys
 import time
 
 SHAPES = {
-    # name: (model preset, overrides, micro batch)
+    # name: (run preset, model overrides, micro batch)
     "172b-slice": ("llmjp3-172b", {"num_layers": 2}, 1),
     "llmjp3-1.8b": ("llmjp3-1.8b", {}, 2),
     "llmjp3-3.7b": ("llmjp3-3.7b", {}, 1),
 }
+TEST_SHAPES = {"tiny": ("demo", {}, 2)}  # CPU smoke test of the harness (tests/test_bench.py)
 VARIANTS = ("ours-bf16", "peer-bf16", "ours-fp8-delayed", "ours-fp8-current", "ours-fp8-block")
 PEAK_TFLOPS = 989.0
 
+# kernel name fragments (lower case) -> category; the first rule that matches wins. FP8 casts are TE kernels:
+# torch's own elementwise kernels carry "LoadWithCast" in their names and are not casts to FP8.
+KERNEL_CATEGORIES = (
+    ("communication", ("nccl",)),
+    ("memcpy/memset", ("memcpy", "memset")),
+    ("attention", ("flash", "fmha", "sdpa", "attn", "cudnn")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul")),
+    ("optimizer", ("multi_tensor", "adam", "foreach")),
+    ("norm", ("rmsnorm", "rms_norm", "layernorm", "layer_norm")),
+    ("rope", ("rope", "rotary")),
+    ("compiled (loss)", ("triton",)),
+    ("elementwise/reduce", ("at::native", "elementwise", "reduce", "vectorized", "embedding", "softmax", "scatter",
+                            "gather")),
+    ("fp8 cast/transpose", ("cast", "quantize", "transpose", "amax", "scale")),
+    ("activation", ("swiglu", "silu", "gated_act", "act_kernel")),
+)
 
-def ds_config(micro: int, gas: int) -> dict:
-    return {"train_batch_size": micro * gas, "train_micro_batch_size_per_gpu": micro,
-            "gradient_accumulation_steps": gas, "gradient_clipping": 1.0, "bf16": {"enabled": True},
-            "zero_optimization": {"stage": 1, "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8},
-            "data_types": {"grad_accum_dtype": "fp32"}, "steps_per_print": 1 << 30, "wall_clock_breakdown": False}
+
+def kernel_category(name: str) -> str:
+    low = name.lower()
+    for category, fragments in KERNEL_CATEGORIES:
+        if any(f in low for f in fragments):
+            return category
+    return "other"
 
 
-def run_one(shape: str, variant: str, steps: int, warmup: int, gas: int) -> dict:
+def profile_summary(kernels: list[tuple[str, float]], wall_s: float, top: int = 12) -> dict:
+    """GPU time per kernel category and the heaviest kernels, from ``(kernel name, microseconds)`` pairs of one
+    step. ``share`` is of the summed kernel time; ``idle`` is the part of the wall time no kernel covered
+    (kernels of one stream do not overlap; the step runs on one)."""
+    busy_us = sum(us for _, us in kernels)
+    by_cat: dict[str, float] = {}
+    by_name: dict[str, list] = {}
+    for name, us in kernels:
+        cat = kernel_category(name)
+        by_cat[cat] = by_cat.get(cat, 0.0) + us
+        entry = by_name.setdefault(name, [0.0, 0])
+        entry[0] += us
+        entry[1] += 1
+    cats = sorted(by_cat.items(), key=lambda kv: -kv[1])
+    heavy = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"wall_ms": wall_s * 1e3, "gpu_busy_ms": busy_us / 1e3,
+            "idle_share": max(0.0, 1.0 - busy_us / 1e6 / wall_s) if wall_s else 0.0,
+            "categories": [{"category": c, "ms": us / 1e3, "share": us / busy_us if busy_us else 0.0}
+                           for c, us in cats],
+            "top_kernels": [{"kernel": n[:110], "ms": v[0] / 1e3, "calls": v[1], "category": kernel_category(n)}
+                            for n, v in heavy]}
+
+
+def profile_table(result: dict) -> str:
+    p = result["profile"]
+    lines = [f"profile {result['shape']} {result['variant']}: step {p['wall_ms']:.0f} ms, kernels "
+             f"{p['gpu_busy_ms']:.0f} ms, GPU idle {100 * p['idle_share']:.1f}%",
+             "| category | ms per step | share of kernel time |", "|---|---|---|"]
+    lines += [f"| {c['category']} | {c['ms']:.1f} | {100 * c['share']:.1f}% |" for c in p["categories"]]
+    lines += ["| top kernel | category | ms | calls |", "|---|---|---|---|"]
+    lines += [f"| `{k['kernel']}` | {k['category']} | {k['ms']:.1f} | {k['calls']} |" for k in p["top_kernels"]]
+    return "\n".join(lines)
+
+
+def bench_config(shape: str, variant: str, gas: int, sets: list[str] = ()):
+    """The run config of one variant: the shape's preset on one device, no pipeline, no recompute."""
+    from llmjp_ds.config import RUN_PRESETS, apply_set, build, merge, RunConfig
+
+    preset, overrides, micro = {**SHAPES, **TEST_SHAPES}[shape]
+    if "fp8" in variant:
+        phases = [{"precision": "fp8", "start_step": 0, "recipe": variant.rsplit("-", 1)[1], "fp8_format": "hybrid"}]
+    else:
+        phases = [{"precision": "bf16"}]
+    data = merge(RUN_PRESETS[preset](), {
+        "model": {"overrides": overrides, "activation_checkpointing": False},
+        "train": {"micro_batch_size": micro, "global_batch_size": micro * gas, "steps": 1 << 20},
+        "parallel": {"zero_stage": 1, "pipeline_stages": 1},
+        "precision": {"dtype": "bf16", "phases": phases},
+        "logging": {"wandb": "disabled"}})
+    for assignment in sets if variant.startswith("ours") else ():
+        data = apply_set(data, assignment)
+    return build(RunConfig, data)
+
+
+def peer_module(lm):
+    """transformers' ``LlamaForCausalLM`` behind the trainer's call signature; it is called as HF users call it,
+    with ``labels`` (shifted inside)."""
+    import types
+
     import torch
 
-    from llmjp_ds.engine import init_distributed
+    class PeerLM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, input_ids, shift_labels):
+            loss = self.lm(input_ids=input_ids, labels=input_ids).loss
+            return types.SimpleNamespace(loss=loss, lm_loss=loss, z_loss=torch.zeros_like(loss))
+
+    return PeerLM()
+
+
+def run_one(shape: str, variant: str, steps: int, warmup: int, gas: int, sets: list[str] = (),
+            profile: bool = False) -> dict:
+    import torch
+
+    from llmjp_ds.config import validate
+    from llmjp_ds.engine import build_model, init_distributed, initialize
     from llmjp_ds.metrics import Throughput
+    from llmjp_ds.model.backend import resolve_backend
     from llmjp_ds.model.flops import flops_per_token_for
-    from llmjp_ds.model.presets import model_config
+    from llmjp_ds.model.presets import model_config as make_model_config
+    from llmjp_ds.precision import PrecisionSchedule
+    from llmjp_ds.train import forward_backward
 
-    preset, overrides, micro = SHAPES[shape]
-    config = model_config(preset, **overrides)
-    seq = config.max_position_embeddings
+    cfg = bench_config(shape, variant, gas, sets)
+    validate(cfg, 1)
+    config = make_model_config(cfg.model.preset, **cfg.model.overrides)
+    seq = cfg.data.seq_len or config.max_position_embeddings
+    micro = cfg.train.micro_batch_size
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
     init_distributed()
-    import deepspeed
-
-    torch.manual_seed(0)
+    torch.manual_seed(cfg.train.seed)
+    backend = resolve_backend(cfg.model.backend)
     if variant.startswith("peer"):
+        # transformers + DeepSpeed as a user wires them: the same JSON and optimizer, none of our engine code
+        import deepspeed
         import transformers
 
+        from llmjp_ds.engine import build_ds_config
+        from llmjp_ds.optim import build_optimizer
+
         config._attn_implementation = "sdpa"
-        model = transformers.LlamaForCausalLM(config).cuda()
+        with device:
+            model = peer_module(transformers.LlamaForCausalLM(config))
+        engine, *_ = deepspeed.initialize(model=model, optimizer=build_optimizer(model, cfg.optim),
+                                          config=build_ds_config(cfg, 1))
     else:
-        from llmjp_ds.model import LlamaForCausalLM
+        model, _ = build_model(cfg, config, backend)
+        engine = initialize(cfg, model, 1)
+    schedule = PrecisionSchedule(cfg.precision, backend, micro * gas * seq)
+    ids = torch.randint(0, config.vocab_size, (gas, micro, seq + 1), device=device)
+    batches = [(ids[m, :, :-1], ids[m, :, 1:]) for m in range(gas)]
 
-        model = LlamaForCausalLM(config, backend="te")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(micro, gas))
-    ids = torch.randint(0, config.vocab_size, (gas, micro, seq + 1), device="cuda")
-    context = _precision_context(variant)
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
 
-    def step():
-        for m in range(gas):
-            with context():
-                if variant.startswith("peer"):
-                    out = engine(input_ids=ids[m, :, :-1], labels=ids[m, :, :-1])
-                else:
-                    out = engine(input_ids=ids[m, :, :-1], shift_labels=ids[m, :, 1:])
-            engine.backward(out.loss)
-            engine.step()
+    def step(i: int):
+        parts = forward_backward(engine, batches, lambda: schedule.autocast(i))
+        schedule.end_step()
+        return parts
 
-    times = []
+    times, losses = [], []
     for i in range(warmup + steps):
-        if i == warmup:
+        if i == warmup and cuda:
             torch.cuda.reset_peak_memory_stats()
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
+        parts = step(i)
+        sync()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
+        losses.append(float(parts[0]))
     step_s = statistics.median(times)
     rates = Throughput(flops_per_token_for(config, seq), gas * micro * seq, peak_flops=PEAK_TFLOPS * 1e12)
-    return {"shape": shape, "variant": variant, "micro_batch": micro, "gas": gas, "seq_len": seq,
-            "step_s": step_s, **rates.update(step_s), "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "steps": steps, "device": torch.cuda.get_device_name()}
+    stats = torch.cuda.memory_stats() if cuda else {}
+    result = {"shape": shape, "variant": variant, "micro_batch": micro, "gas": gas, "seq_len": seq,
+              "step_s": step_s, **rates.update(step_s),
+              "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+              "alloc_retries": stats.get("num_alloc_retries", 0), "losses": losses, "steps": steps,
+              "sets": list(sets) if variant.startswith("ours") else [],
+              "device": torch.cuda.get_device_name() if cuda else "cpu"}
+    if profile:
+        result["profile"] = _profiled_step(lambda: step(warmup + steps), sync, cuda)
+    return result
 
 
-def _precision_context(variant: str):
-    import contextlib
+def _profiled_step(step, sync, cuda: bool) -> dict:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
 
-    if "fp8" not in variant:
-        return contextlib.nullcontext
-    import transformer_engine.pytorch as te
-
-    from llmjp_ds.precision import Phase, te_recipe
-
-    recipe = te_recipe(Phase(0, "fp8", 0, recipe=variant.rsplit("-", 1)[1], fp8_format="hybrid"))
-    return lambda: te.autocast(enabled=True, recipe=recipe)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync()
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        step()
+        sync()
+        wall = time.perf_counter() - t0
+    kernels = [(e.name, e.time_range.elapsed_us()) for e in prof.events()
+               if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+    return profile_summary(kernels, wall)
 
 
 def table(results: list[dict]) -> str:
-    head = "| shape | variant | tokens/s | TFLOP/s per GPU | MFU | peak mem GiB | vs peer | vs ours-bf16 |"
-    lines = [head, "|" + "---|" * 8]
+    head = ("| shape | variant | tokens/s | TFLOP/s per GPU | MFU | peak mem GiB | alloc retries | vs peer | "
+            "vs ours-bf16 |")
+    lines = [head, "|" + "---|" * 9]
     for r in results:
+        label = r["variant"] + (f" ({', '.join(r['sets'])})" if r.get("sets") else "")
         if "error" in r:
-            lines.append(f"| {r['shape']} | {r['variant']} | failed: {r['error']} | | | | | |")
+            lines.append(f"| {r['shape']} | {label} | failed: {r['error']} | | | | | | |")
             continue
-        same = {x["variant"]: x for x in results if x["shape"] == r["shape"] and "error" not in x}
-        peer = same.get("peer-bf16")
-        base = same.get("ours-bf16")
+        same = [x for x in results if x["shape"] == r["shape"] and "error" not in x and not x.get("sets")]
+        peer = next((x for x in same if x["variant"] == "peer-bf16"), None)
+        base = next((x for x in same if x["variant"] == "ours-bf16"), None)
         vs_peer = f"{r['tflops_per_gpu'] / peer['tflops_per_gpu']:.2f}x" if peer and r is not peer else ""
         vs_base = (f"{r['tflops_per_gpu'] / base['tflops_per_gpu']:.2f}x"
                    if base and r is not base and r["variant"].startswith("ours") else "")
-        lines.append(f"| {r['shape']} | {r['variant']} | {r['tokens_per_s']:,.0f} | {r['tflops_per_gpu']:.0f} | "
-                     f"{100 * r['mfu']:.1f}% | {r['peak_mem_gib']:.1f} | {vs_peer} | {vs_base} |")
+        lines.append(f"| {r['shape']} | {label} | {r['tokens_per_s']:,.0f} | {r['tflops_per_gpu']:.0f} | "
+                     f"{100 * r.get('mfu', 0.0):.1f}% | {r['peak_mem_gib']:.1f} | {r['alloc_retries']} | {vs_peer} | "
+                     f"{vs_base} |")
     return "\n".join(lines)
 
 
@@ -135,16 +259,16 @@ def cli_main(argv: list[str], verb: str = "bench") -> int:
     p.add_argument("--steps", type=int, default=4, help="timed steps per variant (median reported)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--gas", type=int, default=8, help="gradient accumulation steps")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="run-config override for the ours-* variants (ablations), e.g. model.fused_loss=false")
+    p.add_argument("--profile", action="store_true", help="also profile one step per variant (kernel time table)")
     p.add_argument("--json", help="write the raw results here")
     p.add_argument("--one", nargs=2, metavar=("SHAPE", "VARIANT"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.one:
-        print("RESULT " + json.dumps(run_one(*a.one, a.steps, a.warmup, a.gas)), flush=True)
+        result = run_one(*a.one, a.steps, a.warmup, a.gas, a.sets, a.profile)
+        print("RESULT " + json.dumps(result), flush=True)
         return 0
-    import torch
-
-    if not torch.cuda.is_available():
-        fail("llmjp-ds bench measures GPU training throughput: run it on a CUDA machine with Transformer Engine")
     shapes, variants = a.shapes.split(","), a.variants.split(",")
     for s in shapes:
         if s not in SHAPES:
@@ -152,25 +276,45 @@ def cli_main(argv: list[str], verb: str = "bench") -> int:
     for v in variants:
         if v not in VARIANTS:
             fail(f"unknown variant {v!r}: choose from {', '.join(VARIANTS)}")
-    results = []
-    for shape in shapes:
-        for variant in variants:
-            cmd = [sys.executable, "-m", "llmjp_ds.bench", "--one", shape, variant, "--steps", str(a.steps),
-                   "--warmup", str(a.warmup), "--gas", str(a.gas)]
-            env = dict(os.environ, MASTER_PORT=str(29500 + len(results)))
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-            found = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-            if proc.returncode or not found:
-                tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:160]
-                results.append({"shape": shape, "variant": variant, "error": tail})
-            else:
-                results.append(json.loads(found[0]))
-            print(json.dumps(results[-1]), flush=True)
+    if a.steps < 1 or a.warmup < 0 or a.gas < 1:
+        fail("--steps and --gas must be at least 1 and --warmup at least 0")
+    from llmjp_ds.config import validate
+
+    for shape in shapes:  # a bad --set fails here, not in every variant's process
+        validate(bench_config(shape, "ours-bf16", a.gas, a.sets), 1)
+    import torch
+
+    if not torch.cuda.is_available():
+        fail("llmjp-ds bench measures GPU training throughput: run it on a CUDA machine with Transformer Engine")
+    results = [measure(shape, variant, a) for shape in shapes for variant in variants]
     print(table(results))
+    for r in results:
+        if "profile" in r:
+            print(profile_table(r))
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(results, f, indent=2)
+        from llmjp_ds.io_utils import write_bytes_atomic
+
+        write_bytes_atomic(a.json, json.dumps(results, indent=2).encode())
     return 0
+
+
+def measure(shape: str, variant: str, a) -> dict:
+    """One variant in a fresh process; a failure becomes a row with its last error line."""
+    cmd = [sys.executable, "-m", "llmjp_ds.bench", "--one", shape, variant, "--steps", str(a.steps),
+           "--warmup", str(a.warmup), "--gas", str(a.gas)] + [f"--set={s}" for s in a.sets]
+    if a.profile:
+        cmd.append("--profile")
+    env = dict(os.environ)
+    env.pop("MASTER_PORT", None)  # each child picks a free port (engine.init_distributed)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    found = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not found:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:160]
+        result = {"shape": shape, "variant": variant, "error": tail, "sets": list(a.sets)}
+    else:
+        result = json.loads(found[0])
+    print(json.dumps({k: v for k, v in result.items() if k != "profile"}), flush=True)
+    return result
 
 
 if __name__ == "__main__":

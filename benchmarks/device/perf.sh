@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# On the H200 (device tool): `llmjp-ds bench` runs for docs/performance.md, each bench call under the time left.
+#   source .whl/env.sh && bash benchmarks/device/perf.sh slice       # 172b-slice (profiled) and llmjp3-1.8b
+#   source .whl/env.sh && bash benchmarks/device/perf.sh small       # llmjp3-3.7b, and the block recipe
+#   source .whl/env.sh && bash benchmarks/device/perf.sh ablations   # one optimisation off at a time
+# Ablations: DeepSpeed's fp32 accumulation after backward instead of in the grad hook, the eager loss, no FP8
+# weight cache; `slice` also runs the step without the fused gradient accumulation.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+DEADLINE=$(( $(date +%s) + ${BUDGET_S:-560} ))
+export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
+bench() { local name=$1; shift; local left=$(( DEADLINE - $(date +%s) ))
+  if (( left < 30 )); then echo "=== $name skipped (time)" | tee -a "$OUT/summary.md"; return; fi
+  echo "=== $name ($(date +%T)): llmjp-ds bench $*" | tee -a "$OUT/summary.md"
+  timeout "$left" python -m llmjp_ds.cli bench "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+  echo "rc=$?" >> "$OUT/summary.md"; grep -E "^\||^profile" "$OUT/$name.log" >> "$OUT/summary.md"; }
+case "${1:-slice}" in
+  slice)  # the shape of the targets, profiled, and the 1.8B main variants
+    bench slice --shapes 172b-slice --steps 3 --warmup 2 --profile \
+      --variants ours-bf16,ours-fp8-delayed,ours-fp8-current,peer-bf16
+    bench slice-unfused-accumulation --shapes 172b-slice --steps 3 --warmup 2 \
+      --variants ours-bf16,ours-fp8-delayed --set parallel.fused_grad_accumulation=false
+    bench 1.8b --shapes llmjp3-1.8b --steps 4 --warmup 2 --variants ours-bf16,peer-bf16,ours-fp8-delayed,ours-fp8-current ;;
+  small)  # llmjp3-3.7b, the block recipe, and where the 1.8B step's time goes
+    bench 3.7b --shapes llmjp3-3.7b --steps 4 --warmup 2 --variants ours-bf16,peer-bf16,ours-fp8-delayed,ours-fp8-current
+    bench block --shapes 172b-slice,llmjp3-1.8b --steps 3 --warmup 2 --variants ours-fp8-block
+    bench 1.8b-profile --shapes llmjp3-1.8b --steps 2 --warmup 2 --variants ours-bf16,ours-fp8-delayed --profile ;;
+  final)  # the shipped ds_configs (fp32 gradient all-reduce) at the target shape
+    bench final --shapes 172b-slice --steps 3 --warmup 2 --variants ours-bf16,ours-fp8-delayed ;;
+  ablations)  # one optimisation off at a time
+    S=(--shapes 172b-slice --steps 3 --warmup 2)
+    bench slice-accumulate-after-backward "${S[@]}" --variants ours-bf16 \
+      --set parallel.ds_config=benchmarks/ds_configs/zero1-accumulate-after-backward.json
+    bench slice-eager-loss "${S[@]}" --variants ours-bf16 --set model.fused_loss=false
+    bench slice-no-weight-cache "${S[@]}" --variants ours-fp8-delayed --set precision.fp8_weight_cache=false ;;
+esac
+cat "$OUT/summary.md"

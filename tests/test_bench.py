@@ -1,0 +1,282 @@
+"""``llmjp-ds bench`` on CPU: kernel categories, the profile summary's arithmetic, the per-variant run config,
+the CLI's error path, and the harness itself on the tiny shape (real DeepSpeed steps, one process each)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmjp_ds import bench
+
+REPO = Path(__file__).resolve().parents[1]
+
+# --- kernel categories ---------------------------------------------------------------------------------------
+
+# names as torch.profiler reports them on an H200 (most from docs/perf-raw), and an unknown one
+KERNELS = {
+    "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "gemm",
+    "nvjet_sm90_qqtst_320x128_128x3_1x2_h_bz_coopB_TNT": "gemm",
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel":
+        "gemm",
+    "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128_1x4x1_cga1x1x1_kernel0_0":
+        "attention",
+    "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_cga1x1x1_kernel0_0":
+        "attention",
+    "ncclDevKernel_AllReduce_Sum_f32_RING_LL": "communication",
+    "ncclDevKernel_AllGather_RING_LL": "communication",
+    "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+    "FusedOptimizerTensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor<float, 4, "
+    "(at::native::_fused_mode)1, false>, bool, float, float, float, float, float, double*, bool, float*, float*>"
+    "(T1, T2, T3...)": "optimizer",
+    "Memcpy DtoD (Device -> Device)": "memcpy/memset",
+    "Memcpy HtoD (Pageable -> Device)": "memcpy/memset",
+    "Memset (Device)": "memcpy/memset",
+    "void transformer_engine::detail::cast_transpose_kernel<true, 8, float>": "fp8 cast/transpose",
+    "void rmsnorm_fwd_tuned_kernel<bf16>": "norm",
+    "void transformer_engine::fused_rope_forward_kernel<__nv_bfloat16, float>": "rope",
+    "triton_red_fused__log_softmax__to_copy_mul_pow_sum_0": "compiled (loss)",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<char*, 1ul> >"
+    "(int, at::native::FillFunctor<float>, std::array<char*, 1ul>)": "elementwise/reduce",
+    # torch's dtype-converting elementwise kernels (the fp32 gradient add of a bf16 run): not FP8 casts
+    "void at::native::unrolled_elementwise_kernel<at::native::CUDAFunctor_add<float>, std::array<char*, 3ul>, 4, "
+    "TrivialOffsetCalculator<2, unsigned int>, TrivialOffsetCalculator<1, unsigned int>, "
+    "at::native::memory::LoadWithCast<2>, at::native::memory::StoreWithCast<1> >(int, "
+    "at::native::CUDAFunctor_add<float>, std::array<char*, 3ul>, TrivialOffsetCalculator<2, unsigned int>, "
+    "TrivialOffsetCalculator<1, unsigned int>, at::native::memory::LoadWithCast<2>, "
+    "at::native::memory::StoreWithCast<1>)": "elementwise/reduce",
+    "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::BinaryFunctor<"
+    "c10::BFloat16, c10::BFloat16, c10::BFloat16, at::native::binary_internal::MulFunctor<float> > >"
+    "(at::TensorIteratorBase&, at::native::BinaryFunctor<c10::BFloat16, c10::BFloat16, c10::BFloat16, "
+    "at::native::binary_internal::MulFunctor<float> > const&)::{lambda(int)#1}>(int, "
+    "at::native::gpu_kernel_impl_nocast<at::native::BinaryFunctor<c10::BFloat16, c10::BFloat16, c10::BFloat16, "
+    "at::native::binary_internal::MulFunctor<float> > >(at::TensorIteratorBase&, at::native::BinaryFunctor<"
+    "c10::BFloat16, c10::BFloat16, c10::BFloat16, at::native::binary_internal::MulFunctor<float> > const&)::"
+    "{lambda(int)#1})": "elementwise/reduce",
+    "void transformer_engine::gated_act_kernel<__nv_bfloat16, float, &transformer_engine::silu>": "activation",
+    "my_unheard_of_kernel_v2": "other",
+}
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_kernel_category(name):
+    assert bench.kernel_category(name) == KERNELS[name]
+
+
+def test_every_category_is_reachable_and_other_is_the_fallback():
+    categories = {c for c, _ in bench.KERNEL_CATEGORIES}
+    assert set(KERNELS.values()) == categories | {"other"}
+    assert bench.kernel_category("") == "other"
+
+
+# --- profile summary -----------------------------------------------------------------------------------------
+
+GEMM_A, GEMM_B = "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_TNT"
+FLASH = "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7"
+NCCL = "ncclDevKernel_AllReduce_Sum_f32_RING_LL"
+COPY = "Memcpy DtoD (Device -> Device)"
+ODD = "my_unheard_of_kernel_v2"
+# (name, microseconds) of one step: gemm 300+150+200 = 650, attention 180, communication 70, other 60, memcpy 4x10;
+# the most frequent kernel (COPY) is the lightest
+SYNTHETIC = [(GEMM_A, 300.0), (COPY, 10.0), (FLASH, 120.0), (GEMM_B, 150.0), (COPY, 10.0), (NCCL, 70.0),
+             (GEMM_A, 200.0), (FLASH, 60.0), (COPY, 10.0), (ODD, 60.0), (COPY, 10.0)]
+BUSY_US = 1000.0
+
+
+def test_profile_summary_categories_and_shares():
+    s = bench.profile_summary(SYNTHETIC, wall_s=0.004)
+    assert s["wall_ms"] == pytest.approx(4.0)
+    assert s["gpu_busy_ms"] == pytest.approx(BUSY_US / 1e3)
+    assert s["idle_share"] == pytest.approx(1 - BUSY_US / 4000.0)  # 0.75
+    cats = [(c["category"], c["ms"], c["share"]) for c in s["categories"]]
+    expected = [("gemm", 0.65), ("attention", 0.18), ("communication", 0.07), ("other", 0.06),
+                ("memcpy/memset", 0.04)]
+    assert [c for c, _, _ in cats] == [c for c, _ in expected]  # heaviest first
+    for (_, ms, share), (_, want_ms) in zip(cats, expected):
+        assert ms == pytest.approx(want_ms)
+        assert share == pytest.approx(want_ms * 1e3 / BUSY_US)
+    assert sum(share for _, _, share in cats) == pytest.approx(1.0)
+    assert sum(ms for _, ms, _ in cats) == pytest.approx(s["gpu_busy_ms"])
+
+
+def test_profile_summary_top_kernels_sorted_with_call_counts():
+    s = bench.profile_summary(SYNTHETIC, wall_s=0.004)
+    top = [(k["kernel"], k["ms"], k["calls"], k["category"]) for k in s["top_kernels"]]
+    assert [t[0] for t in top] == [GEMM_A, FLASH, GEMM_B, NCCL, ODD, COPY]
+    assert top[0][1:] == (pytest.approx(0.5), 2, "gemm")
+    assert top[1][1:] == (pytest.approx(0.18), 2, "attention")
+    assert top[2][1:] == (pytest.approx(0.15), 1, "gemm")
+    assert top[-1][1:] == (pytest.approx(0.04), 4, "memcpy/memset")
+    assert [k["ms"] for k in s["top_kernels"]] == sorted((k["ms"] for k in s["top_kernels"]), reverse=True)
+    assert sum(k["calls"] for k in s["top_kernels"]) == len(SYNTHETIC)
+    assert [k["kernel"] for k in bench.profile_summary(SYNTHETIC, 0.004, top=2)["top_kernels"]] == [GEMM_A, FLASH]
+    long = "nvjet_" + "x" * 300
+    assert bench.profile_summary([(long, 1.0)], 1.0)["top_kernels"][0]["kernel"] == long[:110]
+
+
+def test_profile_summary_edges():
+    # kernels longer than the wall time (clock skew): no negative idle; no kernels: all idle, no categories
+    assert bench.profile_summary(SYNTHETIC, wall_s=0.0005)["idle_share"] == 0.0
+    assert bench.profile_summary(SYNTHETIC, wall_s=0.0)["idle_share"] == 0.0  # no wall time measured
+    empty = bench.profile_summary([], wall_s=0.01)
+    assert empty["idle_share"] == pytest.approx(1.0)
+    assert empty["categories"] == [] and empty["top_kernels"] == [] and empty["gpu_busy_ms"] == 0.0
+
+
+# --- the run config of a variant -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("recipe", ["delayed", "current", "block"])
+def test_fp8_variant_is_one_fp8_phase_from_step_0(recipe):
+    cfg = bench.bench_config("172b-slice", f"ours-fp8-{recipe}", 8)
+    phases = cfg.precision.phases
+    assert len(phases) == 1
+    ph = phases[0]
+    assert (ph.precision, ph.start_step, ph.start_tokens, ph.recipe, ph.fp8_format) == ("fp8", 0, None, recipe,
+                                                                                       "hybrid")
+    assert cfg.precision.dtype == "bf16"
+
+
+@pytest.mark.parametrize("variant", ["ours-bf16", "peer-bf16"])
+def test_bf16_variants_have_one_bf16_phase(variant):
+    cfg = bench.bench_config("172b-slice", variant, 8)
+    assert [(p.precision, p.start_step) for p in cfg.precision.phases] == [("bf16", 0)]
+    assert cfg.precision.dtype == "bf16"
+
+
+@pytest.mark.parametrize("shape,gas", [("172b-slice", 8), ("llmjp3-1.8b", 4), ("llmjp3-3.7b", 3), ("tiny", 2)])
+def test_one_device_layout_and_batch(shape, gas):
+    from llmjp_ds.config import gradient_accumulation_steps, validate
+
+    preset, overrides, micro = {**bench.SHAPES, **bench.TEST_SHAPES}[shape]
+    cfg = bench.bench_config(shape, "ours-bf16", gas)
+    assert cfg.train.micro_batch_size == micro
+    assert cfg.train.global_batch_size == micro * gas
+    assert gradient_accumulation_steps(cfg, 1) == gas
+    assert cfg.parallel.pipeline_stages == 1  # the 172B preset itself has 32 stages
+    assert cfg.parallel.zero_stage == 1
+    assert cfg.model.activation_checkpointing is False  # the 172B preset itself recomputes
+    assert cfg.model.overrides == overrides
+    assert cfg.logging.wandb == "disabled"
+    validate(cfg, 1)  # a valid single-device run (run_one validates the same way)
+
+
+def test_set_applies_to_ours_variants_only():
+    sets = ["model.fused_loss=false", "parallel.fused_grad_accumulation=false", "precision.fp8_weight_cache=false"]
+    for variant in ("ours-bf16", "ours-fp8-current"):
+        cfg = bench.bench_config("172b-slice", variant, 8, sets)
+        assert cfg.model.fused_loss is False
+        assert cfg.parallel.fused_grad_accumulation is False
+        assert cfg.precision.fp8_weight_cache is False
+    peer = bench.bench_config("172b-slice", "peer-bf16", 8, sets)
+    assert peer.model.fused_loss is True and peer.parallel.fused_grad_accumulation is True
+    assert peer.precision.fp8_weight_cache is True
+    # a set that changes the shape's own override is merged into it, not replacing it
+    cfg = bench.bench_config("172b-slice", "ours-bf16", 8, ["model.overrides.hidden_size=256"])
+    assert cfg.model.overrides == {"num_layers": 2, "hidden_size": 256}
+
+
+def _cli_env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "LLMJP_DS_DEBUG"):
+        env.pop(key, None)  # a lone process picks a free port (engine.init_distributed)
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "llmjp-ds" / "torch_extensions"))
+    return env
+
+
+@pytest.mark.timeout(120)
+def test_cli_bad_set_key_is_a_one_line_error():
+    proc = subprocess.run([sys.executable, "-m", "llmjp_ds.bench", "--shapes", "172b-slice", "--set", "model.nope=1"],
+                          cwd=REPO, env=_cli_env(), capture_output=True, text=True, timeout=100)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ") and "model.nope" in lines[0]
+    assert "Traceback" not in proc.stderr and "RESULT" not in proc.stdout
+
+
+# --- the harness on CPU: real DeepSpeed steps on the tiny shape ------------------------------------------------
+
+GAS, STEPS, WARMUP = 2, 2, 1
+RUNS = {
+    "ours": ("ours-bf16", []),
+    "ours-unfused": ("ours-bf16", ["parallel.fused_grad_accumulation=false"]),
+    "peer": ("peer-bf16", []),
+}
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    """The three ``--one tiny`` runs, started together (one thread each) and parsed once for the module."""
+    procs = {}
+    for key, (variant, sets) in RUNS.items():
+        cmd = [sys.executable, "-m", "llmjp_ds.bench", "--one", "tiny", variant, "--steps", str(STEPS),
+               "--warmup", str(WARMUP), "--gas", str(GAS)] + [a for s in sets for a in ("--set", s)]
+        procs[key] = subprocess.Popen(cmd, cwd=REPO, env=_cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True)
+    results = {}
+    try:
+        for key, proc in procs.items():
+            out, err = proc.communicate(timeout=240)
+            lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+            results[key] = (proc.returncode, lines, err)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
+
+
+def result_of(harness, key) -> dict:
+    rc, lines, err = harness[key]
+    assert rc == 0 and len(lines) == 1, f"exit {rc}\n{err[-3000:]}"
+    return json.loads(lines[0][len("RESULT "):])
+
+
+def tiny_vocab() -> int:
+    from llmjp_ds.model.presets import model_config
+
+    return model_config("tiny").vocab_size
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("key", ["ours", "peer"])
+def test_harness_first_loss_is_that_of_a_uniform_guess(harness, key):
+    r = result_of(harness, key)
+    assert r["variant"] == RUNS[key][0] and r["shape"] == "tiny" and r["device"] == "cpu"
+    assert len(r["losses"]) == WARMUP + STEPS
+    assert all(math.isfinite(x) for x in r["losses"])
+    assert abs(r["losses"][0] - math.log(tiny_vocab())) < 0.5
+
+
+@pytest.mark.timeout(300)
+def test_harness_throughput_arithmetic(harness):
+    from llmjp_ds.model.flops import flops_per_token_for
+    from llmjp_ds.model.presets import model_config
+
+    r = result_of(harness, "ours")
+    micro = bench.TEST_SHAPES["tiny"][2]
+    assert (r["micro_batch"], r["gas"], r["steps"]) == (micro, GAS, STEPS)
+    seq = bench.bench_config("tiny", "ours-bf16", GAS).data.seq_len
+    assert r["seq_len"] == seq
+    assert r["step_s"] > 0
+    tokens_per_s = GAS * micro * seq / r["step_s"]
+    assert r["tokens_per_s"] == pytest.approx(tokens_per_s, rel=1e-6)
+    flops = flops_per_token_for(model_config("tiny"), seq)
+    assert r["tflops_per_gpu"] == pytest.approx(flops * tokens_per_s / 1e12, rel=1e-6)
+    assert r["mfu"] == pytest.approx(r["tflops_per_gpu"] / bench.PEAK_TFLOPS, rel=1e-6)
+    assert r["sets"] == [] and r["peak_mem_gib"] == 0.0
+
+
+@pytest.mark.timeout(300)
+def test_harness_fused_accumulation_is_bit_identical_to_deepspeeds(harness):
+    fused, unfused = result_of(harness, "ours"), result_of(harness, "ours-unfused")
+    assert unfused["sets"] == ["parallel.fused_grad_accumulation=false"]
+    assert fused["losses"] == unfused["losses"]
+    assert fused["losses"][1] != fused["losses"][0]  # the optimizer stepped: later losses depend on the gradients

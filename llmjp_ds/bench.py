@@ -2,8 +2,8 @@
 
 Every variant runs in its own process (a clean GPU) and goes through the trainer's own pieces: the run preset
 of its shape, ``engine.build_model`` / ``engine.initialize`` (the bundled ``ds_configs/zero1.json``: ZeRO-1,
-BF16 with FP32 gradient accumulation, the LLM-jp AdamW groups), the precision schedule, and
-``train.forward_backward`` over gradient accumulation 8 (as real pretraining uses) on micro-batches of random
+BF16 with FP32 gradient accumulation, the LLM-jp AdamW groups), the precision schedule, the LR schedule and
+``train.forward_backward`` over gradient accumulation 8 (as real pretraining uses), on micro-batches of random
 token ids already on the GPU. One step = ``gas`` forward/backward passes + the optimizer step.
 
 Variants: ``ours-bf16``, ``ours-fp8-delayed`` (DelayedScaling, HYBRID), ``ours-fp8-current``
@@ -65,7 +65,7 @@ def kernel_category(name: str) -> str:
 
 def profile_summary(kernels: list[tuple[str, float]], wall_s: float, top: int = 12) -> dict:
     """GPU time per kernel category and the heaviest kernels, from ``(kernel name, microseconds)`` pairs of one
-    step. ``share`` is of the summed kernel time; ``idle`` is the part of the wall time no kernel covered
+    step. ``share`` is of the summed kernel time; ``idle_share`` is the part of the wall time no kernel covered
     (kernels of one stream do not overlap; the step runs on one)."""
     busy_us = sum(us for _, us in kernels)
     by_cat: dict[str, float] = {}
@@ -146,6 +146,7 @@ def run_one(shape: str, variant: str, steps: int, warmup: int, gas: int, sets: l
     from llmjp_ds.model.backend import resolve_backend
     from llmjp_ds.model.flops import flops_per_token_for
     from llmjp_ds.model.presets import model_config as make_model_config
+    from llmjp_ds.optim import schedule_lr, set_lr
     from llmjp_ds.precision import PrecisionSchedule
     from llmjp_ds.train import forward_backward
 
@@ -184,6 +185,7 @@ def run_one(shape: str, variant: str, steps: int, warmup: int, gas: int, sets: l
             torch.cuda.synchronize()
 
     def step(i: int):
+        set_lr(engine.optimizer, schedule_lr(i, cfg.optim, cfg.train.steps))
         parts = forward_backward(engine, batches, lambda: schedule.autocast(i))
         schedule.end_step()
         return parts

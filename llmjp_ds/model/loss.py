@@ -1,6 +1,6 @@
 """Causal-LM loss with the optional z-loss (PaLM / LLM-jp: ``coeff * logsumexp(logits)^2``), reported apart.
 
-Over a 100k vocabulary the logits of one micro-batch are the largest tensor of the step (4096 x 99574 bf16 =
+Over a 100k vocabulary the logits of one micro-batch are the largest tensor of the step (4096 x 99840 bf16 =
 0.8 GB per sequence). The eager formula makes an fp32 copy of them, keeps it for the backward and writes an
 fp32 gradient the size of it again. ``fused=True`` runs the same formula through ``torch.compile``: the fp32
 cast happens in registers inside one reduction kernel (and one pointwise backward kernel that writes the bf16

@@ -187,6 +187,12 @@ def fuse_grad_accumulation(optimizer, modules) -> int:
 
     if not isinstance(optimizer, BF16_Optimizer):
         return 0
+    internals = ("_update_hp_grad", "fp32_groups_gradients", "fp32_groups_has_gradients", "bf16_groups",
+                 "immediate_grad_update")
+    if not all(hasattr(optimizer, name) for name in internals):  # written against DeepSpeed 0.19's BF16_Optimizer
+        print("[llmjp-ds] this DeepSpeed's BF16_Optimizer lacks the fields parallel.fused_grad_accumulation "
+              "uses: accumulating gradients DeepSpeed's way", flush=True)
+        return 0
     hp_grads, has_grads = optimizer.fp32_groups_gradients, optimizer.fp32_groups_has_gradients
 
     @torch.no_grad()

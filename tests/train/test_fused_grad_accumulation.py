@@ -373,3 +373,16 @@ def test_other_parameters_match_the_unpatched_engine_bit_for_bit(runs):
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
     _main(sys.argv[1])
+
+
+def test_a_deepspeed_without_the_fields_keeps_its_own_accumulation(capsys):
+    """fuse_grad_accumulation is written against DeepSpeed 0.19's BF16_Optimizer: with its fields missing it leaves
+    DeepSpeed's path alone (slower, still correct) and says so, instead of patching half of it."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    from llmjp_ds.engine import fuse_grad_accumulation
+
+    bare = object.__new__(BF16_Optimizer)  # no __init__: none of the instance fields exist
+    assert fuse_grad_accumulation(bare, []) == 0
+    assert "_update_hp_grad" not in vars(bare)
+    assert "accumulating gradients DeepSpeed's way" in capsys.readouterr().out

@@ -312,6 +312,18 @@ def _si(value: float) -> str:
     return f"{value:.3g}"
 
 
+# the log line's fields after the loss, in order: metric key -> its text
+_LOG_FIELDS = (
+    ("valid_loss", lambda v: f"valid {v:.4f}"),
+    ("lr", lambda v: f"lr {v:.2e}"),
+    ("grad_norm", lambda v: f"gnorm {v:.3f}"),
+    ("tokens_per_s", lambda v: f"{_si(v)} tok/s"),
+    ("tflops_per_gpu", lambda v: f"{v:.1f} TFLOP/s"),
+    ("mfu", lambda v: f"MFU {100 * v:.1f}%"),
+    ("peak_memory_gib", lambda v: f"mem {v:.1f} GiB"),
+)
+
+
 def format_log_line(step: int, total_steps: int | None, metrics: dict[str, Any]) -> str:
     """A compact human log line, e.g.
     ``step 120/1000 | loss 3.4521 z 1.2e-04 | lr 2.50e-04 | gnorm 0.870 | 12.3k tok/s | 401.2 TFLOP/s | MFU 40.6%
@@ -330,20 +342,10 @@ def format_log_line(step: int, total_steps: int | None, metrics: dict[str, Any])
         if num("z_loss") is not None:
             text += f" z {num('z_loss'):.2e}"
         parts.append(text)
-    if num("valid_loss") is not None:
-        parts.append(f"valid {num('valid_loss'):.4f}")
-    if num("lr") is not None:
-        parts.append(f"lr {num('lr'):.2e}")
-    if num("grad_norm") is not None:
-        parts.append(f"gnorm {num('grad_norm'):.3f}")
-    if num("tokens_per_s") is not None:
-        parts.append(f"{_si(num('tokens_per_s'))} tok/s")
-    if num("tflops_per_gpu") is not None:
-        parts.append(f"{num('tflops_per_gpu'):.1f} TFLOP/s")
-    if num("mfu") is not None:
-        parts.append(f"MFU {100 * num('mfu'):.1f}%")
-    if num("peak_memory_gib") is not None:
-        parts.append(f"mem {num('peak_memory_gib'):.1f} GiB")
+    for key, show in _LOG_FIELDS:
+        value = num(key)
+        if value is not None:
+            parts.append(show(value))
     if metrics.get("phase"):
         parts.append(str(metrics["phase"]) + (" (emulated)" if metrics.get("emulated_fp8") else ""))
     return " | ".join(parts)

@@ -36,13 +36,18 @@ def _read(module: str) -> str | None:
     return path.read_text(encoding="utf-8") if path.exists() else None
 
 
+def _sources(modules):
+    """(module, source) of each listed module that this Python's standard library has."""
+    for module in modules:
+        source = _read(module)
+        if source is not None:
+            yield module, source
+
+
 def code_documents(max_chars: int, min_chars: int = 300, max_doc: int = 6000) -> list[str]:
     docs: list[str] = []
     total = 0
-    for module in CODE_MODULES:
-        source = _read(module)
-        if source is None:
-            continue
+    for module, source in _sources(CODE_MODULES):
         lines = source.splitlines(keepends=True)
         tree = ast.parse(source)
         chunk = ""
@@ -66,10 +71,7 @@ def code_documents(max_chars: int, min_chars: int = 300, max_doc: int = 6000) ->
 def docstring_documents(max_chars: int, min_chars: int = 200) -> list[str]:
     docs: list[str] = []
     total = 0
-    for module in DOC_MODULES:
-        source = _read(module)
-        if source is None:
-            continue
+    for module, source in _sources(DOC_MODULES):
         tree = ast.parse(source)
         nodes = [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef,
                                                                            ast.ClassDef))]

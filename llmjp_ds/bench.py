@@ -13,8 +13,9 @@ config and optimizer. ``--set`` changes the run config of the ``ours`` variants 
 ``--set model.fused_loss=false``).
 TFLOP/s are model FLOPs (:func:`llmjp_ds.model.flops.model_flops_per_token`: Megatron-LM's formula with GQA,
 SwiGLU, the logits layer and the causal attention term halved; no recompute counted) per GPU; MFU is against
-989 TFLOP/s (H100/H200 dense BF16). ``--profile`` adds one profiled step per variant: GPU time by kernel
-category (GEMM share) and the top kernels.
+989 TFLOP/s (H100/H200 dense BF16). ``--profile`` adds two profiled steps per variant: GPU time by kernel
+category (GEMM share) and the top kernels, then the host's time by Python function (cProfile), which says where
+a step whose GPU idles (launch-bound) spends its time.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def profile_summary(kernels: list[tuple[str, float]], wall_s: float, top: int = 
         entry[1] += 1
     cats = sorted(by_cat.items(), key=lambda kv: -kv[1])
     heavy = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
-    return {"wall_ms": wall_s * 1e3, "gpu_busy_ms": busy_us / 1e3,
+    return {"wall_ms": wall_s * 1e3, "gpu_busy_ms": busy_us / 1e3, "kernels": len(kernels),
             "idle_share": max(0.0, 1.0 - busy_us / 1e6 / wall_s) if wall_s else 0.0,
             "categories": [{"category": c, "ms": us / 1e3, "share": us / busy_us if busy_us else 0.0}
                            for c, us in cats],
@@ -86,14 +87,34 @@ def profile_summary(kernels: list[tuple[str, float]], wall_s: float, top: int = 
                             for n, v in heavy]}
 
 
+def host_summary(rows, wall_s: float, top: int = 15) -> dict:
+    """The host's share of one step by Python function, from cProfile rows ``(file, line, function, calls,
+    self seconds, cumulative seconds)``: the heaviest by self time (where the interpreter is busy) and by
+    cumulative time (which call paths cost). cProfile slows Python calls, so shares matter, not absolutes."""
+    def entry(r):
+        path = r[0].replace("\\", "/").split("site-packages/")[-1].split("/llmjp_ds/")[-1]
+        return {"function": f"{path}:{r[1]}({r[2]})", "calls": r[3], "self_ms": r[4] * 1e3, "cum_ms": r[5] * 1e3}
+
+    return {"wall_ms": wall_s * 1e3,
+            "by_self": [entry(r) for r in sorted(rows, key=lambda r: -r[4])[:top]],
+            "by_cumulative": [entry(r) for r in sorted(rows, key=lambda r: -r[5])[:top]]}
+
+
 def profile_table(result: dict) -> str:
     p = result["profile"]
     lines = [f"profile {result['shape']} {result['variant']}: step {p['wall_ms']:.0f} ms, kernels "
-             f"{p['gpu_busy_ms']:.0f} ms, GPU idle {100 * p['idle_share']:.1f}%",
+             f"{p['gpu_busy_ms']:.0f} ms in {p.get('kernels', 0):,} kernels, GPU idle {100 * p['idle_share']:.1f}%",
              "| category | ms per step | share of kernel time |", "|---|---|---|"]
     lines += [f"| {c['category']} | {c['ms']:.1f} | {100 * c['share']:.1f}% |" for c in p["categories"]]
     lines += ["| top kernel | category | ms | calls |", "|---|---|---|---|"]
     lines += [f"| `{k['kernel']}` | {k['category']} | {k['ms']:.1f} | {k['calls']} |" for k in p["top_kernels"]]
+    host = result.get("host_profile")
+    if host:
+        lines.append(f"host {result['shape']} {result['variant']}: step {host['wall_ms']:.0f} ms under cProfile")
+        for key, title in (("by_self", "self ms"), ("by_cumulative", "cumulative ms")):
+            lines += [f"| function | calls | {title} |", "|---|---|---|"]
+            ms = "self_ms" if key == "by_self" else "cum_ms"
+            lines += [f"| `{f['function']}` | {f['calls']} | {f[ms]:.1f} |" for f in host[key]]
     return "\n".join(lines)
 
 
@@ -212,6 +233,7 @@ def run_one(shape: str, variant: str, steps: int, warmup: int, gas: int, sets: l
               "device": torch.cuda.get_device_name() if cuda else "cpu"}
     if profile:
         result["profile"] = _profiled_step(lambda: step(warmup + steps), sync, cuda)
+        result["host_profile"] = _host_profiled_step(lambda: step(warmup + steps + 1), sync)
     return result
 
 
@@ -229,6 +251,22 @@ def _profiled_step(step, sync, cuda: bool) -> dict:
     kernels = [(e.name, e.time_range.elapsed_us()) for e in prof.events()
                if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
     return profile_summary(kernels, wall)
+
+
+def _host_profiled_step(step, sync) -> dict:
+    import cProfile
+    import pstats
+
+    sync()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    step()
+    sync()
+    prof.disable()
+    wall = time.perf_counter() - t0
+    rows = [(f, line, fn, nc, tt, ct) for (f, line, fn), (_, nc, tt, ct, _) in pstats.Stats(prof).stats.items()]
+    return host_summary(rows, wall)
 
 
 def table(results: list[dict]) -> str:

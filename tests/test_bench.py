@@ -113,7 +113,7 @@ def test_profile_summary_top_kernels_sorted_with_call_counts():
     assert top[2][1:] == (pytest.approx(0.15), 1, "gemm")
     assert top[-1][1:] == (pytest.approx(0.04), 4, "memcpy/memset")
     assert [k["ms"] for k in s["top_kernels"]] == sorted((k["ms"] for k in s["top_kernels"]), reverse=True)
-    assert sum(k["calls"] for k in s["top_kernels"]) == len(SYNTHETIC)
+    assert sum(k["calls"] for k in s["top_kernels"]) == len(SYNTHETIC) == s["kernels"]
     assert [k["kernel"] for k in bench.profile_summary(SYNTHETIC, 0.004, top=2)["top_kernels"]] == [GEMM_A, FLASH]
     long = "nvjet_" + "x" * 300
     assert bench.profile_summary([(long, 1.0)], 1.0)["top_kernels"][0]["kernel"] == long[:110]
@@ -126,6 +126,20 @@ def test_profile_summary_edges():
     empty = bench.profile_summary([], wall_s=0.01)
     assert empty["idle_share"] == pytest.approx(1.0)
     assert empty["categories"] == [] and empty["top_kernels"] == [] and empty["gpu_busy_ms"] == 0.0
+
+
+def test_host_summary_orders_by_self_and_cumulative_time_and_shortens_paths():
+    rows = [("/x/site-packages/transformer_engine/pytorch/module/linear.py", 10, "forward", 72, 0.010, 0.050),
+            ("/repo/llmjp_ds/train.py", 5, "forward_backward", 1, 0.001, 0.900),
+            ("~", 0, "<method 'item' of 'torch._C.TensorBase' objects>", 8, 0.300, 0.300)]
+    h = bench.host_summary(rows, wall_s=1.2, top=2)
+    assert h["wall_ms"] == pytest.approx(1200.0)
+    assert [f["function"] for f in h["by_self"]] == ["~:0(<method 'item' of 'torch._C.TensorBase' objects>)",
+                                                     "transformer_engine/pytorch/module/linear.py:10(forward)"]
+    assert [f["function"] for f in h["by_cumulative"]] == ["train.py:5(forward_backward)",
+                                                           "~:0(<method 'item' of 'torch._C.TensorBase' objects>)"]
+    assert h["by_self"][1]["calls"] == 72 and h["by_self"][1]["self_ms"] == pytest.approx(10.0)
+    assert h["by_cumulative"][0]["cum_ms"] == pytest.approx(900.0)
 
 
 # --- the run config of a variant -----------------------------------------------------------------------------

@@ -26,6 +26,8 @@ case "${1:-slice}" in
     bench 3.7b --shapes llmjp3-3.7b --steps 4 --warmup 2 --variants ours-bf16,peer-bf16,ours-fp8-delayed,ours-fp8-current
     bench block --shapes 172b-slice,llmjp3-1.8b --steps 3 --warmup 2 --variants ours-fp8-block
     bench 1.8b-profile --shapes llmjp3-1.8b --steps 2 --warmup 2 --variants ours-bf16,ours-fp8-delayed --profile ;;
+  host)  # where the 1.8B step's host time goes (cProfile beside the kernel profile)
+    bench 1.8b-host --shapes llmjp3-1.8b --steps 2 --warmup 2 --variants ours-fp8-delayed,ours-bf16 --profile ;;
   final)  # the shipped ds_configs (fp32 gradient all-reduce) at the target shape
     bench final --shapes 172b-slice --steps 3 --warmup 2 --variants ours-bf16,ours-fp8-delayed ;;
   ablations)  # one optimisation off at a time

@@ -46,6 +46,9 @@ def build_ds_config(cfg: RunConfig, world_size: int) -> dict:
         ds["data_types"] = {**ds.get("data_types", {}), "grad_accum_dtype": "fp32"}
     ds.setdefault("steps_per_print", 1 << 30)  # the trainer logs; DeepSpeed stays quiet
     ds.setdefault("wall_clock_breakdown", False)
+    # DeepSpeed's throughput timer synchronises the GPU at every micro-batch's forward and step, which keeps the
+    # host from queueing the next micro-batch while the GPU runs this one; the trainer measures throughput itself
+    ds.setdefault("timers", {"throughput": {"enabled": False}})
     for key in ("optimizer", "scheduler"):
         if key in ds:
             fail(f"{path} has an {key!r} block: llmjp-ds passes its own AdamW and LR schedule; remove the block "
@@ -179,10 +182,10 @@ def fuse_grad_accumulation(optimizer, modules) -> int:
     fp32 buffer: two kernels and 22 bytes of memory traffic per parameter, 17 % of a 172B-slice step on an H200
     (docs/performance.md). Here (1) that add reads the bf16 gradient directly (``add_`` promotes inside the
     kernel: one pass, 10 bytes, the same fp32 result bit for bit), and (2) with ``immediate_grad_update`` the
-    GEMM weights of TE modules (``GEMM_WEIGHTS`` in ``te_layers``) get DeepSpeed's fp32 buffer as
-    ``main_grad`` and ``fuse_wgrad_accumulation``: TE's weight-gradient GEMM accumulates into it in fp32 (no bf16
-    rounding of each micro-batch's gradient) and returns a placeholder, which the hook drops. Returns the number
-    of weights accumulated by their GEMM."""
+    weights a module lists in ``MAIN_GRAD_WEIGHTS`` (TE's GEMM weights in ``te_layers``; the embedding and LM
+    head in ``model/main_grad.py``) get DeepSpeed's fp32 buffer as ``main_grad`` and ``fuse_wgrad_accumulation``:
+    the module's backward accumulates into it in fp32 (no bf16 rounding of each micro-batch's gradient) and
+    returns a placeholder, which the hook drops. Returns the number of weights accumulated that way."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
     if not isinstance(optimizer, BF16_Optimizer):
@@ -215,7 +218,7 @@ def fuse_grad_accumulation(optimizer, modules) -> int:
     where = {id(lp): (i, j) for i, group in enumerate(optimizer.bf16_groups) for j, lp in enumerate(group)}
     fused = 0
     for module in modules:
-        names = getattr(module, "GEMM_WEIGHTS", ())
+        names = getattr(module, "MAIN_GRAD_WEIGHTS", ())
         weights = [getattr(module, name) for name in names]
         if not weights or not all(id(w) in where for w in weights):
             continue

@@ -31,6 +31,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from llmjp_ds.model.backend import layers_module, resolve_backend
 from llmjp_ds.model.loss import LossParts, causal_lm_loss
+from llmjp_ds.model.main_grad import HeadLinear, TokenEmbedding
 from llmjp_ds.model.loss import shift_labels as shift_labels_of
 from llmjp_ds.model.presets import check_supported, rope_theta
 
@@ -106,21 +107,21 @@ def _device_for(backend: str):
     return "cuda" if backend == "te" else None
 
 
-class Embedding(nn.Embedding):
+class Embedding(TokenEmbedding):
     def __init__(self, config, backend: str, params_dtype=None):
         super().__init__(config.vocab_size, config.hidden_size, device=_device_for(backend), dtype=params_dtype)
         nn.init.normal_(self.weight, std=config.initializer_range)
 
 
 class FinalNormHead(nn.Module):
-    """Final RMSNorm and the output projection. The head is a plain ``nn.Linear``: it stays in BF16 in FP8
-    phases, as in Megatron-LM, whose output layer is not a TE module."""
+    """Final RMSNorm and the output projection. The head is an ``nn.Linear`` (``HeadLinear``), not a TE module:
+    it stays in BF16 in FP8 phases, as in Megatron-LM."""
 
     def __init__(self, config, backend: str, params_dtype=None):
         super().__init__()
         self.norm = layers_module(backend).RMSNorm(config.hidden_size, eps=config.rms_norm_eps,
                                                    params_dtype=params_dtype)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=_device_for(backend),
+        self.lm_head = HeadLinear(config.hidden_size, config.vocab_size, bias=False, device=_device_for(backend),
                                  dtype=params_dtype)
         nn.init.normal_(self.lm_head.weight, std=config.initializer_range)
 

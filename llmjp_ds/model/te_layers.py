@@ -23,17 +23,17 @@ from llmjp_ds.model.weight_cache import ReusesFP8Weights
 NAME = "te"
 
 
-# GEMM_WEIGHTS: the weights whose gradient TE's GEMM can accumulate into ``main_grad`` (engine.fuse_grad_accumulation)
+# MAIN_GRAD_WEIGHTS: the weights whose gradient TE's GEMM accumulates into ``main_grad`` (engine.fuse_grad_accumulation)
 class _LayerNormLinear(ReusesFP8Weights, te.LayerNormLinear):
-    GEMM_WEIGHTS = ("weight",)
+    MAIN_GRAD_WEIGHTS = ("weight",)
 
 
 class _Linear(ReusesFP8Weights, te.Linear):
-    GEMM_WEIGHTS = ("weight",)
+    MAIN_GRAD_WEIGHTS = ("weight",)
 
 
 class _LayerNormMLP(ReusesFP8Weights, te.LayerNormMLP):
-    GEMM_WEIGHTS = ("fc1_weight", "fc2_weight")
+    MAIN_GRAD_WEIGHTS = ("fc1_weight", "fc2_weight")
 
 
 def _normal(std: float):

@@ -105,6 +105,7 @@ def test_auto_exactly_where_the_trainer_fills(name):
     # values that must be real: DeepSpeed keys only, no optimizer/scheduler (the trainer passes its own)
     assert "optimizer" not in cfg and "scheduler" not in cfg and "fp16" not in cfg
     assert cfg["steps_per_print"] >= 10**6 and cfg["wall_clock_breakdown"] is False
+    assert cfg["timers"] == {"throughput": {"enabled": False}}  # no GPU synchronisation per micro-batch
     assert not any(k.startswith("_") for k in cfg), "no comment keys: keep the files plain DeepSpeed JSON"
 
 
@@ -122,6 +123,7 @@ def test_deepspeed_parses_filled_config(name, bf16, ds_config):
     assert c.zero_enabled == (stage > 0)
     assert c.grad_accum_dtype == accum
     assert c.steps_per_print == 1_000_000_000 and c.wall_clock_breakdown is False
+    assert c.timers_config.enabled is False
     assert c.optimizer_name is None and c.scheduler_name is None
     if stage:
         assert c.zero_config.reduce_bucket_size == BUCKET
@@ -272,3 +274,19 @@ def test_hostfile_parser_only_skips_hash_comments(tmp_path):
     bad.write_text("; not a comment\nnode-1 slots=8\n")
     with pytest.raises(ValueError, match="bad entry"):
         fetch_hostfile(str(bad))
+
+
+def test_user_json_without_timers_gets_no_per_micro_batch_synchronisation(tmp_path):
+    """DeepSpeed's throughput timer (on by default) synchronises the GPU at every micro-batch; the trainer turns
+    it off unless the user's JSON configures it."""
+    from llmjp_ds.config import load_config
+    from llmjp_ds.engine import build_ds_config
+
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({"zero_optimization": {"stage": 1}}))
+    kept = tmp_path / "kept.json"
+    kept.write_text(json.dumps({"timers": {"throughput": {"enabled": True, "synchronized": False}}}))
+    for path, want in ((bare, {"throughput": {"enabled": False}}),
+                       (kept, {"throughput": {"enabled": True, "synchronized": False}})):
+        cfg = load_config(None, [f"parallel.ds_config={path}", "logging.wandb=disabled"], "demo")
+        assert build_ds_config(cfg, 1)["timers"] == want

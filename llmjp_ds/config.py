@@ -341,6 +341,12 @@ def gradient_accumulation_steps(cfg: RunConfig, world_size: int) -> int:
     return cfg.train.global_batch_size // (cfg.train.micro_batch_size * data_parallel_size(cfg, world_size))
 
 
+def sample_counts(cfg: RunConfig) -> tuple[int, int]:
+    """(train, valid) samples the run reads; no validation split is needed when ``eval_interval`` is 0."""
+    t = cfg.train
+    return t.steps * t.global_batch_size, (max(1, t.eval_batches) * t.global_batch_size if t.eval_interval else 0)
+
+
 def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     """Checks that need no process group and no GPU. Raises UserError with the fix."""
     from llmjp_ds.model.backend import BACKENDS

@@ -20,7 +20,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script by the deepspeed launcher
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from llmjp_ds.config import RunConfig, load_config, validate, world_size_from_env  # noqa: E402
+from llmjp_ds.config import RunConfig, load_config, sample_counts, validate, world_size_from_env  # noqa: E402
 from llmjp_ds.errors import fail, run_main  # noqa: E402
 
 
@@ -128,9 +128,7 @@ def train(cfg: RunConfig) -> dict:
                       else list(engine.module.model.layers))
     schedule.exempt_layers(decoder_layers, model_config.num_hidden_layers)
     guard = DivergenceGuard(cfg.precision.guard)
-    train_ds, valid_ds = data.build(seq_len, cfg.train.steps * cfg.train.global_batch_size,
-                                    max(1, cfg.train.eval_batches) * cfg.train.global_batch_size,
-                                    barrier=dist.barrier)
+    train_ds, valid_ds = data.build(seq_len, *sample_counts(cfg), barrier=dist.barrier)
 
     state = TrainState()
     client: dict = {}

@@ -3,6 +3,7 @@
 #   source .whl/env.sh && bash benchmarks/device/perf.sh slice       # 172b-slice (profiled) and llmjp3-1.8b
 #   source .whl/env.sh && bash benchmarks/device/perf.sh small       # llmjp3-3.7b, and the block recipe
 #   source .whl/env.sh && bash benchmarks/device/perf.sh ablations   # one optimisation off at a time
+#   source .whl/env.sh && bash benchmarks/device/perf.sh main-grad   # this build, profiled; DeepSpeed's timer on
 # Ablations: DeepSpeed's fp32 accumulation after backward instead of in the grad hook, the eager loss, no FP8
 # weight cache; `slice` also runs the step without the fused gradient accumulation.
 set -uo pipefail
@@ -30,6 +31,12 @@ case "${1:-slice}" in
     bench 1.8b-host --shapes llmjp3-1.8b --steps 2 --warmup 2 --variants ours-fp8-delayed,ours-bf16 --profile ;;
   final)  # the shipped ds_configs (fp32 gradient all-reduce) at the target shape
     bench final --shapes 172b-slice --steps 3 --warmup 2 --variants ours-bf16,ours-fp8-delayed ;;
+  main-grad)  # embedding/head gradients into main_grad, no per-micro-batch sync; DeepSpeed's synchronising timer
+    bench slice --shapes 172b-slice --steps 3 --warmup 2 --profile --variants ours-bf16,ours-fp8-delayed
+    bench 1.8b --shapes llmjp3-1.8b --steps 3 --warmup 2 --profile --variants ours-bf16,ours-fp8-delayed,peer-bf16
+    bench 1.8b-timer --shapes llmjp3-1.8b --steps 3 --warmup 2 --variants ours-bf16,ours-fp8-delayed \
+      --set parallel.ds_config=benchmarks/ds_configs/zero1-throughput-timer.json
+    python -m pytest -q -m gpu tests/model/test_main_grad.py 2>&1 | tail -3 >> "$OUT/summary.md" ;;
   ablations)  # one optimisation off at a time
     S=(--shapes 172b-slice --steps 3 --warmup 2)
     bench slice-accumulate-after-backward "${S[@]}" --variants ours-bf16 \

@@ -81,13 +81,18 @@ SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_laye
               "num_key_value_heads")
 
 
-def check_resume(run_dir, model_config: dict) -> str | None:
+def check_resume(run_dir, model_config: dict, fp8_lm_head: bool = False) -> str | None:
     """The tag a run will resume from (None for a fresh run), checked before any process group exists:
-    ``latest`` must name a complete checkpoint, saved from a model of the same shape."""
+    ``latest`` must name a complete checkpoint, saved from a model of the same shape and the same kind of LM head
+    (an FP8 head carries TE scaling state that a BF16 head has no slot for, and the other way round)."""
     tag = latest_tag(run_dir)
     if tag is None:
         return None
-    saved = read_marker(run_dir, tag).get("model_config", {})
+    marker = read_marker(run_dir, tag)
+    if marker.get("fp8_lm_head", False) != fp8_lm_head:
+        fail(f"{checkpoint_dir(run_dir) / tag} was saved with precision.fp8_lm_head={str(not fp8_lm_head).lower()}: "
+             f"resume with the same setting, or set a new run_dir to start afresh")
+    saved = marker.get("model_config", {})
     diff = [f"{k} {saved.get(k)} saved, {model_config.get(k)} now"
             for k in SHAPE_KEYS if saved.get(k) != model_config.get(k)]
     if diff:

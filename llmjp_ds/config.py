@@ -109,7 +109,8 @@ class PrecisionConfig:
     dtype: str = "bf16"  # parameter / compute dtype outside FP8 GEMMs: bf16 | fp32
     phases: list = field(default_factory=lambda: [PhaseConfig()])
     bf16_first_layers: int = 0  # keep the first N decoder layers in BF16 during FP8 phases
-    bf16_last_layers: int = 0  # ... and the last N (the head always stays BF16)
+    bf16_last_layers: int = 0  # ... and the last N
+    fp8_lm_head: bool = False  # FP8 phases: the LM head's GEMMs in FP8 too (LLM-jp and Megatron-LM keep it BF16)
     emulate_fp8: bool = False  # allow emulated FP8 where TE FP8 cannot run (CPU, GPUs before sm89)
     log_amax: bool = False
     fp8_weight_cache: bool = True  # FP8 phases: cast each weight once per step, reused by its micro-batches

@@ -80,13 +80,14 @@ def build_model(cfg: RunConfig, model_config, backend: str):
     from llmjp_ds.model import LlamaForCausalLM
 
     loss_kwargs = {"z_loss_coeff": cfg.model.z_loss, "fused_loss": cfg.model.fused_loss and torch.cuda.is_available()}
+    fp8_head = cfg.precision.fp8_lm_head
     if cfg.parallel.pipeline_stages == 1:
         if cfg.model.init_from_hf:
             model = LlamaForCausalLM.from_pretrained(cfg.model.init_from_hf, backend=backend,
-                                                     dtype=torch.float32, **loss_kwargs)
+                                                     dtype=torch.float32, fp8_lm_head=fp8_head, **loss_kwargs)
         else:
-            model = LlamaForCausalLM(model_config, backend=backend, **loss_kwargs)
-            init_like_pipeline(model, model_config, backend, cfg.train.seed)
+            model = LlamaForCausalLM(model_config, backend=backend, fp8_lm_head=fp8_head, **loss_kwargs)
+            init_like_pipeline(model, model_config, backend, cfg.train.seed, fp8_head)
         model.activation_checkpointing = cfg.model.activation_checkpointing
         return model, None
     from llmjp_ds.model.backend import layers_module
@@ -95,7 +96,7 @@ def build_model(cfg: RunConfig, model_config, backend: str):
     loss = PipelineLoss(cfg.model.z_loss, loss_kwargs["fused_loss"])
     ckpt = cfg.model.activation_checkpointing
     module = pipeline_module_class()(
-        layers=seeded_layer_specs(model_config, backend, cfg.train.seed), num_stages=cfg.parallel.pipeline_stages,
+        layers=seeded_layer_specs(model_config, backend, cfg.train.seed, fp8_head), num_stages=cfg.parallel.pipeline_stages,
         loss_fn=loss,
         partition_method=cfg.parallel.partition_method,
         activation_checkpoint_interval=1 if ckpt else 0,
@@ -110,7 +111,7 @@ def _layer_seed(seed: int, layer_index: int) -> int:
     return (seed << 20) + layer_index
 
 
-def seeded_layer_specs(model_config, backend: str, seed: int) -> list:
+def seeded_layer_specs(model_config, backend: str, seed: int, fp8_head: bool = False) -> list:
     """The pipeline's layer specs, each built right after seeding torch with (seed, its index): a stage builds
     only its own layers, so without this its weights would depend on where the partition cuts (and differ
     from the single-process model built from the same seed)."""
@@ -127,16 +128,17 @@ def seeded_layer_specs(model_config, backend: str, seed: int) -> list:
             torch.manual_seed(self.layer_seed)
             return super().build(log)
 
-    return [SeededLayerSpec(spec, _layer_seed(seed, i)) for i, spec in enumerate(layer_specs(model_config, backend))]
+    return [SeededLayerSpec(spec, _layer_seed(seed, i))
+            for i, spec in enumerate(layer_specs(model_config, backend, fp8_head=fp8_head))]
 
 
-def init_like_pipeline(model, model_config, backend: str, seed: int) -> None:
+def init_like_pipeline(model, model_config, backend: str, seed: int, fp8_head: bool = False) -> None:
     """Give the single-model layout the weights any pipeline layout builds from the same seed (layer by layer,
     see :func:`seeded_layer_specs`), so runs on different layouts start from the same model."""
     from llmjp_ds.model.pipeline import pipeline_to_hf_names
 
     n = model_config.num_hidden_layers
-    for idx, spec in enumerate(seeded_layer_specs(model_config, backend, seed)):
+    for idx, spec in enumerate(seeded_layer_specs(model_config, backend, seed, fp8_head)):
         layer = spec.build()
         state = {pipeline_to_hf_names(idx, n, name): tensor for name, tensor in layer.state_dict().items()
                  if not name.endswith("_extra_state")}

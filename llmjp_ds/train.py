@@ -110,7 +110,7 @@ def train(cfg: RunConfig) -> dict:
     # a run directory we cannot write, a `latest` that names no complete checkpoint, or a checkpoint of another
     # model shape fail here, before any process group exists (and not in DeepSpeed's load, with a traceback)
     _check_writable(run_dir)
-    checkpoint.check_resume(run_dir, model_config.to_dict())
+    checkpoint.check_resume(run_dir, model_config.to_dict(), cfg.precision.fp8_lm_head)
     data = resolve_data(cfg, model_config, world_rank=int(os.environ.get("RANK", "0")))
 
     init_distributed()
@@ -146,7 +146,8 @@ def train(cfg: RunConfig) -> dict:
     stop = StopRequest(cfg.checkpoint.grace_seconds)
     throughput = Throughput(flops_per_token_for(model_config, seq_len), tokens_per_step, world_size)
     marker = {"model_config": model_config.to_dict(), "zero_stage": cfg.parallel.zero_stage,
-              "pipeline_stages": cfg.parallel.pipeline_stages, "dtype": cfg.precision.dtype, "seq_len": seq_len}
+              "pipeline_stages": cfg.parallel.pipeline_stages, "dtype": cfg.precision.dtype, "seq_len": seq_len,
+              "fp8_lm_head": cfg.precision.fp8_lm_head}
 
     def save():
         return checkpoint.save(engine, run_dir, state.step, {

@@ -114,16 +114,23 @@ class Embedding(TokenEmbedding):
 
 
 class FinalNormHead(nn.Module):
-    """Final RMSNorm and the output projection. The head is an ``nn.Linear`` (``HeadLinear``), not a TE module:
-    it stays in BF16 in FP8 phases, as in Megatron-LM."""
+    """Final RMSNorm and the output projection. By default the head is an ``nn.Linear`` (``HeadLinear``), not a
+    TE module: it stays in BF16 in FP8 phases, as in Megatron-LM and LLM-jp's FP8 runs. ``fp8_head`` makes it the
+    backend's ``Linear`` (TE's on a GPU), which FP8 phases run in FP8 like the decoder layers; it then carries
+    FP8 scaling state (``lm_head._extra_state``) in checkpoints. The parameter name is ``lm_head.weight`` either
+    way."""
 
-    def __init__(self, config, backend: str, params_dtype=None):
+    def __init__(self, config, backend: str, params_dtype=None, fp8_head: bool = False):
         super().__init__()
-        self.norm = layers_module(backend).RMSNorm(config.hidden_size, eps=config.rms_norm_eps,
-                                                   params_dtype=params_dtype)
-        self.lm_head = HeadLinear(config.hidden_size, config.vocab_size, bias=False, device=_device_for(backend),
-                                 dtype=params_dtype)
-        nn.init.normal_(self.lm_head.weight, std=config.initializer_range)
+        L = layers_module(backend)
+        self.norm = L.RMSNorm(config.hidden_size, eps=config.rms_norm_eps, params_dtype=params_dtype)
+        if fp8_head:
+            self.lm_head = L.Linear(config.hidden_size, config.vocab_size, init_std=config.initializer_range,
+                                    params_dtype=params_dtype)
+        else:
+            self.lm_head = HeadLinear(config.hidden_size, config.vocab_size, bias=False,
+                                      device=_device_for(backend), dtype=params_dtype)
+            nn.init.normal_(self.lm_head.weight, std=config.initializer_range)
 
     def forward(self, x):
         return self.lm_head(self.norm(x))
@@ -174,7 +181,7 @@ class LlamaForCausalLM(PreTrainedModel, GenerationMixin):
     _supports_sdpa = True
 
     def __init__(self, config: LlamaConfig, backend: str | None = None, params_dtype: torch.dtype | None = None,
-                 z_loss_coeff: float = 0.0, fused_loss: bool = False):
+                 z_loss_coeff: float = 0.0, fused_loss: bool = False, fp8_lm_head: bool = False):
         check_supported(config)
         super().__init__(config)
         self.backend = resolve_backend(backend)
@@ -182,7 +189,7 @@ class LlamaForCausalLM(PreTrainedModel, GenerationMixin):
         self.fused_loss = fused_loss  # see llmjp_ds.model.loss
         self.activation_checkpointing = False
         self.model = LlamaModel(config, self.backend, params_dtype)
-        head = FinalNormHead(config, self.backend, params_dtype)
+        head = FinalNormHead(config, self.backend, params_dtype, fp8_head=fp8_lm_head)
         self.model.norm, self.lm_head = head.norm, head.lm_head  # HF's names for the same two modules
         self.post_init()
 

@@ -70,10 +70,14 @@ def _fused(module) -> bool:
 
 
 class HeadLinear(torch.nn.Linear):
-    """The LM head (``nn.Linear``, no bias)."""
+    """The LM head (``nn.Linear``, no bias). Its owner initialises the weight (``nn.Linear``'s own uniform init of
+    a ``[V, h]`` matrix would be drawn and thrown away)."""
 
     MAIN_GRAD_WEIGHTS = MAIN_GRAD_WEIGHTS
     fuse_wgrad_accumulation = False
+
+    def reset_parameters(self):
+        pass
 
     def forward(self, x):
         return _LinearMainGrad.apply(x, self.weight) if _fused(self) else F.linear(x, self.weight)

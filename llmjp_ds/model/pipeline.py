@@ -75,13 +75,13 @@ def pipeline_module_class():
     return PrecisionPipelineModule
 
 
-def layer_specs(config, backend: str, params_dtype=None) -> list:
+def layer_specs(config, backend: str, params_dtype=None, fp8_head: bool = False) -> list:
     from deepspeed.pipe import LayerSpec
 
     return ([LayerSpec(EmbeddingPipe, config, backend, params_dtype)]
             + [LayerSpec(DecoderLayerPipe, config, i, backend, params_dtype)
                for i in range(config.num_hidden_layers)]
-            + [LayerSpec(FinalNormHeadPipe, config, backend, params_dtype)])
+            + [LayerSpec(FinalNormHeadPipe, config, backend, params_dtype, fp8_head=fp8_head)])
 
 
 def pipeline_to_hf_names(layer_index: int, num_layers: int, name: str) -> str:

@@ -133,19 +133,21 @@ def test_te_backend_matches_hf_in_fp32_and_bf16(shape, tmp_path):
 
 @pytest.mark.gpu
 @needs_te
-def test_state_dicts_move_between_te_and_torch_backends():
+@pytest.mark.parametrize("fp8_lm_head", [False, True])  # the head as nn.Linear, or as TE's Linear
+def test_state_dicts_move_between_te_and_torch_backends(fp8_lm_head):
     config = small_config(vocab_size=512)
     torch.manual_seed(0)
-    te_model = LlamaForCausalLM(config, backend="te").eval()
+    te_model = LlamaForCausalLM(config, backend="te", fp8_lm_head=fp8_lm_head).eval()
     ids = torch.randint(0, 512, (2, 32))
     state = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in te_model.state_dict().items()}
-    cpu_model = LlamaForCausalLM(config, backend="torch").eval()
+    assert ("lm_head._extra_state" in state) is fp8_lm_head
+    cpu_model = LlamaForCausalLM(config, backend="torch", fp8_lm_head=fp8_lm_head).eval()
     cpu_model.load_state_dict(state, strict=True)  # TE-made state dict on the CPU twin
     with torch.no_grad():
         # TF32 GEMMs in TE (see above): the tolerance is TF32's
         torch.testing.assert_close(cpu_model(ids).logits, te_model(ids.cuda()).logits.cpu(), atol=1e-3, rtol=0)
     torch.manual_seed(1)
-    back = LlamaForCausalLM(config, backend="te").eval()
+    back = LlamaForCausalLM(config, backend="te", fp8_lm_head=fp8_lm_head).eval()
     back.load_state_dict(cpu_model.state_dict(), strict=True)  # and the other way round
     for (k, a), (_, b) in zip(sorted(back.state_dict().items()), sorted(te_model.state_dict().items())):
         if not k.endswith("_extra_state"):

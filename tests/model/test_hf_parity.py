@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import transformers
 from transformers import AutoModel, AutoModelForCausalLM
@@ -39,10 +40,13 @@ def test_import_matches_hf_logits_and_loss(parity_config, tmp_path):
     torch.testing.assert_close(out.loss, ref.loss, atol=1e-6, rtol=1e-6)
 
 
-def test_export_is_bit_identical_and_loads_with_auto_classes(parity_config, tmp_path):
+@pytest.mark.parametrize("fp8_lm_head", [False, True])
+def test_export_is_bit_identical_and_loads_with_auto_classes(parity_config, tmp_path, fp8_lm_head):
+    """Also with the FP8-capable head (``precision.fp8_lm_head``): the same weights, no ``_extra_state``."""
     hf = make_hf_model(parity_config, seed=3)
     hf.save_pretrained(tmp_path / "hf")
-    ours = LlamaForCausalLM.from_pretrained(tmp_path / "hf", backend="torch").eval()
+    ours = LlamaForCausalLM.from_pretrained(tmp_path / "hf", backend="torch", fp8_lm_head=fp8_lm_head).eval()
+    assert ("lm_head._extra_state" in ours.state_dict()) is fp8_lm_head
     ours.save_pretrained(tmp_path / "export")
 
     config = (tmp_path / "export" / "config.json").read_text()

@@ -106,3 +106,22 @@ def test_injected_divergence_rolls_back_once_and_finishes_in_the_base_precision(
     # before the failed step the run is the uninterrupted one
     ref, _ = uninterrupted
     assert [records[n]["loss"] for n in range(1, FLIP_AT + 1)] == [ref[n]["loss"] for n in range(1, FLIP_AT + 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_fp8_lm_head_starts_alike_quantises_after_the_flip_and_resumes_exactly(env, uninterrupted, tmp_path):
+    records, _ = uninterrupted
+    head = tmp_path / "fp8-head"
+    train(env, head, "train.steps=6", "precision.fp8_lm_head=true")
+    fp8_head, _ = trail(head)
+    # the same initial model and the same BF16 steps; after the flip the head's GEMMs are quantised as well
+    assert [fp8_head[n]["loss"] for n in range(1, FLIP_AT + 1)] == [records[n]["loss"] for n in range(1, FLIP_AT + 1)]
+    assert all(fp8_head[n]["loss"] != records[n]["loss"] for n in range(FLIP_AT + 1, 7))
+    # its FP8 scaling state travels with the checkpoint: a resume after the flip repeats the trail exactly
+    run = tmp_path / "fp8-head-resumed"
+    train(env, run, f"train.steps={FLIP_AT + 1}", "precision.fp8_lm_head=true")
+    train(env, run, "train.steps=6", "precision.fp8_lm_head=true")
+    resumed, events = trail(run)
+    assert any(e["event"] == "resume" for e in events)
+    assert [resumed[n]["loss"] for n in range(1, 7)] == [fp8_head[n]["loss"] for n in range(1, 7)]

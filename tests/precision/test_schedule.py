@@ -71,13 +71,13 @@ def test_guard_rolls_back_on_nan_at_once_and_on_spikes_after_patience():
     assert not DivergenceGuard(GuardConfig(enabled=False)).observe(0, float("nan"), "fp8")
 
 
-def _tiny_model():
+def _tiny_model(**kw):
     from llmjp_ds.model import LlamaForCausalLM, model_config
 
     torch.manual_seed(0)
     config = model_config("tiny", hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
                           ffn_hidden_size=128, vocab_size=256)
-    return LlamaForCausalLM(config, backend="torch")
+    return LlamaForCausalLM(config, backend="torch", **kw)
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "current", "block"])
@@ -133,6 +133,25 @@ def test_bf16_layer_policy_keeps_chosen_layers_out_of_fp8():
     assert model.model.layers[1].layernorm_mlp._fp8_emu_state is not None
 
 
+@pytest.mark.parametrize("fp8_head", [False, True])
+def test_the_lm_head_is_fp8_only_when_asked(fp8_head):
+    """By default FP8 phases keep the head in BF16 (as LLM-jp did); ``precision.fp8_lm_head`` quantises it like a
+    decoder layer's GEMM, with its own scaling state in ``lm_head._extra_state``."""
+    s = schedule([{"precision": "fp8", "start_step": 0, "recipe": "current"}], fp8_lm_head=fp8_head)
+    model = _tiny_model(fp8_lm_head=fp8_head)
+    x = torch.randn(2, 9, 64)
+    plain = model.lm_head(x)
+    with s.autocast(0):
+        quantised = model.lm_head(x)
+        other = model.model.layers[0].self_attention.proj(x)  # a decoder GEMM is FP8 either way
+    assert not torch.equal(other, model.model.layers[0].self_attention.proj(x))
+    assert torch.equal(quantised, plain) is not fp8_head
+    rel = ((quantised - plain).norm() / plain.norm()).item()
+    assert rel < 0.1  # e4m3 inputs and weights: close to the BF16 head
+    assert ("lm_head._extra_state" in model.state_dict()) is fp8_head
+    assert [k for k in model.state_dict() if "lm_head" in k and not k.endswith("_extra_state")] == ["lm_head.weight"]
+
+
 def test_recompute_under_activation_checkpointing_sees_the_same_fp8_state():
     s = schedule([{}, {"precision": "fp8", "start_step": 1, "recipe": "delayed"}])
     grads = []
@@ -148,3 +167,21 @@ def test_recompute_under_activation_checkpointing_sees_the_same_fp8_state():
         grads.append([p.grad.clone() for p in model.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_the_fp8_capable_head_starts_from_the_same_weights():
+    """Switching ``precision.fp8_lm_head`` changes the head's module, not the run's initial model."""
+    from llmjp_ds.engine import init_like_pipeline
+    from llmjp_ds.model import LlamaForCausalLM, model_config
+
+    config = model_config("tiny", hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          ffn_hidden_size=128, vocab_size=256)
+    states = []
+    for fp8_head in (False, True):
+        model = LlamaForCausalLM(config, backend="torch", fp8_lm_head=fp8_head)
+        init_like_pipeline(model, config, "torch", seed=7, fp8_head=fp8_head)
+        states.append({k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")})
+    assert states[0].keys() == states[1].keys()
+    for name in states[0]:
+        assert torch.equal(states[0][name], states[1][name]), name
+    assert states[0]["lm_head.weight"].std() > 0

@@ -162,6 +162,9 @@ CASES = [
         "ffn_hidden_size: 128}", run="{run}"),
          ("was saved from another model shape (hidden_size 64 saved, 128 now): resume with the run's own model "
           "settings, or set a new run_dir",), trains=True),
+    Case("resume-with-another-lm-head", T(*TINY, "precision.fp8_lm_head=true", run="{run}"),
+         ("was saved with precision.fp8_lm_head=false: resume with the same setting, or set a new run_dir",),
+         trains=True),
     Case("run-dir-is-a-file", T(SMALL, run="{tmp}/a_file"), ("is a file, not a directory; choose another run_dir",),
          trains=True),
     # --- export / import ---------------------------------------------------------------------------------

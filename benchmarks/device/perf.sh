@@ -4,6 +4,7 @@
 #   source .whl/env.sh && bash benchmarks/device/perf.sh small       # llmjp3-3.7b, and the block recipe
 #   source .whl/env.sh && bash benchmarks/device/perf.sh ablations   # one optimisation off at a time
 #   source .whl/env.sh && bash benchmarks/device/perf.sh main-grad   # this build, profiled; DeepSpeed's timer on
+#   source .whl/env.sh && bash benchmarks/device/perf.sh release     # the table of docs/performance.md
 # Ablations: DeepSpeed's fp32 accumulation after backward instead of in the grad hook, the eager loss, no FP8
 # weight cache; `slice` also runs the step without the fused gradient accumulation.
 set -uo pipefail
@@ -37,6 +38,13 @@ case "${1:-slice}" in
     bench 1.8b-timer --shapes llmjp3-1.8b --steps 3 --warmup 2 --variants ours-bf16,ours-fp8-delayed \
       --set parallel.ds_config=benchmarks/ds_configs/zero1-throughput-timer.json
     python -m pytest -q -m gpu tests/model/test_main_grad.py 2>&1 | tail -3 >> "$OUT/summary.md" ;;
+  release)  # every main variant side by side per shape, then the FP8 LM head option, then llmjp3-3.7b
+    bench slice --shapes 172b-slice --steps 4 --warmup 2 \
+      --variants ours-bf16,ours-fp8-delayed,ours-fp8-current,peer-bf16
+    bench 1.8b --shapes llmjp3-1.8b --steps 4 --warmup 2 --variants ours-bf16,peer-bf16,ours-fp8-delayed,ours-fp8-current
+    bench fp8-head --shapes 172b-slice,llmjp3-1.8b --steps 4 --warmup 2 --variants ours-fp8-delayed \
+      --set precision.fp8_lm_head=true
+    bench 3.7b --shapes llmjp3-3.7b --steps 3 --warmup 2 --variants ours-bf16,peer-bf16,ours-fp8-delayed ;;
   ablations)  # one optimisation off at a time
     S=(--shapes 172b-slice --steps 3 --warmup 2)
     bench slice-accumulate-after-backward "${S[@]}" --variants ours-bf16 \

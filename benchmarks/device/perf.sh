@@ -45,6 +45,10 @@ case "${1:-slice}" in
     bench fp8-head --shapes 172b-slice,llmjp3-1.8b --steps 4 --warmup 2 --variants ours-fp8-delayed \
       --set precision.fp8_lm_head=true
     bench 3.7b --shapes llmjp3-3.7b --steps 3 --warmup 2 --variants ours-bf16,peer-bf16,ours-fp8-delayed ;;
+  release-rest)  # llmjp3-3.7b, and where the FP8-head step's time goes
+    bench 3.7b --shapes llmjp3-3.7b --steps 3 --warmup 2 --variants ours-bf16,peer-bf16,ours-fp8-delayed
+    bench fp8-head-profile --shapes 172b-slice --steps 2 --warmup 2 --variants ours-fp8-delayed \
+      --set precision.fp8_lm_head=true --profile ;;
   ablations)  # one optimisation off at a time
     S=(--shapes 172b-slice --steps 3 --warmup 2)
     bench slice-accumulate-after-backward "${S[@]}" --variants ours-bf16 \

@@ -128,9 +128,8 @@ class FinalNormHead(nn.Module):
             self.lm_head = L.Linear(config.hidden_size, config.vocab_size, init_std=config.initializer_range,
                                     params_dtype=params_dtype)
         else:
-            self.lm_head = HeadLinear(config.hidden_size, config.vocab_size, bias=False,
+            self.lm_head = HeadLinear(config.hidden_size, config.vocab_size, init_std=config.initializer_range,
                                       device=_device_for(backend), dtype=params_dtype)
-            nn.init.normal_(self.lm_head.weight, std=config.initializer_range)
 
     def forward(self, x):
         return self.lm_head(self.norm(x))

@@ -70,14 +70,18 @@ def _fused(module) -> bool:
 
 
 class HeadLinear(torch.nn.Linear):
-    """The LM head (``nn.Linear``, no bias). Its owner initialises the weight (``nn.Linear``'s own uniform init of
-    a ``[V, h]`` matrix would be drawn and thrown away)."""
+    """The LM head (``nn.Linear``, no bias), initialised from ``N(0, init_std)`` (one draw, as the backends'
+    ``Linear``: the initial weights do not depend on which of the two the head is)."""
 
     MAIN_GRAD_WEIGHTS = MAIN_GRAD_WEIGHTS
     fuse_wgrad_accumulation = False
 
+    def __init__(self, in_features: int, out_features: int, init_std: float, device=None, dtype=None):
+        self.init_std = init_std
+        super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
+
     def reset_parameters(self):
-        pass
+        torch.nn.init.normal_(self.weight, std=self.init_std)
 
     def forward(self, x):
         return _LinearMainGrad.apply(x, self.weight) if _fused(self) else F.linear(x, self.weight)

@@ -15,7 +15,7 @@ V, H, MICRO = 40, 16, 3
 def _pair(fuse: bool):
     torch.manual_seed(0)
     embed = TokenEmbedding(V, H, dtype=torch.bfloat16)
-    head = HeadLinear(H, V, bias=False, dtype=torch.bfloat16)
+    head = HeadLinear(H, V, init_std=0.5, dtype=torch.bfloat16)
     if fuse:
         for m in (embed, head):
             m.weight.main_grad = torch.zeros(m.weight.shape)
@@ -100,6 +100,12 @@ def test_no_grad_and_frozen_weights_take_the_plain_path():
     head(x).float().sum().backward()
     assert head.weight.main_grad.abs().max() == 0 and head.weight.grad is None
     assert embed.weight.main_grad.abs().max() > 0
+
+
+def test_head_initialises_from_its_std():
+    torch.manual_seed(0)
+    w = HeadLinear(64, 1000, init_std=0.02).weight
+    assert w.shape == (1000, 64) and abs(w.mean().item()) < 1e-3 and abs(w.std().item() - 0.02) < 1e-3
 
 
 def test_accumulate_wgrad_adds_to_what_is_there():

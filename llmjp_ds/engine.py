@@ -96,7 +96,8 @@ def build_model(cfg: RunConfig, model_config, backend: str):
     loss = PipelineLoss(cfg.model.z_loss, loss_kwargs["fused_loss"])
     ckpt = cfg.model.activation_checkpointing
     module = pipeline_module_class()(
-        layers=seeded_layer_specs(model_config, backend, cfg.train.seed, fp8_head), num_stages=cfg.parallel.pipeline_stages,
+        layers=seeded_layer_specs(model_config, backend, cfg.train.seed, fp8_head),
+        num_stages=cfg.parallel.pipeline_stages,
         loss_fn=loss,
         partition_method=cfg.parallel.partition_method,
         activation_checkpoint_interval=1 if ckpt else 0,

@@ -108,7 +108,7 @@ def train(cfg: RunConfig) -> dict:
     # the schedule validates FP8 availability before any process group exists
     PrecisionSchedule(cfg.precision, backend, tokens_per_step)
     # a run directory we cannot write, a `latest` that names no complete checkpoint, or a checkpoint of another
-    # model shape fail here, before any process group exists (and not in DeepSpeed's load, with a traceback)
+    # model shape or LM head fail here, before any process group exists (not in DeepSpeed's load, with a traceback)
     _check_writable(run_dir)
     checkpoint.check_resume(run_dir, model_config.to_dict(), cfg.precision.fp8_lm_head)
     data = resolve_data(cfg, model_config, world_rank=int(os.environ.get("RANK", "0")))

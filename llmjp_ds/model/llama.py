@@ -31,8 +31,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from llmjp_ds.model.backend import layers_module, resolve_backend
 from llmjp_ds.model.loss import LossParts, causal_lm_loss
-from llmjp_ds.model.main_grad import HeadLinear, TokenEmbedding
 from llmjp_ds.model.loss import shift_labels as shift_labels_of
+from llmjp_ds.model.main_grad import HeadLinear, TokenEmbedding
 from llmjp_ds.model.presets import check_supported, rope_theta
 
 

@@ -10,7 +10,7 @@ not run twice inside one autocast region). What happens there:
 * ``fp8`` phase: ``te.autocast(enabled=True, recipe=..., amax_reduction_group=...)``; under pipeline
   parallelism the group is the stage's data-parallel group (the world would hang: stages hold different
   modules). Decoder layers in ``bf16_first_layers`` / ``bf16_last_layers`` run with FP8 disabled; the LM head is
-  a plain ``nn.Linear`` and always BF16.
+  a plain ``nn.Linear`` in BF16 unless ``precision.fp8_lm_head`` makes it a TE module (``model/llama.py``).
 * Without TE (CPU, CI) FP8 phases run as **emulated FP8** when ``precision.emulate_fp8`` is set: each GEMM's
   inputs are cast through ``torch.float8_e4m3fn`` (gradients ``float8_e5m2`` for ``hybrid``) with per-tensor
   scales from the same recipe logic (delayed: amax history; current: this tensor's amax; block: 1x128 tiles).

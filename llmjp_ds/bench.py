@@ -111,9 +111,8 @@ def profile_table(result: dict) -> str:
     host = result.get("host_profile")
     if host:
         lines.append(f"host {result['shape']} {result['variant']}: step {host['wall_ms']:.0f} ms under cProfile")
-        for key, title in (("by_self", "self ms"), ("by_cumulative", "cumulative ms")):
+        for key, ms, title in (("by_self", "self_ms", "self ms"), ("by_cumulative", "cum_ms", "cumulative ms")):
             lines += [f"| function | calls | {title} |", "|---|---|---|"]
-            ms = "self_ms" if key == "by_self" else "cum_ms"
             lines += [f"| `{f['function']}` | {f['calls']} | {f[ms]:.1f} |" for f in host[key]]
     return "\n".join(lines)
 
@@ -215,12 +214,9 @@ def run_one(shape: str, variant: str, steps: int, warmup: int, gas: int, sets: l
     for i in range(warmup + steps):
         if i == warmup and cuda:
             torch.cuda.reset_peak_memory_stats()
-        sync()
-        t0 = time.perf_counter()
-        parts = step(i)
-        sync()
+        parts, took = _timed(lambda: step(i), sync)
         if i >= warmup:
-            times.append(time.perf_counter() - t0)
+            times.append(took)
         losses.append(float(parts[0]))
     step_s = statistics.median(times)
     rates = Throughput(flops_per_token_for(config, seq), gas * micro * seq, peak_flops=PEAK_TFLOPS * 1e12)
@@ -237,6 +233,15 @@ def run_one(shape: str, variant: str, steps: int, warmup: int, gas: int, sets: l
     return result
 
 
+def _timed(fn, sync):
+    """(fn's result, wall seconds) with the device idle at the start and fn's GPU work finished at the end."""
+    sync()
+    t0 = time.perf_counter()
+    out = fn()
+    sync()
+    return out, time.perf_counter() - t0
+
+
 def _profiled_step(step, sync, cuda: bool) -> dict:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -244,10 +249,7 @@ def _profiled_step(step, sync, cuda: bool) -> dict:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sync()
     with profile(activities=activities) as prof:
-        t0 = time.perf_counter()
-        step()
-        sync()
-        wall = time.perf_counter() - t0
+        _, wall = _timed(step, sync)
     kernels = [(e.name, e.time_range.elapsed_us()) for e in prof.events()
                if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
     return profile_summary(kernels, wall)
@@ -258,13 +260,8 @@ def _host_profiled_step(step, sync) -> dict:
     import pstats
 
     sync()
-    prof = cProfile.Profile()
-    t0 = time.perf_counter()
-    prof.enable()
-    step()
-    sync()
-    prof.disable()
-    wall = time.perf_counter() - t0
+    with cProfile.Profile() as prof:
+        _, wall = _timed(step, sync)
     rows = [(f, line, fn, nc, tt, ct) for (f, line, fn), (_, nc, tt, ct, _) in pstats.Stats(prof).stats.items()]
     return host_summary(rows, wall)
 

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# On a machine of several H200s (device kind nvidia-h200-x2; NGPU = the GPUs it has): the trainer's parallel
+# layouts against the one-GPU run of the same global batch, each through the BF16 -> FP8 delayed flip.
+#   source .whl/env.sh && bash benchmarks/device/h200_multi.sh layouts|slice
+# layouts: an 8-layer llmjp3-1.8b (seq 4096, global batch 16, micro-batch 2), 16 steps, FP8 from step 9
+#   (calibrated on steps 7-8); one GPU, then NGPU GPUs as ZeRO-1, ZeRO-2 and ZeRO-3 data parallel and as
+#   pipeline x data parallel (2 stages, ZeRO-1). The pipeline and ZeRO-3 runs checkpoint at step 12 (after the
+#   flip); a fork of that checkpoint resumes 12 -> 16 on the same GPUs, and the checkpoint is exported (on the
+#   CPUs, with the export's reload parity check) while the GPUs train.
+# slice: the 172B preset's layer shape, seq 4096, micro-batch 1, FP8 (LLM-jp's delayed hybrid, history 1) from
+#   step 5: 2 layers on one GPU (global batch 8), then 4 layers (more than one GPU holds with its optimizer state)
+#   as 2 pipeline stages (global batch 16).
+# A dry run on the CPUs: NGPU=2 EXTRA="--set model.backend=torch --set precision.emulate_fp8=true ..."
+set -uo pipefail
+MODE=${1:?usage: h200_multi.sh layouts|slice}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export LLMJP_DS_CACHE=$PWD/.cache TORCHINDUCTOR_CACHE_DIR=/tmp/inductor TORCH_EXTENSIONS_DIR=/tmp/torch_ext
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
+NGPU=${NGPU:-$(nvidia-smi -L | wc -l)}
+R=${RUNS_DIR:-/tmp/runs}; mkdir -p "$R"
+S="$OUT/summary-$MODE.txt"
+log() { echo "=== $* ($(date +%T), disk free $(df -h --output=avail /tmp | tail -1))" | tee -a "$S"; }
+read -r -a EXTRA_ARGS <<< "${EXTRA:-}"
+# train NAME GPUS TIMEOUT --set ...: one process per GPU (torchrun), appending to $OUT/NAME.log
+train() {
+  local name=$1 gpus=$2 limit=$3; shift 3
+  local launcher=(python -m torch.distributed.run --standalone --nproc_per_node="$gpus")
+  [ "$gpus" = 1 ] && launcher=(env CUDA_VISIBLE_DEVICES=0 python)
+  log "$name on $gpus GPU(s): $*"
+  timeout "$limit" "${launcher[@]}" -m llmjp_ds.train "${COMMON[@]}" --set run_dir="$R/$name" "$@" \
+    "${EXTRA_ARGS[@]}" >> "$OUT/$name.log" 2>&1
+  echo "$name rc=$?" | tee -a "$S"; grep -E "^step +[0-9]+/|^error" "$OUT/$name.log" | tail -2 | tee -a "$S"
+}
+# fork NAME FROM STEP: a new run dir holding FROM's checkpoint at STEP (hard links) as its latest (the resume
+# drops the metrics after STEP)
+fork() {
+  local step; step=$(printf "step%08d" "$3")
+  mkdir -p "$R/$1/checkpoints" && cp -al "$R/$2/checkpoints/$step" "$R/$1/checkpoints/" \
+    && echo "$step" > "$R/$1/checkpoints/latest" && cp -r "$R/$2/tokenizer" "$R/$2/metrics.jsonl" "$R/$1/"
+}
+export_run() {  # export NAME's latest checkpoint on the CPUs, in the background
+  (CUDA_VISIBLE_DEVICES= timeout 400 python -m llmjp_ds.cli export --run "$R/$1" --output "/tmp/hf_$1" \
+     --dtype bf16 --force > "$OUT/export_$1.log" 2>&1; echo "export $1 rc=$?: $(tail -1 "$OUT/export_$1.log")" >> "$S") &
+}
+
+if [ "$MODE" = layouts ]; then
+  FLIP=8
+  COMMON=(--preset llmjp3-1.8b --set "model.overrides={num_layers: 8}" --set model.backend=te
+          --set logging.wandb=disabled --set train.global_batch_size=16 --set train.micro_batch_size=2
+          --set train.steps=16 --set optim.warmup_steps=4 --set optim.decay_steps=16 --set train.eval_interval=0
+          --set checkpoint.interval=0 --set checkpoint.keep_last=1 --set checkpoint.save_at_end=false
+          --set precision.log_amax=true
+          --set "precision.phases=[{precision: bf16}, {precision: fp8, start_step: $FLIP, recipe: delayed, fp8_format: hybrid, amax_history_len: 16, calibration_steps: 2}]")
+  train single 1 150
+  train "zero1-dp$NGPU" "$NGPU" 150 --set parallel.zero_stage=1
+  train "zero2-dp$NGPU" "$NGPU" 150 --set parallel.zero_stage=2
+  train "zero3-dp$NGPU" "$NGPU" 180 --set parallel.zero_stage=3 --set checkpoint.interval=12
+  fork zero3-resumed "zero3-dp$NGPU" 12 && export_run zero3-resumed
+  train "pp2-dp$((NGPU / 2))" "$NGPU" 180 --set parallel.pipeline_stages=2 --set checkpoint.interval=12
+  train zero3-resumed "$NGPU" 150 --set parallel.zero_stage=3
+  fork pp2-resumed "pp2-dp$((NGPU / 2))" 12 && export_run pp2-resumed
+  train pp2-resumed "$NGPU" 150 --set parallel.pipeline_stages=2
+  log "waiting for the exports"; wait
+  python benchmarks/device/multi_summary.py $FLIP "$R/single" "$R/zero1-dp$NGPU:$NGPU" "$R/zero2-dp$NGPU:$NGPU" \
+    "$R/zero3-dp$NGPU:$NGPU" "$R/pp2-dp$((NGPU / 2)):$NGPU" \
+    --resumed "$R/zero3-dp$NGPU:$R/zero3-resumed:12" "$R/pp2-dp$((NGPU / 2)):$R/pp2-resumed:12" 2>&1 | tee -a "$S"
+  tar czf "$OUT/metrics-$MODE.tgz" -C "$R" $(cd "$R" && ls -d */metrics.jsonl)
+elif [ "$MODE" = slice ]; then
+  COMMON=(--preset llmjp3-172b --set model.backend=te --set model.activation_checkpointing=false
+          --set logging.wandb=disabled --set train.micro_batch_size=1 --set train.steps=8 --set optim.warmup_steps=2
+          --set optim.decay_steps=8 --set train.eval_interval=0 --set checkpoint.interval=0
+          --set checkpoint.save_at_end=false --set parallel.zero_stage=1
+          --set "precision.phases=[{precision: bf16}, {precision: fp8, start_step: 4, recipe: delayed, fp8_format: hybrid, amax_history_len: 1, amax_compute_algo: most_recent}]")
+  train slice-2l-1gpu 1 240 --set "model.overrides={num_layers: 2}" --set train.global_batch_size=8 \
+    --set parallel.pipeline_stages=1
+  train "slice-4l-pp2-dp$((NGPU / 2))" "$NGPU" 300 --set "model.overrides={num_layers: 4}" \
+    --set train.global_batch_size=$((8 * NGPU)) --set parallel.pipeline_stages=2
+  python benchmarks/device/multi_summary.py 4 "$R/slice-2l-1gpu" "$R/slice-4l-pp2-dp$((NGPU / 2)):$NGPU" 2>&1 \
+    | tee -a "$S"
+  tar czf "$OUT/metrics-$MODE.tgz" -C "$R" $(cd "$R" && ls -d slice-*/metrics.jsonl)
+fi
+nvidia-smi --query-gpu=index,name,memory.used --format=csv >> "$S" 2>&1

@@ -13,9 +13,10 @@ config and optimizer. ``--set`` changes the run config of the ``ours`` variants 
 ``--set model.fused_loss=false``).
 TFLOP/s are model FLOPs (:func:`llmjp_ds.model.flops.model_flops_per_token`: Megatron-LM's formula with GQA,
 SwiGLU, the logits layer and the causal attention term halved; no recompute counted) per GPU; MFU is against
-989 TFLOP/s (H100/H200 dense BF16). ``--profile`` adds two profiled steps per variant: GPU time by kernel
+989 TFLOP/s (H100/H200 dense BF16). ``--profile`` adds profiled steps per variant: GPU time by kernel
 category (GEMM share) and the top kernels, then the host's time by Python function (cProfile), which says where
-a step whose GPU idles (launch-bound) spends its time.
+a step whose GPU idles (launch-bound) spends its time, and one step under CUDA's sync debug mode: where the
+host waited for the GPU.
 """
 
 from __future__ import annotations
@@ -92,12 +93,29 @@ def host_summary(rows, wall_s: float, top: int = 15) -> dict:
     self seconds, cumulative seconds)``: the heaviest by self time (where the interpreter is busy) and by
     cumulative time (which call paths cost). cProfile slows Python calls, so shares matter, not absolutes."""
     def entry(r):
-        path = r[0].replace("\\", "/").split("site-packages/")[-1].split("/llmjp_ds/")[-1]
-        return {"function": f"{path}:{r[1]}({r[2]})", "calls": r[3], "self_ms": r[4] * 1e3, "cum_ms": r[5] * 1e3}
+        return {"function": f"{_short_path(r[0])}:{r[1]}({r[2]})", "calls": r[3], "self_ms": r[4] * 1e3,
+                "cum_ms": r[5] * 1e3}
 
     return {"wall_ms": wall_s * 1e3,
             "by_self": [entry(r) for r in sorted(rows, key=lambda r: -r[4])[:top]],
             "by_cumulative": [entry(r) for r in sorted(rows, key=lambda r: -r[5])[:top]]}
+
+
+def _short_path(path: str) -> str:
+    return path.replace("\\", "/").split("site-packages/")[-1].split("/llmjp_ds/")[-1]
+
+
+def sync_summary(sites: list[tuple[str, int]], top: int = 10) -> dict:
+    """How often one step made the host wait for the GPU, from the ``(file, line)`` of each synchronising call
+    (CUDA's sync debug mode reports them; a synchronisation inside backward is reported at the ``backward``
+    call). One per step is the optimizer's gradient-norm check; one per micro-batch stalls the host's queueing
+    as often as there are micro-batches."""
+    counts: dict[str, int] = {}
+    for path, line in sites:
+        where = f"{_short_path(path)}:{line}"
+        counts[where] = counts.get(where, 0) + 1
+    return {"count": len(sites),
+            "sites": [{"where": w, "calls": n} for w, n in sorted(counts.items(), key=lambda kv: -kv[1])[:top]]}
 
 
 def profile_table(result: dict) -> str:
@@ -114,6 +132,11 @@ def profile_table(result: dict) -> str:
         for key, ms, title in (("by_self", "self_ms", "self ms"), ("by_cumulative", "cum_ms", "cumulative ms")):
             lines += [f"| function | calls | {title} |", "|---|---|---|"]
             lines += [f"| `{f['function']}` | {f['calls']} | {f[ms]:.1f} |" for f in host[key]]
+    syncs = result.get("syncs")
+    if syncs:
+        lines += [f"host synchronisations in one step of {result['gas']} micro-batches: {syncs['count']}",
+                  "| where | calls |", "|---|---|"]
+        lines += [f"| `{x['where']}` | {x['calls']} |" for x in syncs["sites"]]
     return "\n".join(lines)
 
 
@@ -230,6 +253,8 @@ def run_one(shape: str, variant: str, steps: int, warmup: int, gas: int, sets: l
     if profile:
         result["profile"] = _profiled_step(lambda: step(warmup + steps), sync, cuda)
         result["host_profile"] = _host_profiled_step(lambda: step(warmup + steps + 1), sync)
+        if cuda:
+            result["syncs"] = _synced_step(lambda: step(warmup + steps + 2), sync)
     return result
 
 
@@ -264,6 +289,30 @@ def _host_profiled_step(step, sync) -> dict:
         _, wall = _timed(step, sync)
     rows = [(f, line, fn, nc, tt, ct) for (f, line, fn), (_, nc, tt, ct, _) in pstats.Stats(prof).stats.items()]
     return host_summary(rows, wall)
+
+
+def _synced_step(step, sync) -> dict:
+    import warnings
+
+    import torch
+
+    sites = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing" in str(message):
+            sites.append((filename, lineno))
+
+    sync()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            _timed(step, lambda: None)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sync()
+    return sync_summary(sites)
 
 
 def table(results: list[dict]) -> str:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from llmjp_ds import bench
 
@@ -140,6 +141,33 @@ def test_host_summary_orders_by_self_and_cumulative_time_and_shortens_paths():
                                                            "~:0(<method 'item' of 'torch._C.TensorBase' objects>)"]
     assert h["by_self"][1]["calls"] == 72 and h["by_self"][1]["self_ms"] == pytest.approx(10.0)
     assert h["by_cumulative"][0]["cum_ms"] == pytest.approx(900.0)
+
+
+def test_sync_summary_counts_by_site_and_renders_under_the_profile():
+    sites = [("/x/site-packages/deepspeed/runtime/bf16_optimizer.py", 402)] + [("/repo/llmjp_ds/train.py", 90)] * 8
+    s = bench.sync_summary(sites, top=1)
+    assert s == {"count": 9, "sites": [{"where": "train.py:90", "calls": 8}]}
+    result = {"shape": "tiny", "variant": "ours-bf16", "gas": 8, "syncs": s,
+              "profile": bench.profile_summary([("gemm", 10.0)], 1e-3)}
+    text = bench.profile_table(result)
+    assert "host synchronisations in one step of 8 micro-batches: 9" in text and "| `train.py:90` | 8 |" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_synced_step_finds_each_synchronising_call_and_its_line():
+    x = torch.ones(4, device="cuda")
+
+    def step():
+        y = x * 2  # queued: no wait
+        first = y.sum().item()  # waits
+        return first + float(y.max())  # waits
+
+    line = step.__code__.co_firstlineno
+    s = bench._synced_step(step, torch.cuda.synchronize)
+    assert s["count"] == 2
+    assert sorted(x["where"] for x in s["sites"]) == sorted(
+        f"{bench._short_path(__file__)}:{line + n}" for n in (2, 3))
 
 
 # --- the run config of a variant -----------------------------------------------------------------------------

@@ -5,6 +5,7 @@
 #   source .whl/env.sh && bash benchmarks/device/perf.sh ablations   # one optimisation off at a time
 #   source .whl/env.sh && bash benchmarks/device/perf.sh main-grad   # this build, profiled; DeepSpeed's timer on
 #   source .whl/env.sh && bash benchmarks/device/perf.sh release     # the table of docs/performance.md
+#   source .whl/env.sh && bash benchmarks/device/perf.sh syncs       # host synchronisations per step (1.8B)
 # Ablations: DeepSpeed's fp32 accumulation after backward instead of in the grad hook, the eager loss, no FP8
 # weight cache; `slice` also runs the step without the fused gradient accumulation.
 set -uo pipefail
@@ -16,7 +17,7 @@ bench() { local name=$1; shift; local left=$(( DEADLINE - $(date +%s) ))
   if (( left < 30 )); then echo "=== $name skipped (time)" | tee -a "$OUT/summary.md"; return; fi
   echo "=== $name ($(date +%T)): llmjp-ds bench $*" | tee -a "$OUT/summary.md"
   timeout "$left" python -m llmjp_ds.cli bench "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
-  echo "rc=$?" >> "$OUT/summary.md"; grep -E "^\||^profile" "$OUT/$name.log" >> "$OUT/summary.md"; }
+  echo "rc=$?" >> "$OUT/summary.md"; grep -E "^\||^profile|^host" "$OUT/$name.log" >> "$OUT/summary.md"; }
 case "${1:-slice}" in
   slice)  # the shape of the targets, profiled, and the 1.8B main variants
     bench slice --shapes 172b-slice --steps 3 --warmup 2 --profile \
@@ -49,6 +50,9 @@ case "${1:-slice}" in
     bench 3.7b --shapes llmjp3-3.7b --steps 3 --warmup 2 --variants ours-bf16,peer-bf16,ours-fp8-delayed
     bench fp8-head-profile --shapes 172b-slice --steps 2 --warmup 2 --variants ours-fp8-delayed \
       --set precision.fp8_lm_head=true --profile ;;
+  syncs)  # where the host waits for the GPU in a step (sync debug mode), beside the kernel and host profiles
+    python -m pytest -q -m gpu tests/model/test_main_grad.py tests/test_bench.py 2>&1 | tail -3 >> "$OUT/summary.md"
+    bench 1.8b-syncs --shapes llmjp3-1.8b --steps 2 --warmup 2 --variants ours-fp8-delayed,ours-bf16 --profile ;;
   ablations)  # one optimisation off at a time
     S=(--shapes 172b-slice --steps 3 --warmup 2)
     bench slice-accumulate-after-backward "${S[@]}" --variants ours-bf16 \

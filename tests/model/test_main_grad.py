@@ -129,3 +129,27 @@ def test_cuda_accumulation_is_one_fp32_gemm():
     accumulate_wgrad(out, a, b)
     want = start.double() + a.double().t() @ b.double()
     assert (out.double() - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fused_backward_never_waits_for_the_gpu():
+    """The embedding's row scatter and the head's GEMM are queued without a host synchronisation: either would
+    stall the host at every micro-batch's backward (CUDA's sync debug mode turns a synchronising call into an
+    error, raised through backward)."""
+    embed = TokenEmbedding(1000, 64, device="cuda", dtype=torch.bfloat16)
+    head = HeadLinear(64, 1000, init_std=0.02, device="cuda", dtype=torch.bfloat16)
+    for m in (embed, head):
+        m.weight.main_grad = torch.zeros(m.weight.shape, device="cuda")
+        m.weight.grad_added_to_main_grad = False
+        m.fuse_wgrad_accumulation = True
+    ids = torch.randint(0, 1000, (2, 128), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        head(embed(ids)).float().square().mean().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert embed.weight.main_grad.abs().sum() > 0 and head.weight.main_grad.abs().sum() > 0
+    assert embed.weight.grad_added_to_main_grad and head.weight.grad_added_to_main_grad

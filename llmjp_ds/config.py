@@ -76,7 +76,7 @@ class TrainConfig:
 class ParallelConfig:
     zero_stage: int = 1
     pipeline_stages: int = 1
-    partition_method: str = "type:DecoderLayerPipe"
+    partition_method: str = "flops"  # or DeepSpeed's: type:DecoderLayerPipe | parameters | uniform
     fused_grad_accumulation: bool = True  # one-pass fp32 accumulation (engine.fuse_grad_accumulation)
     ds_config: str | None = None  # DeepSpeed JSON; default ds_configs/zero{stage}.json or pipeline.json
 
@@ -375,6 +375,10 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     if p.pipeline_stages > 1 and p.zero_stage > 1:
         fail(f"ZeRO-{p.zero_stage} cannot be combined with pipeline parallelism (DeepSpeed shards gradients "
              "across micro-batches): use parallel.zero_stage=1 with pipeline_stages > 1")
+    method = p.partition_method.lower()
+    if method not in ("flops", "parameters", "uniform") and not (method.startswith("type:") and method[5:]):
+        fail(f"unknown parallel.partition_method {p.partition_method!r}: use flops, parameters, uniform or "
+             "type:<layer class regex>")
     num_layers = cfg.model.overrides.get("num_layers", preset.num_layers)
     if p.pipeline_stages > num_layers:
         fail(f"parallel.pipeline_stages={p.pipeline_stages} exceeds the model's {num_layers} layers: use at most "

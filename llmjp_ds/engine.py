@@ -91,7 +91,7 @@ def build_model(cfg: RunConfig, model_config, backend: str):
         model.activation_checkpointing = cfg.model.activation_checkpointing
         return model, None
     from llmjp_ds.model.backend import layers_module
-    from llmjp_ds.model.pipeline import PipelineLoss, pipeline_module_class
+    from llmjp_ds.model.pipeline import PipelineLoss, flops_weights, pipeline_module_class
 
     loss = PipelineLoss(cfg.model.z_loss, loss_kwargs["fused_loss"])
     ckpt = cfg.model.activation_checkpointing
@@ -100,6 +100,7 @@ def build_model(cfg: RunConfig, model_config, backend: str):
         num_stages=cfg.parallel.pipeline_stages,
         loss_fn=loss,
         partition_method=cfg.parallel.partition_method,
+        partition_weights=flops_weights(model_config, cfg.data.seq_len or model_config.max_position_embeddings),
         activation_checkpoint_interval=1 if ckpt else 0,
         activation_checkpoint_func=layers_module(backend).checkpoint,
         checkpointable_layers=["DecoderLayerPipe"])

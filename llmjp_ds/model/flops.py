@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["model_flops_per_token", "flops_per_token_for", "parameter_count", "parameter_count_for"]
+__all__ = ["model_flops_per_token", "flops_per_token_for", "layer_and_logits_flops_per_token",
+           "layer_and_logits_flops_for", "parameter_count", "parameter_count_for"]
 
 
 def model_flops_per_token(
@@ -42,6 +43,27 @@ def model_flops_per_token(
     ``causal=True`` halves the attention-score term (QK^T and AV), as newer Megatron-LM does; pass
     ``causal=False`` to count the full s x s attention matrix. ``head_dim`` defaults to hidden / heads.
     """
+    layer, logits = layer_and_logits_flops_per_token(
+        hidden_size=hidden_size, num_layers=num_layers, num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads, intermediate_size=intermediate_size, vocab_size=vocab_size,
+        seq_len=seq_len, causal=causal, head_dim=head_dim)
+    return num_layers * layer + logits
+
+
+def layer_and_logits_flops_per_token(
+    *,
+    hidden_size: int,
+    num_layers: int,
+    num_attention_heads: int,
+    num_key_value_heads: int,
+    intermediate_size: int,
+    vocab_size: int,
+    seq_len: int,
+    causal: bool = True,
+    head_dim: int | None = None,
+) -> tuple[float, float]:
+    """The two parts of :func:`model_flops_per_token`: (one decoder layer, the logits layer), training FLOPs
+    per token each (what the pipeline's ``flops`` partition balances)."""
     h, L, n, g = hidden_size, num_layers, num_attention_heads, num_key_value_heads
     d = head_dim if head_dim is not None else h // n
     for name, value in (("hidden_size", h), ("num_layers", L), ("num_attention_heads", n),
@@ -59,8 +81,7 @@ def model_flops_per_token(
         scores /= 2  # only the lower triangle of the attention matrix is computed
     mlp = 3 * 2 * h * intermediate_size  # SwiGLU: gate, up (h -> ffn) and down (ffn -> h)
     logits = 2 * h * vocab_size
-    forward = L * (qkv_o + scores + mlp) + logits
-    return float(3 * forward)
+    return float(3 * (qkv_o + scores + mlp)), float(3 * logits)
 
 
 def _shape(config: Any) -> dict[str, Any]:
@@ -86,6 +107,11 @@ def flops_per_token_for(config: Any, seq_len: int | None = None, *, causal: bool
         if seq_len is None:
             raise ValueError("seq_len is required when the config has no max_position_embeddings")
     return model_flops_per_token(**_shape(config), seq_len=seq_len, causal=causal)
+
+
+def layer_and_logits_flops_for(config: Any, seq_len: int) -> tuple[float, float]:
+    """:func:`layer_and_logits_flops_per_token` for a ``LlamaConfig``-like object."""
+    return layer_and_logits_flops_per_token(**_shape(config), seq_len=seq_len)
 
 
 def parameter_count_for(config: Any) -> dict[str, int]:

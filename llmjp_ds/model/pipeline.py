@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from llmjp_ds.model.llama import DecoderLayer, Embedding, FinalNormHead, head_dim_of, rope_freqs
+from llmjp_ds.model.flops import layer_and_logits_flops_for
 from llmjp_ds.model.loss import causal_lm_loss
 from llmjp_ds.model.presets import rope_theta
 
@@ -58,15 +59,48 @@ class PipelineLoss:
         return parts.loss * self.scale
 
 
+def flops_weights(config, seq_len: int) -> list[float]:
+    """Training FLOPs per token of each item of :func:`layer_specs`: the embedding (a lookup: 0), every decoder
+    layer, and the final norm + head (the logits GEMMs). At llmjp3-1.8B the head costs ~3 decoder layers."""
+    layer, logits = layer_and_logits_flops_for(config, seq_len)
+    return [0.0] + [layer] * config.num_hidden_layers + [logits]
+
+
+def stage_bounds(weights: list[float], num_stages: int) -> list[int]:
+    """Where the stages start in the layer specs (``num_stages + 1`` bounds): DeepSpeed's linear partition,
+    which makes the stages' summed weights as even as the cuts allow."""
+    from deepspeed.runtime.utils import partition_balanced
+
+    return [int(b) for b in partition_balanced(weights=weights, num_parts=num_stages)]
+
+
 def pipeline_module_class():
     """``PipelineModule`` whose forward (one micro-batch on this stage) runs inside ``precision_context()``,
-    the precision schedule's per-micro-batch autocast."""
+    the precision schedule's per-micro-batch autocast, and which knows one more ``partition_method``:
+    ``flops`` cuts the layers where each stage's training FLOPs (``partition_weights``, from
+    :func:`flops_weights`) are most even, so the last stage's head counts; DeepSpeed's ``type:`` methods
+    count decoder layers only."""
     import contextlib
 
     from deepspeed.pipe import PipelineModule
 
     class PrecisionPipelineModule(PipelineModule):
         precision_context = staticmethod(contextlib.nullcontext)
+
+        def __init__(self, *args, partition_weights=None, **kwargs):
+            object.__setattr__(self, "_partition_weights", partition_weights)
+            super().__init__(*args, **kwargs)
+
+        def _partition_layers(self, method="uniform"):
+            if method.lower() != "flops":
+                return super()._partition_layers(method)
+            if self._partition_weights is None or len(self._partition_weights) != len(self._layer_specs):
+                raise ValueError("partition_method 'flops' needs partition_weights, one per layer spec")
+            self.parts = stage_bounds(self._partition_weights, self.num_stages)
+            stage = self._topo.get_coord(self.global_rank).pipe
+            if self.global_rank == 0:
+                print(f"[llmjp-ds] pipeline stages by training FLOPs: layer specs {self.parts}", flush=True)
+            self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
         def forward(self, forward_input):
             with self.precision_context():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from llmjp_ds.model import model_config
 from llmjp_ds.model.flops import flops_per_token_for, model_flops_per_token, parameter_count, parameter_count_for
 
 # llmjp3-172b (LLMJP.md): hidden 12288, 96 layers, 96 heads of 128, 16 KV heads, ffn 38464, vocab 99840, seq 4096.
@@ -141,3 +142,34 @@ def test_matches_torch_flop_counter_on_a_transformers_llama():
     d = cfg.hidden_size // cfg.num_attention_heads
     halved = 3 * cfg.num_hidden_layers * (2 * cfg.num_attention_heads * d * seq)
     assert ours - flops_per_token_for(cfg, seq_len=seq) == halved
+
+
+@pytest.mark.parametrize("preset", ["llmjp3-1.8b", "llmjp3-13b", "llmjp3-172b"])
+def test_layer_and_logits_parts_sum_to_the_model(preset):
+    from llmjp_ds.model.flops import layer_and_logits_flops_for
+
+    c = model_config(preset)
+    layer, logits = layer_and_logits_flops_for(c, 4096)
+    assert c.num_hidden_layers * layer + logits == pytest.approx(flops_per_token_for(c, 4096), rel=1e-12)
+    assert logits == 6 * c.hidden_size * c.vocab_size
+
+
+@pytest.mark.parametrize("preset, layers, stages, per_stage", [
+    # the 1.8B head costs 2.95 decoder layers: the last stage gets fewer layers (DeepSpeed's type: split: 4 + 4)
+    ("llmjp3-1.8b", 8, 2, [5, 3]),
+    ("llmjp3-1.8b", 24, 4, [7, 7, 6, 4]),
+    # the 172B head is 0.67 of a layer: PP32 keeps 3 layers on every stage, as docs/172b-layout.md plans
+    ("llmjp3-172b", 96, 32, [3] * 32),
+])
+def test_flops_partition_balances_the_head_against_decoder_layers(preset, layers, stages, per_stage):
+    from llmjp_ds.model.pipeline import flops_weights, stage_bounds
+
+    c = model_config(preset, num_layers=layers)
+    weights = flops_weights(c, 4096)
+    bounds = stage_bounds(weights, stages)
+    assert bounds[0] == 0 and bounds[-1] == layers + 2 and len(bounds) == stages + 1
+    decoder = [sum(1 for i in range(a, b) if 0 < i <= layers) for a, b in zip(bounds, bounds[1:])]
+    assert decoder == per_stage
+    busiest = max(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:]))
+    layer, head = weights[1], weights[-1]
+    assert busiest <= -(-layers // stages) * layer + head  # never worse than layers split evenly, head on top

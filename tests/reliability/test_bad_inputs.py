@@ -93,6 +93,8 @@ CASES = [
           "multiple of 2",)),
     Case("zero3-with-pipeline", T("parallel.pipeline_stages=2", "parallel.zero_stage=3"),
          ("ZeRO-3 cannot be combined with pipeline parallelism", "use parallel.zero_stage=1")),
+    Case("unknown-partition-method", T("parallel.pipeline_stages=2", "parallel.partition_method=profile"),
+         ("unknown parallel.partition_method 'profile': use flops, parameters, uniform or type:<layer class regex>",)),
     Case("more-stages-than-layers", T("parallel.pipeline_stages=8"),
          ("parallel.pipeline_stages=8 exceeds the model's 4 layers: use at most 4 stages",)),
     Case("world-size-vs-stages", T("parallel.pipeline_stages=2"),

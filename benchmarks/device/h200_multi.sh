@@ -8,7 +8,8 @@
 #   flip); a fork of that checkpoint resumes 12 -> 16 on the same GPUs, and the checkpoint is exported (on the
 #   CPUs, with the export's reload parity check) while the GPUs train.
 # partition: 8- and 24-layer llmjp3-1.8b as 2 pipeline stages, cut by DeepSpeed's even split of decoder layers
-#   (type:DecoderLayerPipe) and by training FLOPs (flops, the default: the head counts), against one GPU.
+#   (type:DecoderLayerPipe) and by training FLOPs (flops, the default: the head counts), against one GPU
+#   (LAYERS="24" METHODS="flops" narrow it down).
 # slice: the 172B preset's layer shape, seq 4096, micro-batch 1, FP8 (LLM-jp's delayed hybrid, history 1) from
 #   step 5: 2 layers on one GPU (global batch 8), then 4 layers (more than one GPU holds with its optimizer state)
 #   as 2 pipeline stages (global batch 16).
@@ -73,10 +74,10 @@ if [ "$MODE" = layouts ]; then
   tar czf "$OUT/metrics-$MODE.tgz" -C "$R" $(cd "$R" && ls -d */metrics.jsonl)
 elif [ "$MODE" = partition ]; then
   # where the pipeline cuts: DeepSpeed's even split of decoder layers against the FLOP-balanced default
-  for layers in 8 24; do
+  for layers in ${LAYERS:-8 24}; do
     use_1_8b $layers
     train "single-${layers}l" 1 150
-    for method in type:DecoderLayerPipe flops; do
+    for method in ${METHODS:-type:DecoderLayerPipe flops}; do
       train "pp2-${layers}l-${method#type:}" "$NGPU" 150 --set parallel.pipeline_stages=2 \
         --set parallel.partition_method=$method
     done

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["model_flops_per_token", "flops_per_token_for", "layer_and_logits_flops_per_token",
-           "layer_and_logits_flops_for", "parameter_count", "parameter_count_for"]
+__all__ = ["model_flops_per_token", "flops_per_token_for", "layer_and_logits_flops_for", "parameter_count",
+           "parameter_count_for"]
 
 
 def model_flops_per_token(
@@ -43,27 +43,6 @@ def model_flops_per_token(
     ``causal=True`` halves the attention-score term (QK^T and AV), as newer Megatron-LM does; pass
     ``causal=False`` to count the full s x s attention matrix. ``head_dim`` defaults to hidden / heads.
     """
-    layer, logits = layer_and_logits_flops_per_token(
-        hidden_size=hidden_size, num_layers=num_layers, num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads, intermediate_size=intermediate_size, vocab_size=vocab_size,
-        seq_len=seq_len, causal=causal, head_dim=head_dim)
-    return num_layers * layer + logits
-
-
-def layer_and_logits_flops_per_token(
-    *,
-    hidden_size: int,
-    num_layers: int,
-    num_attention_heads: int,
-    num_key_value_heads: int,
-    intermediate_size: int,
-    vocab_size: int,
-    seq_len: int,
-    causal: bool = True,
-    head_dim: int | None = None,
-) -> tuple[float, float]:
-    """The two parts of :func:`model_flops_per_token`: (one decoder layer, the logits layer), training FLOPs
-    per token each (what the pipeline's ``flops`` partition balances)."""
     h, L, n, g = hidden_size, num_layers, num_attention_heads, num_key_value_heads
     d = head_dim if head_dim is not None else h // n
     for name, value in (("hidden_size", h), ("num_layers", L), ("num_attention_heads", n),
@@ -81,7 +60,8 @@ def layer_and_logits_flops_per_token(
         scores /= 2  # only the lower triangle of the attention matrix is computed
     mlp = 3 * 2 * h * intermediate_size  # SwiGLU: gate, up (h -> ffn) and down (ffn -> h)
     logits = 2 * h * vocab_size
-    return float(3 * (qkv_o + scores + mlp)), float(3 * logits)
+    forward = L * (qkv_o + scores + mlp) + logits
+    return float(3 * forward)
 
 
 def _shape(config: Any) -> dict[str, Any]:
@@ -110,8 +90,10 @@ def flops_per_token_for(config: Any, seq_len: int | None = None, *, causal: bool
 
 
 def layer_and_logits_flops_for(config: Any, seq_len: int) -> tuple[float, float]:
-    """:func:`layer_and_logits_flops_per_token` for a ``LlamaConfig``-like object."""
-    return layer_and_logits_flops_per_token(**_shape(config), seq_len=seq_len)
+    """The two parts of :func:`flops_per_token_for`: (one decoder layer, the logits layer), training FLOPs per
+    token each (what the pipeline's ``flops`` partition balances)."""
+    logits = 3.0 * 2 * config.hidden_size * config.vocab_size
+    return (flops_per_token_for(config, seq_len) - logits) / config.num_hidden_layers, logits
 
 
 def parameter_count_for(config: Any) -> dict[str, int]:

@@ -145,13 +145,15 @@ def test_matches_torch_flop_counter_on_a_transformers_llama():
 
 
 @pytest.mark.parametrize("preset", ["llmjp3-1.8b", "llmjp3-13b", "llmjp3-172b"])
-def test_layer_and_logits_parts_sum_to_the_model(preset):
+def test_layer_and_logits_parts_are_one_layer_and_the_head(preset):
     from llmjp_ds.model.flops import layer_and_logits_flops_for
 
     c = model_config(preset)
     layer, logits = layer_and_logits_flops_for(c, 4096)
-    assert c.num_hidden_layers * layer + logits == pytest.approx(flops_per_token_for(c, 4096), rel=1e-12)
     assert logits == 6 * c.hidden_size * c.vocab_size
+    one, two = (flops_per_token_for(model_config(preset, num_layers=n), 4096) for n in (1, 2))
+    assert layer == pytest.approx(two - one, rel=1e-12)  # what one more decoder layer adds
+    assert c.num_hidden_layers * layer + logits == pytest.approx(flops_per_token_for(c, 4096), rel=1e-12)
 
 
 @pytest.mark.parametrize("preset, layers, stages, per_stage", [

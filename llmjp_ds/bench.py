@@ -107,9 +107,9 @@ def _short_path(path: str) -> str:
 
 def sync_summary(sites: list[tuple[str, int]], top: int = 10) -> dict:
     """How often one step made the host wait for the GPU, from the ``(file, line)`` of each synchronising call
-    (CUDA's sync debug mode reports them; a synchronisation inside backward is reported at the ``backward``
-    call). One per step is the optimizer's gradient-norm check; one per micro-batch stalls the host's queueing
-    as often as there are micro-batches."""
+    (CUDA's sync debug mode reports each as a warning at the Python line that made it). A few per step (the
+    optimizer's norm and overflow checks) cost little; one per micro-batch stalls the host's queueing of
+    kernels as often as there are micro-batches."""
     counts: dict[str, int] = {}
     for path, line in sites:
         where = f"{_short_path(path)}:{line}"

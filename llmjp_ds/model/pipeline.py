@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from llmjp_ds.model.llama import DecoderLayer, Embedding, FinalNormHead, head_dim_of, rope_freqs
 from llmjp_ds.model.flops import layer_and_logits_flops_for
+from llmjp_ds.model.llama import DecoderLayer, Embedding, FinalNormHead, head_dim_of, rope_freqs
 from llmjp_ds.model.loss import causal_lm_loss
 from llmjp_ds.model.presets import rope_theta
 

@@ -8,9 +8,12 @@ output gradient to ``float8_e5m2`` (``hybrid``) or ``float8_e4m3fn`` (``e4m3``),
 * ``current``: scale from this tensor's own amax;
 * ``block``: scales per 1x128 tile along the last dimension.
 
-Amax values seen in a region are committed to the history when the next region starts, so an activation
-recompute inside the same micro-batch sees the same scales as the forward did. Histories live in the module's
-``_extra_state`` (a float tensor ``[gemms, 3 (input, weight, grad), history]``) and so travel with checkpoints.
+As in TE, the forward and backward histories roll separately: the input and weight amax values of a
+forward region are committed when the next region starts (so an activation recompute inside the same
+micro-batch sees the same scales as the forward did), and a GEMM's output-gradient amax when that GEMM's next
+backward starts. Each backward thus sees the amax of every earlier backward and nothing else, whatever order
+a pipeline schedule interleaves forwards and backwards in. Histories live in the module's ``_extra_state`` (a
+float tensor ``[gemms, 3 (input, weight, grad), history]``) and so travel with checkpoints.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 INPUT, WEIGHT, GRAD = 0, 1, 2
 
-_pending: dict = {}  # module -> [gemms, 3] amax seen in the open region, committed at the next region's start
+_pending_forward: dict = {}  # module -> [gemms, 2] input/weight amax of the open region
+_pending_grad: dict = {}  # (module, gemm) -> output-gradient amax of that GEMM's last backward
 
 
 def _slot(module, weight) -> int:
@@ -46,16 +50,33 @@ def _state(module, phase) -> torch.Tensor:
     return state
 
 
+def _roll(history: torch.Tensor, newest: torch.Tensor) -> None:
+    history.copy_(torch.cat([newest.unsqueeze(-1), history[..., :-1]], dim=-1))
+
+
+def commit_forward() -> None:
+    """Fold the input and weight amax values of the open forward region into the histories (newest first)."""
+    for module, amax in _pending_forward.items():
+        _roll(module._fp8_emu_state[:, :GRAD], amax)
+    _pending_forward.clear()
+
+
+def _commit_grad(key) -> None:
+    amax = _pending_grad.pop(key, None)
+    if amax is not None:
+        module, slot = key
+        _roll(module._fp8_emu_state[slot, GRAD], amax)
+
+
 def commit() -> None:
-    """Fold the amax values seen since the last commit into the histories (newest first)."""
-    for module, amax in _pending.items():
-        state = module._fp8_emu_state
-        state.copy_(torch.cat([amax.unsqueeze(-1), state[..., :-1]], dim=-1))
-    _pending.clear()
+    """Fold every amax value recorded since the last commit into the histories (after a step, an evaluation)."""
+    commit_forward()
+    for key in list(_pending_grad):
+        _commit_grad(key)
 
 
-def _record(module, slot: int, kind: int, amax: torch.Tensor) -> None:
-    buf = _pending.setdefault(module, torch.zeros(module._fp8_emu_state.shape[:2]))
+def _record_forward(module, slot: int, kind: int, amax: torch.Tensor) -> None:
+    buf = _pending_forward.setdefault(module, torch.zeros(module._fp8_emu_state.shape[0], GRAD))
     buf[slot, kind] = torch.maximum(buf[slot, kind], amax.detach().float().cpu())
 
 
@@ -80,8 +101,8 @@ class _EmulatedFP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, module, slot, phase, calibrating):
         state = _state(module, phase)
-        _record(module, slot, INPUT, x.abs().max())
-        _record(module, slot, WEIGHT, weight.abs().max())
+        _record_forward(module, slot, INPUT, x.abs().max())
+        _record_forward(module, slot, WEIGHT, weight.abs().max())
         if not calibrating:
             x = _quantize(x, "e4m3", phase, state[slot, INPUT])
             weight = _quantize(weight, "e4m3", phase, state[slot, WEIGHT])
@@ -93,7 +114,8 @@ class _EmulatedFP8Linear(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         module, slot, phase, calibrating = ctx.meta
-        _record(module, slot, GRAD, grad.abs().max())
+        _commit_grad((module, slot))  # the previous backward's amax, before this one's is recorded
+        _pending_grad[(module, slot)] = grad.abs().max().detach().float().cpu()
         if not calibrating:
             fmt = "e5m2" if phase.fp8_format == "hybrid" else "e4m3"
             grad = _quantize(grad, fmt, phase, module._fp8_emu_state[slot, GRAD])
@@ -113,7 +135,7 @@ def _linear_for(phase, calibrating: bool):
 @contextlib.contextmanager
 def autocast(phase, calibrating: bool = False):
     """Emulated-FP8 region for one micro-batch (``calibrating``: BF16 math, amax recorded)."""
-    commit()
+    commit_forward()
     with torch_layers.linear_override(_linear_for(phase, calibrating)):
         yield
 

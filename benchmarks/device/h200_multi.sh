@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a machine of several H200s (device kind nvidia-h200-x2; NGPU = the GPUs it has): the trainer's parallel
 # layouts against the one-GPU run of the same global batch, each through the BF16 -> FP8 delayed flip.
-#   source .whl/env.sh && bash benchmarks/device/h200_multi.sh layouts|partition|slice
+#   source .whl/env.sh && bash benchmarks/device/h200_multi.sh layouts|partition|scale|slice
 # layouts: an 8-layer llmjp3-1.8b (seq 4096, global batch 16, micro-batch 2), 16 steps, FP8 from step 9
 #   (calibrated on steps 7-8); one GPU, then NGPU GPUs as ZeRO-1, ZeRO-2 and ZeRO-3 data parallel and as
 #   pipeline x data parallel (2 stages, ZeRO-1). The pipeline and ZeRO-3 runs checkpoint at step 12 (after the
@@ -10,12 +10,14 @@
 # partition: 8- and 24-layer llmjp3-1.8b as 2 pipeline stages, cut by DeepSpeed's even split of decoder layers
 #   (type:DecoderLayerPipe) and by training FLOPs (flops, the default: the head counts), against one GPU
 #   (LAYERS="24" METHODS="flops" narrow it down).
+# scale: the whole llmjp3-1.8b, global batch 32 (16 micro-batches per step): one GPU, ZeRO-1 data parallel and
+#   two pipeline stages.
 # slice: the 172B preset's layer shape, seq 4096, micro-batch 1, FP8 (LLM-jp's delayed hybrid, history 1) from
 #   step 5: 2 layers on one GPU (global batch 8), then 4 layers (more than one GPU holds with its optimizer state)
 #   as 2 pipeline stages (global batch 16).
 # A dry run on the CPUs: NGPU=2 EXTRA="--set model.backend=torch --set precision.emulate_fp8=true ..."
 set -uo pipefail
-MODE=${1:?usage: h200_multi.sh layouts|partition|slice}
+MODE=${1:?usage: h200_multi.sh layouts|partition|scale|slice}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export LLMJP_DS_CACHE=$PWD/.cache TORCHINDUCTOR_CACHE_DIR=/tmp/inductor TORCH_EXTENSIONS_DIR=/tmp/torch_ext
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
@@ -47,9 +49,9 @@ export_run() {  # export NAME's latest checkpoint on the CPUs, in the background
 }
 
 FLIP=8
-use_1_8b() {  # COMMON for llmjp3-1.8b with $1 layers: 16 steps, FP8 delayed from step FLIP + 1
+use_1_8b() {  # COMMON for llmjp3-1.8b with $1 layers, global batch ${2:-16}: 16 steps, FP8 from step FLIP + 1
   COMMON=(--preset llmjp3-1.8b --set "model.overrides={num_layers: $1}" --set model.backend=te
-          --set logging.wandb=disabled --set train.global_batch_size=16 --set train.micro_batch_size=2
+          --set logging.wandb=disabled --set train.global_batch_size=${2:-16} --set train.micro_batch_size=2
           --set train.steps=16 --set optim.warmup_steps=4 --set optim.decay_steps=16 --set train.eval_interval=0
           --set checkpoint.interval=0 --set checkpoint.keep_last=1 --set checkpoint.save_at_end=false
           --set precision.log_amax=true
@@ -86,6 +88,15 @@ elif [ "$MODE" = partition ]; then
   done
   grep -h "pipeline stages by training FLOPs" "$OUT"/pp2-*-flops.log | sort -u | tee -a "$S"
   tar czf "$OUT/metrics-$MODE.tgz" -C "$R" $(cd "$R" && ls -d single-*/metrics.jsonl pp2-*/metrics.jsonl)
+elif [ "$MODE" = scale ]; then
+  # the whole llmjp3-1.8b with 16 micro-batches of 2 per step: data parallel and pipeline against one GPU
+  use_1_8b 24 32
+  train single-24l-gbs32 1 200
+  train "zero1-dp$NGPU-24l-gbs32" "$NGPU" 200 --set parallel.zero_stage=1
+  train "pp2-dp$((NGPU / 2))-24l-gbs32" "$NGPU" 200 --set parallel.pipeline_stages=2
+  python benchmarks/device/multi_summary.py $FLIP "$R/single-24l-gbs32" "$R/zero1-dp$NGPU-24l-gbs32:$NGPU" \
+    "$R/pp2-dp$((NGPU / 2))-24l-gbs32:$NGPU" 2>&1 | sed '/^loss per step/,$d' | tee -a "$S"
+  tar czf "$OUT/metrics-$MODE.tgz" -C "$R" $(cd "$R" && ls -d *-gbs32/metrics.jsonl)
 elif [ "$MODE" = slice ]; then
   COMMON=(--preset llmjp3-172b --set model.backend=te --set model.activation_checkpointing=false
           --set logging.wandb=disabled --set train.micro_batch_size=1 --set train.steps=8 --set optim.warmup_steps=2

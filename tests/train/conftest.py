@@ -9,7 +9,8 @@
   subprocess's stderr tail on a non-zero exit or a timeout (every process it started is killed then).
 * ``runs`` (session): the uninterrupted ``2N``-step run and the ``N`` + resume-to-``2N`` run of each parallel
   layout, each launched at most once per session and shared by the resume, equivalence and export tests
-  (5 uninterrupted runs + 3 resumed pairs: 8 two-process launches and 3 one-process launches in all).
+  (6 uninterrupted runs + 3 resumed pairs: 8 two-process launches, 1 four-process launch and 3 one-process
+  launches in all).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ LAYOUTS = {
     "zero2": (2, ("parallel.zero_stage=2",)),
     "zero3": (2, ("parallel.zero_stage=3",)),
     "pp2": (2, ("parallel.zero_stage=1", "parallel.pipeline_stages=2")),
+    "pp2-dp2": (4, ("parallel.zero_stage=1", "parallel.pipeline_stages=2")),  # the 172B layout's shape, small
 }
 
 _WARM_UP = """

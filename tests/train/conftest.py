@@ -273,3 +273,22 @@ def exports(runs, tmp_path_factory) -> Exports:
 
 def read_json(path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+FLIP_AT = N - 1  # FP8 from step N - 1: a resume at N restarts after one FP8 step
+FLIP = (f"precision.phases=[{{precision: bf16}}, {{precision: fp8, start_step: {FLIP_AT}, recipe: delayed, "
+        "amax_history_len: 4, calibration_steps: 1}]",
+        "precision.emulate_fp8=true")
+
+
+@pytest.fixture(scope="session")
+def flip_runs(train_env, tmp_path_factory) -> tuple[Path, Path, Path]:
+    """The emulated BF16 -> FP8 flip at step ``FLIP_AT``: one process, two pipeline stages, and two pipeline
+    stages stopped at ``N`` and resumed (uninterrupted single, pp2, resumed pp2 run directories)."""
+    root = tmp_path_factory.mktemp("flip-layouts")
+    pp2 = ("parallel.pipeline_stages=2",)
+    single = run_train(root / "single", 1, *FLIP, f"train.steps={STEPS}")
+    pipe = run_train(root / "pp2", 2, *pp2, *FLIP, f"train.steps={STEPS}")
+    run_train(root / "pp2-resumed", 2, *pp2, *FLIP, f"train.steps={N}")
+    resumed = run_train(root / "pp2-resumed", 2, *pp2, *FLIP, f"train.steps={STEPS}")
+    return single, pipe, resumed

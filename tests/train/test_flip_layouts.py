@@ -14,27 +14,10 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import N, STEPS, max_rel_diff, run_train, trail
+from .conftest import FLIP_AT, N, STEPS, max_rel_diff, trail
 from .test_equivalence import LOSS_RTOL
 
 pytestmark = pytest.mark.slow
-
-FLIP_AT = N - 1  # FP8 from step N: the resume below (at N) restarts after one FP8 step
-FLIP = (f"precision.phases=[{{precision: bf16}}, {{precision: fp8, start_step: {FLIP_AT}, recipe: delayed, "
-        "amax_history_len: 4, calibration_steps: 1}]",
-        "precision.emulate_fp8=true")
-PP2 = ("parallel.pipeline_stages=2",)
-
-
-@pytest.fixture(scope="module")
-def flip_runs(train_env, tmp_path_factory):
-    root = tmp_path_factory.mktemp("flip-layouts")
-    single = run_train(root / "single", 1, *FLIP, f"train.steps={STEPS}")
-    pp2 = run_train(root / "pp2", 2, *PP2, *FLIP, f"train.steps={STEPS}")
-    run_train(root / "pp2-resumed", 2, *PP2, *FLIP, f"train.steps={N}")
-    resumed = run_train(root / "pp2-resumed", 2, *PP2, *FLIP, f"train.steps={STEPS}")
-    return single, pp2, resumed
-
 
 @pytest.mark.timeout(900)
 def test_flip_under_two_pipeline_stages_trains_as_one_process(flip_runs, runs):

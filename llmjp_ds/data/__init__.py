@@ -5,7 +5,8 @@
     preprocess.py  `llmjp-ds preprocess`: jsonl -> PREFIX_text_document.bin/.idx (parallel, atomic)
     indexed.py     the Megatron MMIDIDX format: IndexedDataset (reader), IndexedDatasetWriter
     dataset.py     GPT windows of seq_len + 1 tokens, per-epoch shuffles, weighted blends, cached indices
-    corpus/        the bundled demo corpus (ja, en, code); regenerate with `python -m llmjp_ds.data.corpus_gen`
+    corpus/        the bundled demo corpus (ja, en, code); regenerate with `python -m benchmarks.corpus_gen`
+                   from a repository checkout
 
 Names below import lazily so that `import llmjp_ds.data` stays cheap. `preprocess` is not among them: the name is
 its module's (use `from llmjp_ds.data.preprocess import preprocess`).
@@ -34,7 +35,7 @@ def bundled_corpus_files() -> list[Path]:
         from llmjp_ds.errors import fail
 
         fail(f"bundled corpus file {missing[0]} is missing: reinstall llmjp-ds, or regenerate it with "
-             f"`python -m llmjp_ds.data.corpus_gen`")
+             f"`python -m benchmarks.corpus_gen` in a repository checkout")
     return files
 
 

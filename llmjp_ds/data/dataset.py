@@ -196,7 +196,8 @@ def cached_arrays(root: Path, name: str, meta: dict, build: Callable[..., dict[s
                     f.flush()
                     os.fsync(f.fileno())
             names = list(arrays)
-            del arrays, mapped  # close the maps before the rename
+            del arrays
+            mapped.clear()  # drops the last references: the maps close before the rename
             with open(tmp / "meta.json", "w") as f:
                 json.dump({**meta, "format": INDEX_FORMAT, "arrays": names}, f, indent=1)
                 f.flush()
@@ -375,10 +376,6 @@ class SampleDataset:
     def __getitem__(self, i: int) -> np.ndarray:
         c, j = self.source(int(i))
         return self.sources[c].get(j)
-
-    @property
-    def prefixes(self) -> list[str | None]:
-        return [s.corpus.prefix if s is not None else None for s in self.sources]
 
     def __repr__(self) -> str:
         return f"SampleDataset({self.name}: {self.num_samples} samples of {self.seq_len + 1} tokens)"

@@ -165,11 +165,6 @@ class IndexedDataset:
         start = int(self.sequence_starts[i])
         return self.tokens[start:start + int(self.sequence_lengths[i])]
 
-    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
-        """Part of sequence ``i`` (Megatron's ``IndexedDataset.get``)."""
-        seq = self[i]
-        return seq[offset:] if length is None else seq[offset:offset + length]
-
     # -- documents -------------------------------------------------------------------------------------
     @property
     def num_documents(self) -> int:

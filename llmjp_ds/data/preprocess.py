@@ -1,8 +1,9 @@
 """``llmjp-ds preprocess``: jsonl (plain, .gz, .zst) -> ``PREFIX_text_document.bin/.idx`` (Megatron MMIDIDX).
 
-Each document becomes one sequence ``[bos] + sp.encode(text) + [eos]``: byte for byte what Megatron-LM's
-``tools/preprocess_data.py --tokenizer-type Llama2Tokenizer --append-eod`` writes for the same model (its
-``eod`` is the model's ``eos_id``; an empty text still gives ``[bos, eos]``), so LLM-jp's corpora and ours mix.
+Each document becomes one sequence ``[bos] + sp.encode(text) + [eos]``, framed by ``Tokenizer.encode_documents``:
+byte for byte what Megatron-LM's ``tools/preprocess_data.py --tokenizer-type Llama2Tokenizer --append-eod`` writes
+for the same model (its ``eod`` is the model's ``eos_id``; an empty text still gives ``[bos, eos]``), so LLM-jp's
+corpora and ours mix.
 
 The main process reads raw lines and writes; worker processes parse json and tokenize chunks of ~1 MB. Results
 come back in input order, so any ``workers`` gives the same bytes. At most ``2 * workers + 2`` chunks are in flight,
@@ -19,8 +20,6 @@ import os
 import sys
 import time
 from pathlib import Path
-
-import numpy as np
 
 from llmjp_ds.data.indexed import IndexedDatasetWriter, best_dtype, check_output_free
 from llmjp_ds.data.jsonl import BadLine, check_inputs, iter_lines, text_of_line
@@ -63,16 +62,7 @@ def _encode_chunk(chunk: tuple[str, int, list[bytes]]):
             continue
         if text is not None:
             texts.append(text)
-    pieces = tok.encode_batch(texts)
-    lengths = np.fromiter((len(p) + 2 for p in pieces), dtype=np.int64, count=len(pieces))
-    flat = np.empty(int(lengths.sum()), dtype=np.int32)
-    pos = 0
-    bos, eod = tok.bos_id, tok.eod_id
-    for p in pieces:
-        flat[pos] = bos
-        flat[pos + 1:pos + 1 + len(p)] = p
-        flat[pos + 1 + len(p)] = eod
-        pos += len(p) + 2
+    flat, lengths = tok.encode_documents(texts)
     return flat, lengths, skipped, first_skip, None
 
 

@@ -16,9 +16,14 @@ import argparse
 import json
 import os
 import sys
+from itertools import chain, repeat
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from llmjp_ds.errors import fail
+
+if TYPE_CHECKING:
+    import numpy as np
 
 LLMJP_CONTROL_PIECES = ["<MASK|LLM-jp>", "<PAD|LLM-jp>", "<CLS|LLM-jp>", "<SEP|LLM-jp>", "<EOD|LLM-jp>"]
 MODEL_FILE = "tokenizer.model"
@@ -82,15 +87,27 @@ class Tokenizer:
         """Encode many texts; one thread by default (preprocess parallelises with processes instead)."""
         return self.sp.Encode(texts, num_threads=num_threads) if texts else []
 
+    def encode_documents(self, texts: list[str], num_threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """Frame texts as corpus documents, each ``[bos] + pieces + [eod]`` (what Megatron-LM's
+        ``preprocess_data.py --append-eod`` stores; an empty text gives ``[bos, eod]``).
+
+        Returns ``(tokens, lengths)``: the framed documents back to back (int32) and their lengths (int64).
+        The one place that frames documents: ``preprocess`` writes these arrays as they are.
+        """
+        import numpy as np
+
+        pieces = self.encode_batch(texts, num_threads)
+        lengths = np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces)) + 2
+        head, tail = (self.bos_id,), (self.eod_id,)
+        framed = chain.from_iterable(chain.from_iterable(zip(repeat(head), pieces, repeat(tail))))
+        return np.fromiter(framed, dtype=np.int32, count=int(lengths.sum())), lengths
+
     def encode_document(self, text: str) -> list[int]:
-        """``[bos] + pieces + [eod]``: what Megatron-LM's preprocess_data.py --append-eod stores."""
-        return [self.bos_id, *self.sp.EncodeAsIds(text), self.eod_id]
+        """One text framed as a corpus document, ``[bos] + pieces + [eod]`` (see ``encode_documents``)."""
+        return self.encode_documents([text])[0].tolist()
 
     def decode(self, ids) -> str:
         return self.sp.DecodeIds([int(i) for i in ids])
-
-    def id_to_piece(self, i: int) -> str:
-        return self.sp.IdToPiece(int(i))
 
     def __reduce__(self):  # worker processes reload from the file instead of pickling the C++ object
         return (Tokenizer, (str(self.model_path),))

@@ -1,4 +1,4 @@
-"""Code and technical English from CPython's standard library (PSF License; see corpus/LICENSE-PSF.txt).
+"""Code and technical English from CPython's standard library (PSF License; see llmjp_ds/data/corpus/LICENSE-PSF.txt).
 
 Code documents are top-level functions and classes of pure-Python modules, cut with ``ast`` at definition
 boundaries (with the module docstring first); English documents are the docstrings of the same kind of modules.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 
-from llmjp_ds.data.corpus_gen.fill import Filler, capitalize_first
+from benchmarks.corpus_gen.fill import Filler, capitalize_first
 
 V = {
     "name": ["Alice", "Ben", "Chloe", "Daniel", "Emma", "Felix", "Grace", "Henry", "Isla", "Jack", "Kate", "Liam",
@@ -231,7 +231,7 @@ def _sentences(f: Filler, pool: list[str], lo: int, hi: int) -> str:
 
 def _diary(f):
     f.bind("place", "relative", "weather")
-    return f(f"{{weekday}}, {{monthname}} {{day}}\n") + _sentences(f, DIARY, 4, 8)
+    return f("{weekday}, {monthname} {day}\n") + _sentences(f, DIARY, 4, 8)
 
 
 def _weather(f):

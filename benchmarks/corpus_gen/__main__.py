@@ -1,4 +1,5 @@
-"""Regenerate ``llmjp_ds/data/corpus/{ja,en,code}.jsonl.gz``: ``python -m llmjp_ds.data.corpus_gen [--out DIR]``.
+"""Regenerate ``llmjp_ds/data/corpus/{ja,en,code}.jsonl.gz``: ``python -m benchmarks.corpus_gen [--out DIR]``
+(from the repository root).
 
 Deterministic: the same seed and the same CPython standard library (the committed files used 3.11.7) give the
 same bytes (gzip mtime is fixed at 0).
@@ -13,9 +14,9 @@ import random
 import sys
 from pathlib import Path
 
-from llmjp_ds.data.corpus_gen import code, english, japanese
+from benchmarks.corpus_gen import code, english, japanese
 
-CORPUS_DIR = Path(__file__).resolve().parent.parent / "corpus"
+CORPUS_DIR = Path(__file__).resolve().parents[2] / "llmjp_ds" / "data" / "corpus"
 
 
 def write_jsonl_gz(path: Path, texts: list[str]) -> None:
@@ -27,7 +28,7 @@ def write_jsonl_gz(path: Path, texts: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m llmjp_ds.data.corpus_gen", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.corpus_gen", description=__doc__)
     parser.add_argument("--out", type=Path, default=CORPUS_DIR)
     parser.add_argument("--seed", type=int, default=20240601)
     parser.add_argument("--ja-docs", type=int, default=6000)

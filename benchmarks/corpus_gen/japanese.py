@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 
-from llmjp_ds.data.corpus_gen.fill import Filler
+from benchmarks.corpus_gen.fill import Filler
 
 V = {
     "surname": ["田中", "佐藤", "鈴木", "高橋", "伊藤", "渡辺", "山本", "中村", "小林", "加藤", "吉田", "山田",

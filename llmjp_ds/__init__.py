@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["LlamaForCausalLM", "model_config", "MODEL_PRESETS"]
+__all__ = ["LlamaForCausalLM", "model_config", "MODEL_SHAPES"]
 
 
 def __getattr__(name):  # keep `import llmjp_ds` light: torch and transformers load on first use

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from llmjp_ds.errors import run_main
+from llmjp_ds.errors import did_you_mean, run_main
 
 # verb -> (module with ``cli_main(argv)``, one-line help)
 VERBS: dict[str, tuple[str, str]] = {
@@ -35,11 +35,8 @@ def dispatch(argv: list[str] | None) -> int:
         return 0 if argv else 2
     verb, rest = argv[0], argv[1:]
     if verb not in VERBS:
-        import difflib
-
-        close = difflib.get_close_matches(verb, VERBS, n=1)
-        hint = f" (did you mean `{close[0]}`?)" if close else ""
-        print(f"error: unknown verb `{verb}`{hint}; run `llmjp-ds --help` for the list", file=sys.stderr)
+        print(f"error: unknown verb `{verb}`{did_you_mean(verb, VERBS)}; run `llmjp-ds --help` for the list",
+              file=sys.stderr)
         return 2
     module = importlib.import_module(VERBS[verb][0])
     return module.cli_main(rest, verb=verb) or 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable, NoReturn
+from typing import Callable, Iterable, NoReturn
 
 
 class UserError(Exception):
@@ -19,6 +19,14 @@ class UserError(Exception):
 
 def fail(message: str) -> NoReturn:
     raise UserError(message)
+
+
+def did_you_mean(name: str, options: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the option closest to a mistyped ``name``, or an empty string."""
+    import difflib
+
+    close = difflib.get_close_matches(name, list(options), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def debug_enabled(argv: list[str] | None = None) -> bool:

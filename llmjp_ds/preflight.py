@@ -8,7 +8,7 @@ only"), and a malformed line ends in a Python traceback. Run this first, on the 
 
 It parses the hostfile by the launcher's own rule (``<hostname> slots=<N>`` per line, ``#`` comments, each host
 once), takes the world size as the sum of the slots (of the first ``--num-nodes`` hosts), and runs the same
-:func:`llmjp_ds.config.validate` the trainer runs on every rank, with that world size.
+:func:`llmjp_ds.validate.validate_run` the trainer runs on every rank, with that world size.
 """
 
 from __future__ import annotations
@@ -69,11 +69,12 @@ def cli_main(argv: list[str], verb: str = "preflight") -> int:
     world = sum(hosts.values())
     line = f"{a.hostfile}: {len(hosts)} hosts, {world} ranks"
     if a.config or a.preset or a.sets:
-        from llmjp_ds.config import data_parallel_size, gradient_accumulation_steps, load_config, validate
+        from llmjp_ds.config import load_config
+        from llmjp_ds.validate import validate_run
 
         cfg = load_config(a.config, a.sets, a.preset)
-        validate(cfg, world)
-        line += (f"; config OK: PP{cfg.parallel.pipeline_stages} x DP{data_parallel_size(cfg, world)}, ZeRO-"
-                 f"{cfg.parallel.zero_stage}, gradient accumulation {gradient_accumulation_steps(cfg, world)}")
+        layout = validate_run(cfg, world)
+        gas = layout.gradient_accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size)
+        line += f"; config OK: {layout.describe(cfg.parallel.zero_stage)}, gradient accumulation {gas}"
     print(line)
     return 0

@@ -280,7 +280,8 @@ def test_user_json_without_timers_gets_no_per_micro_batch_synchronisation(tmp_pa
     """DeepSpeed's throughput timer (on by default) synchronises the GPU at every micro-batch; the trainer turns
     it off unless the user's JSON configures it."""
     from llmjp_ds.config import load_config
-    from llmjp_ds.engine import build_ds_config
+    from llmjp_ds.parallel.ds_config import build_ds_config
+    from llmjp_ds.parallel.layout import Layout
 
     bare = tmp_path / "bare.json"
     bare.write_text(json.dumps({"zero_optimization": {"stage": 1}}))
@@ -289,4 +290,4 @@ def test_user_json_without_timers_gets_no_per_micro_batch_synchronisation(tmp_pa
     for path, want in ((bare, {"throughput": {"enabled": False}}),
                        (kept, {"throughput": {"enabled": True, "synchronized": False}})):
         cfg = load_config(None, [f"parallel.ds_config={path}", "logging.wandb=disabled"], "demo")
-        assert build_ds_config(cfg, 1)["timers"] == want
+        assert build_ds_config(cfg, Layout(1))["timers"] == want

@@ -1,15 +1,15 @@
 """The model: an HF-compatible Llama built from Transformer Engine layers (or their pure-PyTorch twins).
 
-The names below load on first use (PEP 562), so that config validation, which needs only ``presets`` and
+The names below load on first use (PEP 562), so that config validation, which needs only ``shapes`` and
 ``backend``, does not pay for importing transformers' modeling code (~5 s) before it can report a mistake.
 """
 
 _LAZY = {
     "LlamaForCausalLM": "llama", "DecoderLayer": "llama", "Embedding": "llama", "FinalNormHead": "llama",
-    "MODEL_PRESETS": "presets", "ModelPreset": "presets", "model_config": "presets", "pad_vocab_size": "presets",
+    "MODEL_SHAPES": "shapes", "ModelShape": "shapes", "model_config": "shapes", "pad_vocab_size": "shapes",
 }
 
-__all__ = ["LlamaForCausalLM", "DecoderLayer", "Embedding", "FinalNormHead", "MODEL_PRESETS", "ModelPreset",
+__all__ = ["LlamaForCausalLM", "DecoderLayer", "Embedding", "FinalNormHead", "MODEL_SHAPES", "ModelShape",
            "model_config", "pad_vocab_size"]
 
 

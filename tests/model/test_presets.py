@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llmjp_ds.errors import UserError
-from llmjp_ds.model import MODEL_PRESETS, LlamaForCausalLM, model_config, pad_vocab_size
+from llmjp_ds.model import MODEL_SHAPES, LlamaForCausalLM, model_config, pad_vocab_size
 
 
 def count(name):
@@ -55,4 +55,4 @@ def test_unknown_preset_and_field_are_user_errors():
         model_config("llmjp3-13")
     with pytest.raises(UserError, match="unknown model field"):
         model_config("tiny", hidden=3)
-    assert "tiny" in MODEL_PRESETS
+    assert "tiny" in MODEL_SHAPES

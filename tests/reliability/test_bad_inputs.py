@@ -66,7 +66,7 @@ SMALL = "model.overrides={hidden_size: 64, num_layers: 2, num_attention_heads: 4
 
 CASES = [
     # --- command line and config files -------------------------------------------------------------------
-    Case("unknown-verb", L("trian"), ("unknown verb `trian` (did you mean `train`?)", "llmjp-ds --help")),
+    Case("unknown-verb", L("trian"), ("unknown verb `trian` (did you mean 'train'?)", "llmjp-ds --help")),
     Case("unknown-config-key", T("train.stepz=3"), ("unknown config key 'train.stepz' (did you mean 'steps'?)",)),
     Case("unknown-section-in-file", L("train", "--config", "{tmp}/typo.yaml"),
          ("unknown config key 'optimm' (did you mean 'optim'?)",)),
@@ -82,11 +82,14 @@ CASES = [
          ("holds a list, not a mapping of sections",)),
     Case("unknown-run-preset", lambda c: ["-m", "llmjp_ds.train", "--preset", "llmjp3-7b"],
          ("unknown run preset 'llmjp3-7b' (did you mean 'llmjp3-3.7b'?): choose one of demo,",)),
-    Case("unknown-model-preset", T("model.preset=huge"), ("unknown model preset 'huge'", "choose one of tiny,")),
+    Case("unknown-model-shape", T("model.shape=huge"), ("unknown model shape 'huge'", "choose one of tiny,")),
+    Case("renamed-config-key", T("model.preset=tiny"), ("config key 'model.preset' was renamed 'model.shape'",)),
     Case("unknown-model-override", T("model.overrides={hidden: 64}"),
-         ("unknown model.overrides key 'hidden' (did you mean 'hidden_size'?): valid keys are",)),
+         ("unknown config key 'model.overrides.hidden' (did you mean 'hidden_size'?)",)),
     Case("model-override-wrong-type", T("model.overrides={num_layers: two}"),
-         ("model.overrides.num_layers must be a positive int, got 'two'",)),
+         ("config key 'model.overrides.num_layers' must be int or null, got 'two'",)),
+    Case("model-override-not-positive", T("model.overrides={num_layers: 0}"),
+         ("model.overrides.num_layers must be a positive int, got 0",)),
     # --- arithmetic that must agree ----------------------------------------------------------------------
     Case("batch-not-divisible", T("train.global_batch_size=7", "train.micro_batch_size=2"),
          ("train.global_batch_size=7 is not divisible by micro_batch_size x data parallel = 2 x 1: make it a "

@@ -1,14 +1,20 @@
-"""Model sizes as data: the LLM-jp-3 family and a tiny model for CPU tests and the demo."""
+"""Model shapes as data: the LLM-jp-3 family and a tiny model for CPU tests and the demo.
+
+A run preset (``llmjp_ds/presets.py``) names one of these shapes in ``model.shape``; ``model.overrides``
+(:class:`ShapeOverrides`) replaces single fields of it.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import asdict, dataclass, replace
 
-from llmjp_ds.errors import fail
+from llmjp_ds.errors import did_you_mean, fail
 
 
 @dataclass(frozen=True)
-class ModelPreset:
+class ModelShape:
     hidden_size: int
     num_layers: int
     num_attention_heads: int
@@ -20,14 +26,29 @@ class ModelPreset:
     rms_norm_eps: float = 1e-5
 
 
-MODEL_PRESETS: dict[str, ModelPreset] = {
-    # ~2.7M parameters, trains on 2 CPU cores in minutes; vocab fits the demo tokenizer (8000 -> 8064).
-    "tiny": ModelPreset(128, 4, 4, 2, 352, 8064, seq_len=256),
-    "llmjp3-1.8b": ModelPreset(2048, 24, 16, 16, 7168, 99584),
-    "llmjp3-3.7b": ModelPreset(3072, 28, 24, 24, 8192, 99584),
-    "llmjp3-13b": ModelPreset(5120, 40, 40, 40, 13824, 99584),
-    "llmjp3-172b": ModelPreset(12288, 96, 96, 16, 38464, 99840),
+MODEL_SHAPES: dict[str, ModelShape] = {
+    # ~2.7M parameters; the vocabulary fits the demo tokenizer (8000 pieces, padded to 8064).
+    "tiny": ModelShape(128, 4, 4, 2, 352, 8064, seq_len=256),
+    "llmjp3-1.8b": ModelShape(2048, 24, 16, 16, 7168, 99584),
+    "llmjp3-3.7b": ModelShape(3072, 28, 24, 24, 8192, 99584),
+    "llmjp3-13b": ModelShape(5120, 40, 40, 40, 13824, 99584),
+    "llmjp3-172b": ModelShape(12288, 96, 96, 16, 38464, 99840),
 }
+
+# ``model.overrides``: every field of ModelShape, optional (None keeps the shape's value)
+ShapeOverrides = dataclasses.make_dataclass(
+    "ShapeOverrides",
+    [(f.name, typing.get_type_hints(ModelShape)[f.name] | None, dataclasses.field(default=None))
+     for f in dataclasses.fields(ModelShape)],
+    namespace={"__doc__": "Fields of a ModelShape to replace; None keeps the shape's value.",
+               "__module__": __name__})
+
+
+def overrides_dict(overrides) -> dict:
+    """The fields an overrides object (or a plain dict) sets, as a dict."""
+    if isinstance(overrides, dict):
+        return dict(overrides)
+    return {k: v for k, v in asdict(overrides).items() if v is not None}
 
 
 def pad_vocab_size(vocab_size: int, multiple: int = 128) -> int:
@@ -35,25 +56,28 @@ def pad_vocab_size(vocab_size: int, multiple: int = 128) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def get_preset(name: str) -> ModelPreset:
-    if name not in MODEL_PRESETS:
-        import difflib
-
-        close = difflib.get_close_matches(name, MODEL_PRESETS, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        fail(f"unknown model preset {name!r}{hint}: choose one of {', '.join(MODEL_PRESETS)}")
-    return MODEL_PRESETS[name]
+def get_shape(name: str) -> ModelShape:
+    if name not in MODEL_SHAPES:
+        fail(f"unknown model shape {name!r}{did_you_mean(name, MODEL_SHAPES)}: choose one of "
+             f"{', '.join(MODEL_SHAPES)}")
+    return MODEL_SHAPES[name]
 
 
-def model_config(preset: str | ModelPreset = "tiny", **overrides):
-    """A transformers ``LlamaConfig`` for a preset; ``overrides`` replace preset fields (e.g. ``num_layers=2``)."""
-    from transformers import LlamaConfig
-
-    p = get_preset(preset) if isinstance(preset, str) else preset
-    unknown = set(overrides) - set(asdict(p))
+def resolve_shape(shape: str | ModelShape, overrides=None) -> ModelShape:
+    """The shape with ``overrides`` (a :class:`ShapeOverrides` or a dict of fields) applied."""
+    p = get_shape(shape) if isinstance(shape, str) else shape
+    fields = overrides_dict(overrides or {})
+    unknown = set(fields) - set(asdict(p))
     if unknown:
         fail(f"unknown model field(s) {sorted(unknown)}: valid fields are {', '.join(asdict(p))}")
-    p = replace(p, **overrides)
+    return replace(p, **fields)
+
+
+def model_config(shape: str | ModelShape = "tiny", **overrides):
+    """A transformers ``LlamaConfig`` for a shape; ``overrides`` replace its fields (e.g. ``num_layers=2``)."""
+    from transformers import LlamaConfig
+
+    p = resolve_shape(shape, overrides)
     if p.hidden_size % p.num_attention_heads or p.num_attention_heads % p.num_key_value_heads:
         fail(f"hidden_size {p.hidden_size}, heads {p.num_attention_heads} and kv heads {p.num_key_value_heads} "
              "must divide evenly (hidden % heads == 0, heads % kv_heads == 0)")

@@ -1,0 +1,38 @@
+"""How the ranks of a run factor into parallel axes: ``world = pipeline x data x tensor``. Pure arithmetic.
+
+Tensor parallelism is an axis of the layout already (``tensor == 1`` until it lands), so every quantity that
+depends on it (data-parallel size, gradient accumulation) is computed in one place.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+@dataclass(frozen=True)
+class Layout:
+    world: int
+    pipeline: int = 1
+    tensor: int = 1
+
+    @classmethod
+    def of(cls, cfg, world: int | None = None) -> "Layout":
+        return cls(world=world or world_size_from_env(), pipeline=cfg.parallel.pipeline_stages)
+
+    @property
+    def data(self) -> int:
+        return self.world // (self.pipeline * self.tensor)
+
+    def fits(self) -> bool:
+        return self.world % (self.pipeline * self.tensor) == 0
+
+    def gradient_accumulation_steps(self, global_batch: int, micro_batch: int) -> int:
+        return global_batch // (micro_batch * self.data)
+
+    def describe(self, zero_stage: int) -> str:
+        return f"PP{self.pipeline} x DP{self.data}, ZeRO-{zero_stage}"

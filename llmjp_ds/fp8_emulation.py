@@ -14,6 +14,9 @@ micro-batch sees the same scales as the forward did), and a GEMM's output-gradie
 backward starts. Each backward thus sees the amax of every earlier backward and nothing else, whatever order
 a pipeline schedule interleaves forwards and backwards in. Histories live in the module's ``_extra_state`` (a
 float tensor ``[gemms, 3 (input, weight, grad), history]``) and so travel with checkpoints.
+
+An :class:`FP8Emulator` is owned by the precision schedule; the torch-backend modules it is attached to
+(``module.fp8_emulator``) route their GEMMs through :meth:`FP8Emulator.linear` while one of its regions is open.
 """
 
 from __future__ import annotations
@@ -23,14 +26,9 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from llmjp_ds.model import torch_layers
-
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 INPUT, WEIGHT, GRAD = 0, 1, 2
-
-_pending_forward: dict = {}  # module -> [gemms, 2] input/weight amax of the open region
-_pending_grad: dict = {}  # (module, gemm) -> output-gradient amax of that GEMM's last backward
 
 
 def _slot(module, weight) -> int:
@@ -54,32 +52,6 @@ def _roll(history: torch.Tensor, newest: torch.Tensor) -> None:
     history.copy_(torch.cat([newest.unsqueeze(-1), history[..., :-1]], dim=-1))
 
 
-def commit_forward() -> None:
-    """Fold the input and weight amax values of the open forward region into the histories (newest first)."""
-    for module, amax in _pending_forward.items():
-        _roll(module._fp8_emu_state[:, :GRAD], amax)
-    _pending_forward.clear()
-
-
-def _commit_grad(key) -> None:
-    amax = _pending_grad.pop(key, None)
-    if amax is not None:
-        module, slot = key
-        _roll(module._fp8_emu_state[slot, GRAD], amax)
-
-
-def commit() -> None:
-    """Fold every amax value recorded since the last commit into the histories (after a step, an evaluation)."""
-    commit_forward()
-    for key in list(_pending_grad):
-        _commit_grad(key)
-
-
-def _record_forward(module, slot: int, kind: int, amax: torch.Tensor) -> None:
-    buf = _pending_forward.setdefault(module, torch.zeros(module._fp8_emu_state.shape[0], GRAD))
-    buf[slot, kind] = torch.maximum(buf[slot, kind], amax.detach().float().cpu())
-
-
 def _quantize(t: torch.Tensor, fmt: str, phase, history: torch.Tensor) -> torch.Tensor:
     fmax = FP8_MAX[fmt]
     if phase.recipe == "block":
@@ -97,50 +69,91 @@ def _quantize(t: torch.Tensor, fmt: str, phase, history: torch.Tensor) -> torch.
     return ((t.float() * scale).clamp(-fmax, fmax).to(FP8_DTYPES[fmt]).float() / scale).to(t.dtype)
 
 
+class FP8Emulator:
+    """The emulation's state: the open region (phase, calibrating) and the amax values not yet committed."""
+
+    def __init__(self):
+        self.active: tuple | None = None  # (phase, calibrating) inside a region
+        self._pending_forward: dict = {}  # module -> [gemms, 2] input/weight amax of the open region
+        self._pending_grad: dict = {}  # (module, gemm) -> output-gradient amax of that GEMM's last backward
+
+    @contextlib.contextmanager
+    def region(self, phase, calibrating: bool = False):
+        """Emulated-FP8 region for one micro-batch (``calibrating``: BF16 math, amax recorded)."""
+        self.commit_forward()
+        with self._activated((phase, calibrating)):
+            yield
+
+    @contextlib.contextmanager
+    def _activated(self, active):
+        previous, self.active = self.active, active
+        try:
+            yield
+        finally:
+            self.active = previous
+
+    def checkpoint(self, function, *args):
+        """Activation checkpointing (non-reentrant) whose recompute runs in the region its forward ran in."""
+        saved = self.active
+        return torch.utils.checkpoint.checkpoint(
+            function, *args, use_reentrant=False,
+            context_fn=lambda: (contextlib.nullcontext(), self._activated(saved)))
+
+    def linear(self, module, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.active is None:
+            return F.linear(x, weight)
+        phase, calibrating = self.active
+        return _EmulatedFP8Linear.apply(x, weight, module, _slot(module, weight), phase, calibrating, self)
+
+    # --- amax bookkeeping -----------------------------------------------------------------------------
+    def commit_forward(self) -> None:
+        """Fold the input and weight amax values of the open forward region into the histories (newest first)."""
+        for module, amax in self._pending_forward.items():
+            _roll(module._fp8_emu_state[:, :GRAD], amax)
+        self._pending_forward.clear()
+
+    def commit_grad(self, key) -> None:
+        amax = self._pending_grad.pop(key, None)
+        if amax is not None:
+            module, slot = key
+            _roll(module._fp8_emu_state[slot, GRAD], amax)
+
+    def commit(self) -> None:
+        """Fold every amax value recorded since the last commit into the histories (after a step, an evaluation)."""
+        self.commit_forward()
+        for key in list(self._pending_grad):
+            self.commit_grad(key)
+
+    def record_forward(self, module, slot: int, kind: int, amax: torch.Tensor) -> None:
+        buf = self._pending_forward.setdefault(module, torch.zeros(module._fp8_emu_state.shape[0], GRAD))
+        buf[slot, kind] = torch.maximum(buf[slot, kind], amax.detach().float().cpu())
+
+    def record_grad(self, module, slot: int, amax: torch.Tensor) -> None:
+        self.commit_grad((module, slot))  # the previous backward's amax, before this one's is recorded
+        self._pending_grad[(module, slot)] = amax.detach().float().cpu()
+
+
 class _EmulatedFP8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, module, slot, phase, calibrating):
+    def forward(ctx, x, weight, module, slot, phase, calibrating, emulator):
         state = _state(module, phase)
-        _record_forward(module, slot, INPUT, x.abs().max())
-        _record_forward(module, slot, WEIGHT, weight.abs().max())
+        emulator.record_forward(module, slot, INPUT, x.abs().max())
+        emulator.record_forward(module, slot, WEIGHT, weight.abs().max())
         if not calibrating:
             x = _quantize(x, "e4m3", phase, state[slot, INPUT])
             weight = _quantize(weight, "e4m3", phase, state[slot, WEIGHT])
         ctx.save_for_backward(x, weight)
-        ctx.meta = (module, slot, phase, calibrating)
+        ctx.meta = (module, slot, phase, calibrating, emulator)
         return F.linear(x, weight)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        module, slot, phase, calibrating = ctx.meta
-        _commit_grad((module, slot))  # the previous backward's amax, before this one's is recorded
-        _pending_grad[(module, slot)] = grad.abs().max().detach().float().cpu()
+        module, slot, phase, calibrating, emulator = ctx.meta
+        emulator.record_grad(module, slot, grad.abs().max())
         if not calibrating:
             fmt = "e5m2" if phase.fp8_format == "hybrid" else "e4m3"
             grad = _quantize(grad, fmt, phase, module._fp8_emu_state[slot, GRAD])
         grad_x = grad @ weight
         grad_w = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-        return grad_x, grad_w, None, None, None, None
-
-
-def _linear_for(phase, calibrating: bool):
-    def linear(module, x, weight):
-        return _EmulatedFP8Linear.apply(x, weight, module, _slot(module, weight), phase, calibrating)
-
-    linear.phase, linear.calibrating = phase, calibrating
-    return linear
-
-
-@contextlib.contextmanager
-def autocast(phase, calibrating: bool = False):
-    """Emulated-FP8 region for one micro-batch (``calibrating``: BF16 math, amax recorded)."""
-    commit_forward()
-    with torch_layers.linear_override(_linear_for(phase, calibrating)):
-        yield
-
-
-def disabled():
-    return torch_layers.linear_override(None)
-
-
+        return grad_x, grad_w, None, None, None, None, None

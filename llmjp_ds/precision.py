@@ -1,8 +1,11 @@
 """The precision schedule: BF16 -> FP8 mid-run with Transformer Engine recipes, and the divergence guard.
 
-One place answers "what precision does micro-batch m of step s run in": :class:`PrecisionSchedule`. The trainer
-wraps every micro-batch's forward in :meth:`PrecisionSchedule.autocast` (not the whole step: a TE module must
-not run twice inside one autocast region). What happens there:
+One place answers "what precision does micro-batch m of step s run in": :class:`PrecisionSchedule`, which also
+owns all precision state (the FP8 weight cache, the emulator). At setup it is attached to the model once
+(:meth:`PrecisionSchedule.attach`); the trainer then marks each step (:meth:`~PrecisionSchedule.begin_step`,
+:meth:`~PrecisionSchedule.end_step`) and the step runners wrap every micro-batch's forward in
+:meth:`~PrecisionSchedule.micro_batch` (not the whole step: a TE module must not run twice inside one autocast
+region). What happens there:
 
 * ``bf16`` phase: nothing, except during the last ``calibration_steps`` BF16 steps before a delayed-scaling FP8
   phase, which run ``te.autocast(enabled=False, calibrating=True)`` so TE records amax histories and the first
@@ -15,7 +18,8 @@ not run twice inside one autocast region). What happens there:
   inputs are cast through ``torch.float8_e4m3fn`` (gradients ``float8_e5m2`` for ``hybrid``) with per-tensor
   scales from the same recipe logic (delayed: amax history; current: this tensor's amax; block: 1x128 tiles).
   The emulated amax histories live in the modules' ``_extra_state`` as float tensors, so checkpoints carry them
-  as they carry TE's. Emulation reduces amax per rank (no cross-rank reduction).
+  as they carry TE's. Emulation reduces amax per rank (no cross-rank reduction). Layers kept in BF16 get no
+  emulator.
 
 The :class:`DivergenceGuard` watches the loss after a flip and asks the trainer to roll back to the last good
 checkpoint and continue in the fallback precision.
@@ -32,11 +36,10 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from llmjp_ds.errors import fail
-from llmjp_ds.model import weight_cache
+from llmjp_ds.model.weight_cache import ReusesFP8Weights, WeightCache
 
 RECIPES = ("delayed", "current", "block")
 FORMATS = ("hybrid", "e4m3")
-FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 
 
 def validate_phases(cfg, num_layers: int) -> None:
@@ -91,10 +94,10 @@ def fp8_hardware_available() -> bool:
 class PrecisionSchedule:
     """Phases resolved to start steps (token thresholds become steps: every rank computes the same)."""
 
-    def __init__(self, cfg, backend: str, tokens_per_step: int, amax_reduction_group=None):
+    def __init__(self, cfg, backend: str, tokens_per_step: int):
         self.cfg = cfg
         self.backend = backend
-        self.amax_reduction_group = amax_reduction_group
+        self.amax_reduction_group = None  # set by attach(): the stage's data-parallel group under pipelines
         phases = []
         for i, ph in enumerate(cfg.phases):
             start = ph.start_step if ph.start_tokens is None else math.ceil(ph.start_tokens / tokens_per_step)
@@ -104,6 +107,7 @@ class PrecisionSchedule:
         # after a rollback: from this step on every FP8 phase runs in the fallback precision
         self.fallback_from_step: int | None = None
         self.rollbacks = 0
+        self.step = 0  # the step the current micro-batches belong to (begin_step)
         uses_fp8 = any(p.precision == "fp8" for p in self.phases)
         self.emulated = uses_fp8 and backend != "te"
         if uses_fp8 and backend == "te" and not fp8_hardware_available():
@@ -115,7 +119,13 @@ class PrecisionSchedule:
             fail("FP8 phases need Transformer Engine on a CUDA GPU (sm89+); on this machine set "
                  "precision.emulate_fp8=true to run them as emulated FP8, or remove the fp8 phases")
         # TE caches each FP8 weight cast for the rest of the step (llmjp_ds.model.weight_cache)
-        weight_cache.WEIGHT_CACHE.enabled = backend == "te" and uses_fp8 and not self.emulated and cfg.fp8_weight_cache
+        self.weight_cache = WeightCache()
+        self.caches_weights = backend == "te" and uses_fp8 and not self.emulated and cfg.fp8_weight_cache
+        self.emulator = None
+        if self.emulated:
+            from llmjp_ds.fp8_emulation import FP8Emulator
+
+            self.emulator = FP8Emulator()
 
     # --- which phase ----------------------------------------------------------------------------------
     def scheduled_phase(self, step: int) -> Phase:
@@ -156,7 +166,39 @@ class PrecisionSchedule:
                 "emulated": bool(self.emulated and ph.precision == "fp8"),
                 "calibrating": self.calibrating(step) is not None}
 
-    # --- contexts -------------------------------------------------------------------------------------
+    # --- the model and the step --------------------------------------------------------------------------
+    def checkpoint_function(self, backend_checkpoint):
+        """The activation-checkpoint function the model is built with: under emulation the emulator's, whose
+        recompute runs in its forward's FP8 region; else the backend's (TE's restores TE's FP8 context)."""
+        return self.emulator.checkpoint if self.emulator is not None else backend_checkpoint
+
+    def attach(self, model, decoder_layers, num_layers: int, amax_reduction_group=None) -> None:
+        """Hand the model what FP8 phases need, once, before the first step: the weight cache to TE's GEMM
+        modules, the emulator to the torch backend's, and BF16 for the first/last ``bf16_*_layers`` decoder
+        layers (by global index, so pipeline stages agree). ``amax_reduction_group``: TE's amax reduction
+        group (under pipelines the stage's data-parallel group; None = the world)."""
+        self.amax_reduction_group = amax_reduction_group
+        exempt = set(range(self.cfg.bf16_first_layers))
+        exempt |= set(range(num_layers - self.cfg.bf16_last_layers, num_layers))
+        exempt_layers = [layer for layer in decoder_layers if layer.self_attention.layer_idx in exempt]
+        kept_bf16 = {id(m) for layer in exempt_layers for m in layer.modules()}
+        for module in model.modules():
+            if self.caches_weights and isinstance(module, ReusesFP8Weights):
+                module.weight_cache = self.weight_cache
+            if self.emulator is not None and hasattr(module, "fp8_emulator") and id(module) not in kept_bf16:
+                module.fp8_emulator = self.emulator
+        if self.emulator is None:
+            for layer in exempt_layers:
+                _KeptInBF16(layer)
+
+    def begin_step(self, step: int) -> None:
+        """The micro-batches that follow belong to ``step`` (training, and the evaluation after it)."""
+        self.step = step
+
+    def micro_batch(self):
+        """Context for one micro-batch's forward at the current step."""
+        return self.autocast(self.step)
+
     def autocast(self, step: int):
         """Context for one micro-batch's forward at ``step``."""
         ph = self.phase_at(step)
@@ -164,10 +206,8 @@ class PrecisionSchedule:
         if ph.precision == "bf16" and calib is None:
             return contextlib.nullcontext()
         target = ph if ph.precision == "fp8" else calib
-        if self.emulated:
-            from llmjp_ds import fp8_emulation
-
-            return fp8_emulation.autocast(target, calibrating=ph.precision == "bf16")
+        if self.emulator is not None:
+            return self.emulator.region(target, calibrating=ph.precision == "bf16")
         import transformer_engine.pytorch as te
 
         return te.autocast(enabled=ph.precision == "fp8", calibrating=ph.precision == "bf16",
@@ -183,24 +223,12 @@ class PrecisionSchedule:
         """Emulated delayed scaling: fold the amax values recorded since the last commit into the histories. Also
         called after evaluation, whose forwards record amax as TE's do, so that a checkpoint saved right after an
         evaluation holds what the run continues with."""
-        if self.emulated:
-            from llmjp_ds import fp8_emulation
-
-            fp8_emulation.commit()
+        if self.emulator is not None:
+            self.emulator.commit()
 
     def weights_changed(self) -> None:
         """The weights were updated or loaded: FP8 copies cached from them are stale."""
-        weight_cache.weights_changed()
-
-    def exempt_layers(self, layers, num_layers: int) -> None:
-        """Keep the first/last N decoder layers (by global index, so pipeline stages agree) out of FP8: forward
-        hooks disable FP8 around them."""
-        chosen = set(range(self.cfg.bf16_first_layers))
-        chosen |= set(range(num_layers - self.cfg.bf16_last_layers, num_layers))
-        for layer in layers:
-            if layer.self_attention.layer_idx in chosen:
-                layer.register_forward_pre_hook(_enter_no_fp8(self))
-                layer.register_forward_hook(_exit_no_fp8)
+        self.weight_cache.weights_changed()
 
     # --- state ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -211,25 +239,24 @@ class PrecisionSchedule:
         self.rollbacks = state.get("rollbacks", 0)
 
 
-def _enter_no_fp8(schedule):
-    def hook(module, args):
-        if schedule.emulated:
-            from llmjp_ds import fp8_emulation
+class _KeptInBF16:
+    """Forward hooks that run one TE decoder layer with FP8 disabled inside an FP8 region."""
 
-            ctx = fp8_emulation.disabled()
-        else:
-            import transformer_engine.pytorch as te
+    def __init__(self, layer):
+        self.open: list = []
+        layer.register_forward_pre_hook(self.enter)
+        layer.register_forward_hook(self.exit)
 
-            ctx = te.autocast(enabled=False)
-        module._no_fp8_ctx = ctx
+    def enter(self, module, args):
+        import transformer_engine.pytorch as te
+
+        ctx = te.autocast(enabled=False)
         ctx.__enter__()
+        self.open.append(ctx)
 
-    return hook
-
-
-def _exit_no_fp8(module, args, output):
-    module._no_fp8_ctx.__exit__(None, None, None)
-    return output
+    def exit(self, module, args, output):
+        self.open.pop().__exit__(None, None, None)
+        return output
 
 
 @functools.lru_cache(maxsize=None)

@@ -30,10 +30,10 @@ from transformers import GenerationMixin, LlamaConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from llmjp_ds.model.backend import layers_module, resolve_backend
-from llmjp_ds.model.loss import LossParts, causal_lm_loss
+from llmjp_ds.model.loss import CausalLMLoss, LossParts
 from llmjp_ds.model.loss import shift_labels as shift_labels_of
 from llmjp_ds.model.main_grad import HeadLinear, TokenEmbedding
-from llmjp_ds.model.presets import check_supported, rope_theta
+from llmjp_ds.model.shapes import check_supported, rope_theta
 
 
 @functools.lru_cache(maxsize=16)
@@ -170,7 +170,7 @@ class LlamaForCausalLM(PreTrainedModel, GenerationMixin):
 
     ``forward`` follows transformers' contract (``input_ids``, ``attention_mask``, ``labels`` -> ``.loss``,
     ``.logits``, plus ``.lm_loss`` / ``.z_loss`` when ``z_loss_coeff`` is set); ``generate()`` works with a KV
-    cache on both backends. ``training_loss`` is the training hot path on pre-shifted targets.
+    cache on both backends. ``training_loss`` computes the loss on pre-shifted targets without the HF output.
     """
 
     config_class = LlamaConfig
@@ -184,9 +184,9 @@ class LlamaForCausalLM(PreTrainedModel, GenerationMixin):
         check_supported(config)
         super().__init__(config)
         self.backend = resolve_backend(backend)
-        self.z_loss_coeff = z_loss_coeff
-        self.fused_loss = fused_loss  # see llmjp_ds.model.loss
+        self.loss_fn = CausalLMLoss(z_loss_coeff, fused_loss)  # see llmjp_ds.model.loss
         self.activation_checkpointing = False
+        self.checkpoint_fn = layers_module(self.backend).checkpoint  # the precision schedule may hand another
         self.model = LlamaModel(config, self.backend, params_dtype)
         head = FinalNormHead(config, self.backend, params_dtype, fp8_head=fp8_lm_head)
         self.model.norm, self.lm_head = head.norm, head.lm_head  # HF's names for the same two modules
@@ -205,10 +205,6 @@ class LlamaForCausalLM(PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return self.lm_head
 
-    @property
-    def layers_fn(self):
-        return layers_module(self.backend)
-
     def hidden_states(self, input_ids, position_ids=None, attention_mask=None, cache=None, inputs_embeds=None):
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         b, s = x.shape[:2]
@@ -224,7 +220,7 @@ class LlamaForCausalLM(PreTrainedModel, GenerationMixin):
         checkpointing = self.activation_checkpointing and self.training and cache is None and mask is None
         for layer in self.model.layers:
             if checkpointing:
-                x = self.layers_fn.checkpoint(layer, x, freqs)
+                x = self.checkpoint_fn(layer, x, freqs)
             else:
                 x = layer(x, freqs, mask, cache)
         return self.model.norm(x)
@@ -247,7 +243,7 @@ class LlamaForCausalLM(PreTrainedModel, GenerationMixin):
         targets = shift_labels if shift_labels is not None else (
             shift_labels_of(labels) if labels is not None else None)
         if targets is not None:
-            parts = causal_lm_loss(logits, targets, self.z_loss_coeff, self.fused_loss)
+            parts = self.loss_fn(logits, targets)
         out = _output(loss=parts.loss, logits=logits, cache=cache if use_cache else None)
         if targets is not None:
             out["lm_loss"], out["z_loss"] = parts.lm_loss, parts.z_loss
@@ -255,8 +251,7 @@ class LlamaForCausalLM(PreTrainedModel, GenerationMixin):
 
     def training_loss(self, input_ids: torch.Tensor, targets: torch.Tensor) -> LossParts:
         """Loss of ``input_ids [b, s]`` against ``targets [b, s]`` (already shifted), z-loss included."""
-        return causal_lm_loss(self.lm_head(self.hidden_states(input_ids)), targets, self.z_loss_coeff,
-                              self.fused_loss)
+        return self.loss_fn(self.lm_head(self.hidden_states(input_ids)), targets)
 
     # --- Hugging Face checkpoints -------------------------------------------------------------------------
 

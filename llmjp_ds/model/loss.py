@@ -39,34 +39,39 @@ def _loss_terms(logits: torch.Tensor, targets: torch.Tensor, z_loss_coeff: float
     return lm_loss + z_loss, lm_loss, z_loss
 
 
-_compiled = None
+def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor, z_loss_coeff: float = 0.0) -> LossParts:
+    """Mean token cross-entropy of ``logits [..., V]`` against already-shifted ``targets [...]``, in fp32 (eager).
 
-
-def _fused_loss_terms():
-    global _compiled
-    if _compiled is None:
-        _compiled = torch.compile(_loss_terms, dynamic=False, fullgraph=True)
-    return _compiled
-
-
-def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor, z_loss_coeff: float = 0.0,
-                   fused: bool = False) -> LossParts:
-    """Mean token cross-entropy of ``logits [..., V]`` against already-shifted ``targets [...]``, in fp32.
-
-    Positions whose target is ``IGNORE_INDEX`` count in neither term. ``fused``: see the module docstring.
+    Positions whose target is ``IGNORE_INDEX`` count in neither term.
     """
-    global _compiled
-    if fused and _compiled is not False:
-        try:
-            return LossParts(*_fused_loss_terms()(logits, targets, z_loss_coeff))
-        except Exception as exc:  # no working compiler toolchain: the eager formula is the same math
-            if isinstance(exc, torch.cuda.OutOfMemoryError):
-                raise
-            _compiled = False
-            first_line = (str(exc).splitlines() or [""])[0][:200]
-            print(f"[llmjp-ds] fused loss unavailable ({type(exc).__name__}: {first_line}); using the eager loss",
-                  file=sys.stderr, flush=True)
     return LossParts(*_loss_terms(logits, targets, z_loss_coeff))
+
+
+class CausalLMLoss:
+    """:func:`causal_lm_loss` with a fixed z-loss coefficient; ``fused`` runs it compiled (module docstring).
+
+    The compiled function is built on first use and kept by this object. If no compiler works, one line goes to
+    stderr and this object uses the eager formula from then on."""
+
+    def __init__(self, z_loss_coeff: float = 0.0, fused: bool = False):
+        self.z_loss_coeff = z_loss_coeff
+        self.fused = fused
+        self.compiled = None  # the compiled formula; False once compiling failed
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> LossParts:
+        if self.fused and self.compiled is not False:
+            try:
+                if self.compiled is None:
+                    self.compiled = torch.compile(_loss_terms, dynamic=False, fullgraph=True)
+                return LossParts(*self.compiled(logits, targets, self.z_loss_coeff))
+            except Exception as exc:  # no working compiler toolchain: the eager formula is the same math
+                if isinstance(exc, torch.cuda.OutOfMemoryError):
+                    raise
+                self.compiled = False
+                first_line = (str(exc).splitlines() or [""])[0][:200]
+                print(f"[llmjp-ds] fused loss unavailable ({type(exc).__name__}: {first_line}); using the eager "
+                      "loss", file=sys.stderr, flush=True)
+        return causal_lm_loss(logits, targets, self.z_loss_coeff)
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:

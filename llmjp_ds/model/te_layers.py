@@ -20,10 +20,9 @@ from llmjp_ds.model.torch_layers import apply_rope as torch_apply_rope
 from llmjp_ds.model.torch_layers import sdpa  # noqa: F401  (the masked / KV-cache path, shared by both backends)
 from llmjp_ds.model.weight_cache import ReusesFP8Weights
 
-NAME = "te"
 
-
-# MAIN_GRAD_WEIGHTS: the weights whose gradient TE's GEMM accumulates into ``main_grad`` (engine.fuse_grad_accumulation)
+# MAIN_GRAD_WEIGHTS: the weights whose gradient TE's GEMM accumulates into ``main_grad``
+# (llmjp_ds.parallel.grad_accumulation)
 class _LayerNormLinear(ReusesFP8Weights, te.LayerNormLinear):
     MAIN_GRAD_WEIGHTS = ("weight",)
 
@@ -84,7 +83,3 @@ def apply_rope(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 def checkpoint(function, *args):
     """TE's checkpoint: the recompute runs under the same FP8 context (amax/scales) as the forward."""
     return te.checkpoint(function, *args, use_reentrant=False)
-
-
-def available() -> bool:
-    return torch.cuda.is_available()

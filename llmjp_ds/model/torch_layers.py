@@ -5,39 +5,23 @@ Same parameter names, shapes, layout and math as TE's ``LayerNormLinear``, ``Lin
 moves between the backends unchanged. Each module also carries TE's ``_extra_state`` entry: kept opaque when it
 comes from TE, and used for the emulated-FP8 scaling state on machines without TE (see ``llmjp_ds.precision``).
 
-Every matrix product goes through :func:`linear`, the one place FP8 emulation hooks in.
+Every matrix product goes through :func:`linear`, the one place FP8 emulation hooks in: a module given an
+emulator (``module.fp8_emulator``, see ``llmjp_ds.fp8_emulation``) routes its GEMMs through it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-NAME = "torch"
-
-# Set by llmjp_ds.precision while an emulated-FP8 region is active: fn(module, x, weight) -> output.
-_linear_override: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-
-
-@contextlib.contextmanager
-def linear_override(fn):
-    """Route every :func:`linear` through ``fn`` (or plain ``F.linear`` for None) inside the block."""
-    global _linear_override
-    previous, _linear_override = _linear_override, fn
-    try:
-        yield
-    finally:
-        _linear_override = previous
-
 
 def linear(module: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    if _linear_override is not None:
-        return _linear_override(module, x, weight)
+    emulator = module.fp8_emulator
+    if emulator is not None:
+        return emulator.linear(module, x, weight)
     return F.linear(x, weight)
 
 
@@ -52,6 +36,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class _ExtraState:
     """TE's ``_extra_state`` slot. A uint8 tensor is TE's own FP8 metadata (kept opaque, so a TE checkpoint
     survives a round trip through this backend); a float tensor is the emulated-FP8 amax history."""
+
+    fp8_emulator = None  # an llmjp_ds.fp8_emulation.FP8Emulator once the precision schedule attaches one
 
     def get_extra_state(self) -> torch.Tensor:
         emulated = getattr(self, "_fp8_emu_state", None)
@@ -162,12 +148,6 @@ def apply_rope(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 
 
 def checkpoint(function, *args):
-    """Activation checkpointing (non-reentrant); the recompute runs under the forward's (emulated) FP8 state."""
-    saved = _linear_override
-    return torch.utils.checkpoint.checkpoint(
-        function, *args, use_reentrant=False,
-        context_fn=lambda: (contextlib.nullcontext(), linear_override(saved)))
-
-
-def available() -> bool:
-    return True
+    """Activation checkpointing (non-reentrant). Under emulated FP8 the schedule's emulator provides its own
+    (:meth:`llmjp_ds.fp8_emulation.FP8Emulator.checkpoint`), whose recompute runs in the forward's region."""
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)

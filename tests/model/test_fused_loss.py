@@ -1,5 +1,5 @@
-"""``causal_lm_loss(fused=True)``: the compiled formula against the eager one on bf16 logits, and the fallback to
-eager when no compiler works."""
+"""``CausalLMLoss(fused=True)``: the compiled formula against the eager one on bf16 logits, and the fallback to
+eager when no compiler works (kept per loss object)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import shutil
 import pytest
 import torch
 
-from llmjp_ds.model import loss as loss_mod
-from llmjp_ds.model.loss import IGNORE_INDEX, causal_lm_loss
+from llmjp_ds.model.loss import IGNORE_INDEX, CausalLMLoss
 
 VOCAB = 1000
 
@@ -35,9 +34,9 @@ def reference(logits, targets, z_coeff):
     return lm + z, lm, z
 
 
-def run(logits, targets, z_coeff, fused):
+def run(logits, targets, z_coeff, fused, loss_fn=None):
     leaf = logits.clone().requires_grad_(True)
-    parts = causal_lm_loss(leaf, targets, z_coeff, fused=fused)
+    parts = (loss_fn or CausalLMLoss(z_coeff, fused=fused))(leaf, targets)
     parts.loss.backward()
     return parts, leaf.grad
 
@@ -51,9 +50,10 @@ needs_compiler = pytest.mark.skipif(shutil.which("g++") is None,
 @pytest.mark.parametrize("z_coeff", [1e-4, 0.0])
 def test_fused_matches_eager(z_coeff, capsys):
     logits, targets = make_inputs()
-    fused, fused_grad = run(logits, targets, z_coeff, fused=True)
+    loss_fn = CausalLMLoss(z_coeff, fused=True)
+    fused, fused_grad = run(logits, targets, z_coeff, True, loss_fn)
     assert "fused loss unavailable" not in capsys.readouterr().err
-    assert loss_mod._compiled not in (None, False)  # the compiled path really ran
+    assert loss_fn.compiled not in (None, False)  # the compiled path really ran
     eager, eager_grad = run(logits, targets, z_coeff, fused=False)
     for name in ("loss", "lm_loss", "z_loss"):
         f, e = getattr(fused, name), getattr(eager, name)
@@ -84,12 +84,13 @@ def test_fallback_to_eager_when_the_compiler_fails(monkeypatch, capsys):
         calls.append(args)
         raise RuntimeError("no compiler\nsecond line of the compiler's complaint")
 
-    monkeypatch.setattr(loss_mod, "_compiled", broken)
+    loss_fn = CausalLMLoss(1e-4, fused=True)
+    loss_fn.compiled = broken
     logits, targets = make_inputs(1)
-    got, got_grad = run(logits, targets, 1e-4, fused=True)
+    got, got_grad = run(logits, targets, 1e-4, True, loss_fn)
     err = capsys.readouterr().err
     assert len(calls) == 1
-    assert loss_mod._compiled is False
+    assert loss_fn.compiled is False
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and "fused loss unavailable" in lines[0]
     assert "RuntimeError: no compiler" in lines[0] and "second line" not in err
@@ -98,7 +99,7 @@ def test_fallback_to_eager_when_the_compiler_fails(monkeypatch, capsys):
         assert torch.equal(a, b)
     assert torch.equal(got_grad, want_grad)
     # later calls go straight to eager: no second attempt, no second message
-    again, _ = run(logits, targets, 1e-4, fused=True)
+    again, _ = run(logits, targets, 1e-4, True, loss_fn)
     assert len(calls) == 1 and capsys.readouterr().err == ""
     assert torch.equal(again.loss, want.loss)
 
@@ -109,9 +110,10 @@ def test_out_of_memory_and_interrupts_are_not_taken_for_a_missing_compiler(monke
     def failing(*args, **kwargs):
         raise error("out of memory")
 
-    monkeypatch.setattr(loss_mod, "_compiled", failing)
+    loss_fn = CausalLMLoss(0.0, fused=True)
+    loss_fn.compiled = failing
     logits, targets = make_inputs(2)
     with pytest.raises(error):
-        causal_lm_loss(logits, targets, 0.0, fused=True)
-    assert loss_mod._compiled is failing  # not marked unavailable
+        loss_fn(logits, targets)
+    assert loss_fn.compiled is failing  # not marked unavailable
     assert "fused loss unavailable" not in capsys.readouterr().err

@@ -71,19 +71,24 @@ def test_guard_rolls_back_on_nan_at_once_and_on_spikes_after_patience():
     assert not DivergenceGuard(GuardConfig(enabled=False)).observe(0, float("nan"), "fp8")
 
 
-def _tiny_model(**kw):
+def _tiny_model(schedule=None, **kw):
+    """The tiny torch-backend model; with ``schedule``, attached to it as the trainer attaches it."""
     from llmjp_ds.model import LlamaForCausalLM, model_config
 
     torch.manual_seed(0)
     config = model_config("tiny", hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
                           ffn_hidden_size=128, vocab_size=256)
-    return LlamaForCausalLM(config, backend="torch", **kw)
+    model = LlamaForCausalLM(config, backend="torch", **kw)
+    if schedule is not None:
+        schedule.attach(model, model.model.layers, config.num_hidden_layers)
+        model.checkpoint_fn = schedule.checkpoint_function(model.checkpoint_fn)
+    return model
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "current", "block"])
 def test_emulated_fp8_quantises_forward_and_backward(recipe):
     s = schedule([{}, {"precision": "fp8", "start_step": 2, "recipe": recipe, "calibration_steps": 1}])
-    model = _tiny_model()
+    model = _tiny_model(s)
     ids = torch.randint(0, 256, (2, 33))
     ref = model.training_loss(ids[:, :-1], ids[:, 1:]).loss
     ref.backward()
@@ -107,7 +112,7 @@ def test_emulated_fp8_quantises_forward_and_backward(recipe):
 
 def test_emulated_amax_history_travels_in_extra_state():
     s = schedule([{}, {"precision": "fp8", "start_step": 1, "amax_history_len": 4}])
-    model = _tiny_model()
+    model = _tiny_model(s)
     ids = torch.randint(0, 256, (2, 17))
     with s.autocast(1):
         model.training_loss(ids[:, :-1], ids[:, 1:]).loss.backward()
@@ -123,8 +128,7 @@ def test_emulated_amax_history_travels_in_extra_state():
 
 def test_bf16_layer_policy_keeps_chosen_layers_out_of_fp8():
     s = schedule([{}, {"precision": "fp8", "start_step": 1, "recipe": "current"}], bf16_first_layers=1)
-    model = _tiny_model()
-    s.exempt_layers(model.model.layers, num_layers=2)
+    model = _tiny_model(s)
     ids = torch.randint(0, 256, (2, 17))
     with s.autocast(1):
         model.training_loss(ids[:, :-1], ids[:, 1:]).loss.backward()
@@ -138,7 +142,7 @@ def test_the_lm_head_is_fp8_only_when_asked(fp8_head):
     """By default FP8 phases keep the head in BF16 (as LLM-jp did); ``precision.fp8_lm_head`` quantises it like a
     decoder layer's GEMM, with its own scaling state in ``lm_head._extra_state``."""
     s = schedule([{"precision": "fp8", "start_step": 0, "recipe": "current"}], fp8_lm_head=fp8_head)
-    model = _tiny_model(fp8_lm_head=fp8_head)
+    model = _tiny_model(s, fp8_lm_head=fp8_head)
     x = torch.randn(2, 9, 64)
     plain = model.lm_head(x)
     with s.autocast(0):
@@ -156,7 +160,7 @@ def test_recompute_under_activation_checkpointing_sees_the_same_fp8_state():
     s = schedule([{}, {"precision": "fp8", "start_step": 1, "recipe": "delayed"}])
     grads = []
     for ckpt in (False, True):
-        model = _tiny_model().train()
+        model = _tiny_model(s).train()
         model.activation_checkpointing = ckpt
         ids = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
         with s.autocast(0):  # a BF16 step fills the history first (as calibration would)
@@ -171,7 +175,7 @@ def test_recompute_under_activation_checkpointing_sees_the_same_fp8_state():
 
 def test_the_fp8_capable_head_starts_from_the_same_weights():
     """Switching ``precision.fp8_lm_head`` changes the head's module, not the run's initial model."""
-    from llmjp_ds.engine import init_like_pipeline
+    from llmjp_ds.parallel.build import init_like_pipeline
     from llmjp_ds.model import LlamaForCausalLM, model_config
 
     config = model_config("tiny", hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2,

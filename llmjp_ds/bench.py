@@ -1,10 +1,11 @@
 """``llmjp-ds bench``: training throughput of the product's full step against transformers + DeepSpeed.
 
-Every variant runs in its own process (a clean GPU) and goes through the trainer's own pieces: the run preset
-of its shape, ``engine.build_model`` / ``engine.initialize`` (the bundled ``ds_configs/zero1.json``: ZeRO-1,
-BF16 with FP32 gradient accumulation, the LLM-jp AdamW groups), the precision schedule, the LR schedule and
-``train.forward_backward`` over gradient accumulation 8 (as real pretraining uses), on micro-batches of random
-token ids already on the GPU. One step = ``gas`` forward/backward passes + the optimizer step.
+Every variant runs in its own process (a clean GPU). The ``ours`` variants drive the trainer itself: a
+:class:`llmjp_ds.trainer.Trainer` of the shape's run preset builds the model and the engine (the bundled
+``ds_configs/zero1.json``: ZeRO-1, BF16 with FP32 gradient accumulation, the LLM-jp AdamW groups) and runs
+``Trainer.train_step`` (LR schedule, precision schedule, the step runner) over gradient accumulation 8 (as real
+pretraining uses), on micro-batches of random token ids already on the GPU. One step = ``gas`` forward/backward
+passes + the optimizer step.
 
 Variants: ``ours-bf16``, ``ours-fp8-delayed`` (DelayedScaling, HYBRID), ``ours-fp8-current``
 (Float8CurrentScaling), ``ours-fp8-block`` (Float8BlockScaling), ``peer-bf16`` (transformers'
@@ -13,10 +14,10 @@ config and optimizer. ``--set`` changes the run config of the ``ours`` variants 
 ``--set model.fused_loss=false``).
 TFLOP/s are model FLOPs (:func:`llmjp_ds.model.flops.model_flops_per_token`: Megatron-LM's formula with GQA,
 SwiGLU, the logits layer and the causal attention term halved; no recompute counted) per GPU; MFU is against
-989 TFLOP/s (H100/H200 dense BF16). ``--profile`` adds profiled steps per variant: GPU time by kernel
-category (GEMM share) and the top kernels, then the host's time by Python function (cProfile), which says where
-a step whose GPU idles (launch-bound) spends its time, and one step under CUDA's sync debug mode: where the
-host waited for the GPU.
+the device's dense BF16 peak (:data:`llmjp_ds.metrics.PEAK_TFLOPS`). ``--profile`` adds profiled steps per
+variant: GPU time by kernel category (GEMM share) and the top kernels, then the host's time by Python function
+(cProfile), which says where a step whose GPU idles (launch-bound) spends its time, and one step under CUDA's
+sync debug mode: where the host waited for the GPU.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ SHAPES = {
 }
 TEST_SHAPES = {"tiny": ("demo", {}, 2)}  # CPU smoke test of the harness (tests/test_bench.py)
 VARIANTS = ("ours-bf16", "peer-bf16", "ours-fp8-delayed", "ours-fp8-current", "ours-fp8-block")
-PEAK_TFLOPS = 989.0
 
 # kernel name fragments (lower case) -> category; the first rule that matches wins. FP8 casts are TE kernels:
 # torch's own elementwise kernels carry "LoadWithCast" in their names and are not casts to FP8.
@@ -142,14 +142,14 @@ def profile_table(result: dict) -> str:
 
 def bench_config(shape: str, variant: str, gas: int, sets: list[str] = ()):
     """The run config of one variant: the shape's preset on one device, no pipeline, no recompute."""
-    from llmjp_ds.config import RUN_PRESETS, apply_set, build, merge, RunConfig
+    from llmjp_ds.config import RunConfig, apply_set, build, merge, preset_dict
 
     preset, overrides, micro = {**SHAPES, **TEST_SHAPES}[shape]
     if "fp8" in variant:
         phases = [{"precision": "fp8", "start_step": 0, "recipe": variant.rsplit("-", 1)[1], "fp8_format": "hybrid"}]
     else:
         phases = [{"precision": "bf16"}]
-    data = merge(RUN_PRESETS[preset](), {
+    data = merge(preset_dict(preset), {
         "model": {"overrides": overrides, "activation_checkpointing": False},
         "train": {"micro_batch_size": micro, "global_batch_size": micro * gas, "steps": 1 << 20},
         "parallel": {"zero_stage": 1, "pipeline_stages": 1},
@@ -179,47 +179,55 @@ def peer_module(lm):
     return PeerLM()
 
 
+def _engine_for(cfg, variant: str):
+    """(the step function ``step(i, batches) -> [lm_loss, z_loss]``, the model config) of one variant: ours
+    through the Trainer; the peer as a user wires transformers and DeepSpeed (the same JSON and optimizer, none
+    of our engine code) under the same step runner."""
+    from llmjp_ds.trainer import Trainer
+
+    trainer = Trainer(cfg, 1)
+    if variant.startswith("ours"):
+        trainer.build_engine()
+        return (lambda i, batches: trainer.train_step(i, batches)[0]), trainer.model_config
+    import deepspeed
+    import torch
+    import transformers
+
+    from llmjp_ds.optim import build_optimizer, schedule_lr, set_lr
+    from llmjp_ds.parallel.context import ParallelContext
+    from llmjp_ds.parallel.ds_config import build_ds_config
+    from llmjp_ds.parallel.runners import EngineRunner
+
+    ctx = ParallelContext.start(trainer.layout)
+    torch.manual_seed(cfg.train.seed)
+    config = trainer.model_config
+    config._attn_implementation = "sdpa"
+    with ctx.device:
+        model = peer_module(transformers.LlamaForCausalLM(config))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=build_optimizer(model, cfg.optim),
+                                      config=build_ds_config(cfg, trainer.layout))
+    runner = EngineRunner(engine, trainer.precision, ctx)
+
+    def step(i, batches):
+        set_lr(engine.optimizer, schedule_lr(i, cfg.optim, cfg.train.steps))
+        return runner.train_step(batches)
+
+    return step, config
+
+
 def run_one(shape: str, variant: str, steps: int, warmup: int, gas: int, sets: list[str] = (),
             profile: bool = False) -> dict:
     import torch
 
-    from llmjp_ds.config import validate
-    from llmjp_ds.engine import build_model, init_distributed, initialize
     from llmjp_ds.metrics import Throughput
-    from llmjp_ds.model.backend import resolve_backend
     from llmjp_ds.model.flops import flops_per_token_for
-    from llmjp_ds.model.presets import model_config as make_model_config
-    from llmjp_ds.optim import schedule_lr, set_lr
-    from llmjp_ds.precision import PrecisionSchedule
-    from llmjp_ds.train import forward_backward
 
     cfg = bench_config(shape, variant, gas, sets)
-    validate(cfg, 1)
-    config = make_model_config(cfg.model.preset, **cfg.model.overrides)
+    train_step, config = _engine_for(cfg, variant)
     seq = cfg.data.seq_len or config.max_position_embeddings
     micro = cfg.train.micro_batch_size
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    init_distributed()
-    torch.manual_seed(cfg.train.seed)
-    backend = resolve_backend(cfg.model.backend)
-    if variant.startswith("peer"):
-        # transformers + DeepSpeed as a user wires them: the same JSON and optimizer, none of our engine code
-        import deepspeed
-        import transformers
-
-        from llmjp_ds.engine import build_ds_config
-        from llmjp_ds.optim import build_optimizer
-
-        config._attn_implementation = "sdpa"
-        with device:
-            model = peer_module(transformers.LlamaForCausalLM(config))
-        engine, *_ = deepspeed.initialize(model=model, optimizer=build_optimizer(model, cfg.optim),
-                                          config=build_ds_config(cfg, 1))
-    else:
-        model, _ = build_model(cfg, config, backend)
-        engine = initialize(cfg, model, 1)
-    schedule = PrecisionSchedule(cfg.precision, backend, micro * gas * seq)
     ids = torch.randint(0, config.vocab_size, (gas, micro, seq + 1), device=device)
     batches = [(ids[m, :, :-1], ids[m, :, 1:]) for m in range(gas)]
 
@@ -228,10 +236,7 @@ def run_one(shape: str, variant: str, steps: int, warmup: int, gas: int, sets: l
             torch.cuda.synchronize()
 
     def step(i: int):
-        set_lr(engine.optimizer, schedule_lr(i, cfg.optim, cfg.train.steps))
-        parts = forward_backward(engine, batches, lambda: schedule.autocast(i))
-        schedule.end_step()
-        return parts
+        return train_step(i, batches)
 
     times, losses = [], []
     for i in range(warmup + steps):
@@ -242,7 +247,7 @@ def run_one(shape: str, variant: str, steps: int, warmup: int, gas: int, sets: l
             times.append(took)
         losses.append(float(parts[0]))
     step_s = statistics.median(times)
-    rates = Throughput(flops_per_token_for(config, seq), gas * micro * seq, peak_flops=PEAK_TFLOPS * 1e12)
+    rates = Throughput(flops_per_token_for(config, seq), gas * micro * seq)
     stats = torch.cuda.memory_stats() if cuda else {}
     result = {"shape": shape, "variant": variant, "micro_batch": micro, "gas": gas, "seq_len": seq,
               "step_s": step_s, **rates.update(step_s),
@@ -364,10 +369,10 @@ def cli_main(argv: list[str], verb: str = "bench") -> int:
             fail(f"unknown variant {v!r}: choose from {', '.join(VARIANTS)}")
     if a.steps < 1 or a.warmup < 0 or a.gas < 1:
         fail("--steps and --gas must be at least 1 and --warmup at least 0")
-    from llmjp_ds.config import validate
+    from llmjp_ds.validate import validate_run
 
     for shape in shapes:  # a bad --set fails here, not in every variant's process
-        validate(bench_config(shape, "ours-bf16", a.gas, a.sets), 1)
+        validate_run(bench_config(shape, "ours-bf16", a.gas, a.sets), 1)
     import torch
 
     if not torch.cuda.is_available():
@@ -391,7 +396,7 @@ def measure(shape: str, variant: str, a) -> dict:
     if a.profile:
         cmd.append("--profile")
     env = dict(os.environ)
-    env.pop("MASTER_PORT", None)  # each child picks a free port (engine.init_distributed)
+    env.pop("MASTER_PORT", None)  # each child picks a free port (parallel.context.init_distributed)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     found = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not found:

@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shutil
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -64,16 +65,62 @@ def latest_tag(run_dir) -> str | None:
     return tag
 
 
-def read_marker(run_dir, tag: str) -> dict:
+@dataclass
+class CheckpointMeta:
+    """What a checkpoint's marker (``llmjp_ds.json``) records: enough to check a resume and to read the weights
+    back without the run config. Written last: its presence means the checkpoint is complete."""
+
+    model_config: dict
+    zero_stage: int
+    pipeline_stages: int
+    dtype: str
+    seq_len: int
+    fp8_lm_head: bool = False
+    step: int | None = None
+    tag: str | None = None
+
+    @classmethod
+    def for_run(cls, cfg, model_config) -> "CheckpointMeta":
+        from llmjp_ds.config import seq_len_of
+
+        return cls(model_config=model_config.to_dict(), zero_stage=cfg.parallel.zero_stage,
+                   pipeline_stages=cfg.parallel.pipeline_stages, dtype=cfg.precision.dtype,
+                   seq_len=seq_len_of(cfg, model_config), fp8_lm_head=cfg.precision.fp8_lm_head)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CheckpointMeta":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def read_marker(run_dir, tag: str) -> CheckpointMeta:
     path = checkpoint_dir(run_dir) / tag / MARKER
     if not path.is_file():
         known = [t for _, t in complete_tags(run_dir)]
         fail(f"no complete checkpoint {tag!r} in {checkpoint_dir(run_dir)}: available tags are "
              f"{', '.join(known[-5:]) or 'none'}")
     try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        fail(f"{path} is not valid JSON ({exc}): the checkpoint was altered by hand; point {LATEST} at another tag")
+        data = json.loads(path.read_text())
+        return CheckpointMeta.from_dict(data)
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError, AttributeError) as exc:
+        fail(f"{path} is not a valid checkpoint marker ({exc}): the checkpoint was altered by hand; point {LATEST} "
+             "at another tag")
+
+
+def check_writable(run_dir) -> None:
+    """The run directory, or for a new run its nearest existing parent, must be writable; creates nothing."""
+    run_dir = Path(run_dir)
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        fail(f"run_dir {run_dir}: {existing} is a file, not a directory; choose another run_dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        fail(f"run_dir {run_dir} is not writable ({existing} is read-only for this user): choose another run_dir "
+             "or fix its permissions or mount")
 
 
 # the fields that fix the weights' shapes: a checkpoint of another shape cannot be loaded into this model
@@ -89,10 +136,10 @@ def check_resume(run_dir, model_config: dict, fp8_lm_head: bool = False) -> str 
     if tag is None:
         return None
     marker = read_marker(run_dir, tag)
-    if marker.get("fp8_lm_head", False) != fp8_lm_head:
+    if marker.fp8_lm_head != fp8_lm_head:
         fail(f"{checkpoint_dir(run_dir) / tag} was saved with precision.fp8_lm_head={str(not fp8_lm_head).lower()}: "
              f"resume with the same setting, or set a new run_dir to start afresh")
-    saved = marker.get("model_config", {})
+    saved = marker.model_config
     diff = [f"{k} {saved.get(k)} saved, {model_config.get(k)} now"
             for k in SHAPE_KEYS if saved.get(k) != model_config.get(k)]
     if diff:
@@ -101,7 +148,8 @@ def check_resume(run_dir, model_config: dict, fp8_lm_head: bool = False) -> str 
     return tag
 
 
-def save(engine, run_dir, step: int, client_state: dict, marker: dict, keep_last: int, rollbacks: int = 0) -> str:
+def save(engine, run_dir, step: int, client_state: dict, meta: CheckpointMeta, keep_last: int,
+         rollbacks: int = 0) -> str:
     import torch.distributed as dist
 
     root = checkpoint_dir(run_dir)
@@ -119,7 +167,7 @@ def save(engine, run_dir, step: int, client_state: dict, marker: dict, keep_last
     if dist.get_rank() == 0:
         try:
             with atomic_file(root / tag / MARKER, "w") as f:
-                json.dump({**marker, "step": step, "tag": tag}, f, indent=2)
+                json.dump({**meta.to_dict(), "step": step, "tag": tag}, f, indent=2)
             with atomic_file(root / LATEST, "w") as f:
                 f.write(tag)
         except OSError as exc:
@@ -202,20 +250,20 @@ def load(engine, run_dir, tag: str) -> dict:
 
 # --- reading a checkpoint without DeepSpeed's engine (export) -------------------------------------------
 
-def read_model_state(run_dir, tag: str, marker: dict) -> dict[str, torch.Tensor]:
+def read_model_state(run_dir, tag: str, marker: CheckpointMeta) -> dict[str, torch.Tensor]:
     """The model's full state dict (our names) from a ZeRO-0..3 or pipeline checkpoint, on CPU."""
-    from llmjp_ds.model.pipeline import pipeline_to_hf_names
+    from llmjp_ds.model.hf_adapter import pipeline_name_to_ours
 
     d = checkpoint_dir(run_dir) / tag
-    if marker["pipeline_stages"] > 1:
-        n = marker["model_config"]["num_hidden_layers"]
+    if marker.pipeline_stages > 1:
+        n = marker.model_config["num_hidden_layers"]
         state = {}
         for f in sorted(d.glob("layer_*-model_states.pt")):
             idx = int(f.name.split("_")[1].split("-")[0])
             for name, tensor in torch.load(f, map_location="cpu", weights_only=False).items():
-                state[pipeline_to_hf_names(idx, n, name)] = tensor
+                state[pipeline_name_to_ours(idx, n, name)] = tensor
         return state
-    if marker["zero_stage"] == 3:
+    if marker.zero_stage == 3:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         with contextlib.redirect_stdout(open(os.devnull, "w")):
@@ -246,7 +294,7 @@ def export(run_dir, output, tag: str | None = None, dtype: str = "bf16", force: 
     from llmjp_ds.model.hf_io import save_hf_checkpoint
 
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-    config = LlamaConfig.from_dict(marker["model_config"])
+    config = LlamaConfig.from_dict(marker.model_config)
     state = {k: v for k, v in read_model_state(run_dir, tag, marker).items() if not k.endswith("_extra_state")}
     model = LlamaForCausalLM(config, backend="torch", params_dtype=torch_dtype).eval()
     model.load_state_dict({k: v.to(torch_dtype) for k, v in state.items()}, strict=False)
@@ -269,23 +317,19 @@ def export(run_dir, output, tag: str | None = None, dtype: str = "bf16", force: 
         shutil.rmtree(output, ignore_errors=True)
         fail(f"export check failed: logits of the exported model differ from the trained model's by {err:.3g} "
              f"(tolerance {tolerance:.3g}); the export was removed")
-    return {"tag": tag, "step": marker["step"], "output": str(output), "max_logit_diff": err, "dtype": dtype}
+    return {"tag": tag, "step": marker.step, "output": str(output), "max_logit_diff": err, "dtype": dtype}
 
 
 def import_hf(model_dir, run_dir, preset: str = "llmjp3-1.8b", force: bool = False) -> Path:
     """Start a run directory for continued pretraining from an HF Llama checkpoint: writes its config.yaml."""
     import yaml
 
-    from llmjp_ds.config import RUN_PRESETS, merge
+    from llmjp_ds.config import merge, preset_dict
     from llmjp_ds.model.hf_io import read_hf_config
-    from llmjp_ds.model.presets import check_supported, rope_theta
+    from llmjp_ds.model.shapes import check_supported, rope_theta
 
     model_dir, run_dir = Path(model_dir).resolve(), Path(run_dir)
-    if preset not in RUN_PRESETS:
-        from llmjp_ds.config import _did_you_mean
-
-        fail(f"unknown run preset {preset!r}{_did_you_mean(preset, RUN_PRESETS)}: choose one of "
-             f"{', '.join(RUN_PRESETS)}")
+    base = preset_dict(preset)
     if not model_dir.is_dir():
         fail(f"model directory {model_dir} does not exist: pass --model the directory save_pretrained wrote "
              "(config.json + safetensors)")
@@ -297,8 +341,8 @@ def import_hf(model_dir, run_dir, preset: str = "llmjp3-1.8b", force: bool = Fal
                  "num_attention_heads": hf.num_attention_heads, "num_key_value_heads": hf.num_key_value_heads,
                  "ffn_hidden_size": hf.intermediate_size, "vocab_size": hf.vocab_size,
                  "seq_len": hf.max_position_embeddings, "rope_theta": rope_theta(hf), "rms_norm_eps": hf.rms_norm_eps}
-    data = merge(RUN_PRESETS[preset](), {"run_dir": str(run_dir), "model": {
-        "preset": "tiny", "overrides": overrides, "init_from_hf": str(model_dir)}})
+    data = merge(base, {"run_dir": str(run_dir), "model": {
+        "shape": "tiny", "overrides": overrides, "init_from_hf": str(model_dir)}})
     if (model_dir / "tokenizer_config.json").is_file():
         data.setdefault("data", {})["tokenizer"] = str(model_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -192,22 +192,25 @@ def test_bf16_variants_have_one_bf16_phase(variant):
 
 @pytest.mark.parametrize("shape,gas", [("172b-slice", 8), ("llmjp3-1.8b", 4), ("llmjp3-3.7b", 3), ("tiny", 2)])
 def test_one_device_layout_and_batch(shape, gas):
-    from llmjp_ds.config import gradient_accumulation_steps, validate
+    from llmjp_ds.model.shapes import overrides_dict
+    from llmjp_ds.validate import validate_run
 
     preset, overrides, micro = {**bench.SHAPES, **bench.TEST_SHAPES}[shape]
     cfg = bench.bench_config(shape, "ours-bf16", gas)
     assert cfg.train.micro_batch_size == micro
     assert cfg.train.global_batch_size == micro * gas
-    assert gradient_accumulation_steps(cfg, 1) == gas
+    layout = validate_run(cfg, 1)  # a valid single-device run (run_one validates the same way)
+    assert layout.gradient_accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size) == gas
     assert cfg.parallel.pipeline_stages == 1  # the 172B preset itself has 32 stages
     assert cfg.parallel.zero_stage == 1
     assert cfg.model.activation_checkpointing is False  # the 172B preset itself recomputes
-    assert cfg.model.overrides == overrides
+    assert overrides_dict(cfg.model.overrides) == overrides
     assert cfg.logging.wandb == "disabled"
-    validate(cfg, 1)  # a valid single-device run (run_one validates the same way)
 
 
 def test_set_applies_to_ours_variants_only():
+    from llmjp_ds.model.shapes import overrides_dict
+
     sets = ["model.fused_loss=false", "parallel.fused_grad_accumulation=false", "precision.fp8_weight_cache=false"]
     for variant in ("ours-bf16", "ours-fp8-current"):
         cfg = bench.bench_config("172b-slice", variant, 8, sets)
@@ -219,14 +222,14 @@ def test_set_applies_to_ours_variants_only():
     assert peer.precision.fp8_weight_cache is True
     # a set that changes the shape's own override is merged into it, not replacing it
     cfg = bench.bench_config("172b-slice", "ours-bf16", 8, ["model.overrides.hidden_size=256"])
-    assert cfg.model.overrides == {"num_layers": 2, "hidden_size": 256}
+    assert overrides_dict(cfg.model.overrides) == {"num_layers": 2, "hidden_size": 256}
 
 
 def _cli_env() -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "LLMJP_DS_DEBUG"):
-        env.pop(key, None)  # a lone process picks a free port (engine.init_distributed)
+        env.pop(key, None)  # a lone process picks a free port (parallel.context.init_distributed)
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "llmjp-ds" / "torch_extensions"))
     return env
 
@@ -282,7 +285,7 @@ def result_of(harness, key) -> dict:
 
 
 def tiny_vocab() -> int:
-    from llmjp_ds.model.presets import model_config
+    from llmjp_ds.model.shapes import model_config
 
     return model_config("tiny").vocab_size
 
@@ -300,7 +303,7 @@ def test_harness_first_loss_is_that_of_a_uniform_guess(harness, key):
 @pytest.mark.timeout(300)
 def test_harness_throughput_arithmetic(harness):
     from llmjp_ds.model.flops import flops_per_token_for
-    from llmjp_ds.model.presets import model_config
+    from llmjp_ds.model.shapes import model_config
 
     r = result_of(harness, "ours")
     micro = bench.TEST_SHAPES["tiny"][2]
@@ -312,7 +315,7 @@ def test_harness_throughput_arithmetic(harness):
     assert r["tokens_per_s"] == pytest.approx(tokens_per_s, rel=1e-6)
     flops = flops_per_token_for(model_config("tiny"), seq)
     assert r["tflops_per_gpu"] == pytest.approx(flops * tokens_per_s / 1e12, rel=1e-6)
-    assert r["mfu"] == pytest.approx(r["tflops_per_gpu"] / bench.PEAK_TFLOPS, rel=1e-6)
+    assert "mfu" not in r  # no peak is known for a CPU
     assert r["sets"] == [] and r["peak_mem_gib"] == 0.0
 
 

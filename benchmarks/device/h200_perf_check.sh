@@ -16,7 +16,7 @@ COMMON=(--preset llmjp3-1.8b --set "model.overrides={num_layers: 4}" --set model
         --set optim.warmup_steps=4 --set optim.decay_steps=12 --set train.eval_interval=${EVAL_INTERVAL:-0}
         --set checkpoint.keep_last=1 --set checkpoint.save_at_end=false --set precision.log_amax=true
         --set "precision.phases=[{precision: bf16}, {precision: fp8, start_step: 6, recipe: delayed, fp8_format: hybrid, amax_history_len: 16, calibration_steps: 2}]")
-# a dry run on a CPU: EXTRA="--set model.backend=torch --set precision.emulate_fp8=true --set model.preset=tiny ..."
+# a dry run on a CPU: EXTRA="--set model.backend=torch --set precision.emulate_fp8=true --set model.shape=tiny ..."
 read -r -a EXTRA_ARGS <<< "${EXTRA:-}"; COMMON+=("${EXTRA_ARGS[@]}")
 train() { local name=$1; shift; echo "=== $name $* ($(date +%T))" | tee -a "$S"
   timeout 100 python -m llmjp_ds.train "${COMMON[@]}" --set run_dir=$R/$name "$@" >> "$OUT/$name.log" 2>&1

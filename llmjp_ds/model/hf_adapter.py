@@ -1,4 +1,5 @@
-"""Pure state-dict adapters between this package's TE layout and Hugging Face Llama names.
+"""Every weight-name map of the package, as pure functions: Hugging Face Llama <-> ours (TE names) <-> the
+pipeline's layer index.
 
 No I/O here: dict of tensors in, dict of tensors out, bit-exact (only views, splits and concatenations).
 
@@ -16,6 +17,10 @@ layers.N.layernorm_mlp.fc2_weight                          layers.N.mlp.down_pro
 
 ``model.embed_tokens.weight``, ``model.norm.weight`` and ``lm_head.weight`` keep their names. TE's
 ``_extra_state`` entries (FP8 scaling metadata) have no HF counterpart and are dropped on export.
+
+The pipeline (``model/pipeline.py``) holds the same modules as layers ``0`` (embedding), ``1..N`` (decoder
+layers) and ``N + 1`` (final norm and head); :func:`pipeline_name_to_ours` maps a layer's parameter name to
+ours, which is also how DeepSpeed's ``layer_XX-model_states.pt`` files are read.
 """
 
 from __future__ import annotations
@@ -112,3 +117,19 @@ def from_hf_state_dict(state_dict: dict[str, torch.Tensor], config) -> dict[str,
         out[prefix + _QKV] = fuse_qkv(*(parts[n] for n in _HF_QKV), config)
         out[prefix + _FC1] = torch.cat([parts[n] for n in _HF_FC1], dim=0)
     return out
+
+
+# --- the pipeline's layers ----------------------------------------------------------------------------------
+
+EMBEDDING_LAYER = 0
+
+
+def pipeline_name_to_ours(layer_index: int, num_layers: int, name: str) -> str:
+    """Our name of parameter ``name`` of pipeline layer ``layer_index`` (of a model with ``num_layers``)."""
+    if layer_index == EMBEDDING_LAYER:
+        return f"model.embed_tokens.{name}"
+    if layer_index <= num_layers:
+        return f"model.layers.{layer_index - 1}.{name}"
+    if name.startswith("norm."):
+        return "model." + name
+    return name  # lm_head.weight

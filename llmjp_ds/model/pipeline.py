@@ -11,11 +11,8 @@ import torch
 
 from llmjp_ds.model.flops import layer_and_logits_flops_for
 from llmjp_ds.model.llama import DecoderLayer, Embedding, FinalNormHead, head_dim_of, rope_freqs
-from llmjp_ds.model.loss import causal_lm_loss
-from llmjp_ds.model.presets import rope_theta
-
-# layer index in the PipelineModule -> prefix of the HF-layout names (used when reading pipeline checkpoints)
-EMBEDDING_INDEX = 0
+from llmjp_ds.model.loss import CausalLMLoss
+from llmjp_ds.model.shapes import rope_theta
 
 
 class EmbeddingPipe(Embedding):
@@ -38,21 +35,21 @@ class FinalNormHeadPipe(FinalNormHead):
 
 
 class PipelineLoss:
-    """``loss_fn`` for the last stage: returns the total loss, keeps the parts of the current step for logging."""
+    """``loss_fn`` for the last stage: returns the total loss times ``scale`` (1, or NaN in a fault drill), keeps
+    the parts of the current step for logging."""
 
     def __init__(self, z_loss_coeff: float, fused: bool = False):
-        self.z_loss_coeff = z_loss_coeff
-        self.fused = fused
+        self.loss_fn = CausalLMLoss(z_loss_coeff, fused)
+        self.scale = 1.0
         self.reset()
 
     def reset(self):
-        self.scale = 1.0  # NaN in fault drills
         self.lm_loss_sum = 0.0
         self.z_loss_sum = 0.0
         self.micro_batches = 0
 
     def __call__(self, logits, targets):
-        parts = causal_lm_loss(logits, targets, self.z_loss_coeff, self.fused)
+        parts = self.loss_fn(logits, targets)
         self.lm_loss_sum = self.lm_loss_sum + parts.lm_loss.detach() * self.scale
         self.z_loss_sum = self.z_loss_sum + parts.z_loss.detach()
         self.micro_batches += 1
@@ -75,8 +72,9 @@ def stage_bounds(weights: list[float], num_stages: int) -> list[int]:
 
 
 def pipeline_module_class():
-    """``PipelineModule`` whose forward (one micro-batch on this stage) runs inside ``precision_context()``,
-    the precision schedule's per-micro-batch autocast, and which knows one more ``partition_method``:
+    """``PipelineModule`` whose forward (one micro-batch on this stage) runs inside ``micro_batch_context()``
+    (the precision schedule's per-micro-batch context, handed over once at setup), and which knows one more
+    ``partition_method``:
     ``flops`` cuts the layers where each stage's training FLOPs (``partition_weights``, from
     :func:`flops_weights`) are most even, so the last stage's head counts; DeepSpeed's ``type:`` methods
     count decoder layers only."""
@@ -85,7 +83,7 @@ def pipeline_module_class():
     from deepspeed.pipe import PipelineModule
 
     class PrecisionPipelineModule(PipelineModule):
-        precision_context = staticmethod(contextlib.nullcontext)
+        micro_batch_context = staticmethod(contextlib.nullcontext)
 
         def __init__(self, *args, partition_weights=None, **kwargs):
             object.__setattr__(self, "_partition_weights", partition_weights)
@@ -103,7 +101,7 @@ def pipeline_module_class():
             self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
         def forward(self, forward_input):
-            with self.precision_context():
+            with self.micro_batch_context():
                 return super().forward(forward_input)
 
     return PrecisionPipelineModule
@@ -116,14 +114,3 @@ def layer_specs(config, backend: str, params_dtype=None, fp8_head: bool = False)
             + [LayerSpec(DecoderLayerPipe, config, i, backend, params_dtype)
                for i in range(config.num_hidden_layers)]
             + [LayerSpec(FinalNormHeadPipe, config, backend, params_dtype, fp8_head=fp8_head)])
-
-
-def pipeline_to_hf_names(layer_index: int, num_layers: int, name: str) -> str:
-    """Name of a pipeline layer's parameter in the HF-model layout of :class:`LlamaForCausalLM`."""
-    if layer_index == EMBEDDING_INDEX:
-        return f"model.embed_tokens.{name}"
-    if layer_index <= num_layers:
-        return f"model.layers.{layer_index - 1}.{name}"
-    if name.startswith("norm."):
-        return "model." + name
-    return name  # lm_head.weight

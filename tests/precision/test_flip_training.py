@@ -91,7 +91,8 @@ def test_resume_at_and_after_the_flip_reproduces_the_trail(env, uninterrupted, t
 @pytest.mark.timeout(900)
 def test_injected_divergence_rolls_back_once_and_finishes_in_the_base_precision(env, uninterrupted, tmp_path):
     run = tmp_path / "diverge"
-    proc = train(env, run, "train.steps=6", f"train.inject_nan_steps=[{FLIP_AT + 1}]", "train.inject_only_fp8=true")
+    drill = dict(env, LLMJP_DS_DRILL_NAN_STEPS=str(FLIP_AT + 1), LLMJP_DS_DRILL_NAN_PHASE="fp8")
+    proc = train(drill, run, "train.steps=6")
     records, events = trail(run)
     rollbacks = [e for e in events if e["event"] == "rollback"]
     assert len(rollbacks) == 1

@@ -1,9 +1,9 @@
 """Non-finite loss or gradients: the step is skipped (parameters and optimizer untouched), counted and logged;
 ``train.max_nonfinite_steps`` in a row stop the run with one clear line, after saving a checkpoint.
 
-``train.inject_nan_steps=[k]`` with ``train.inject_only_fp8=false`` multiplies every micro-batch's loss of step
-index ``k`` by NaN, so the gradients are NaN too. ZeRO-0 in fp32 is the layout where DeepSpeed steps the torch
-optimizer itself without any check (llmjp_ds.optim.SkipNonFiniteAdamW covers it); ZeRO-1 goes through
+The fault drill ``LLMJP_DS_DRILL_NAN_STEPS=k`` with ``LLMJP_DS_DRILL_NAN_PHASE=any`` multiplies every
+micro-batch's loss of step index ``k`` by NaN, so the gradients are NaN too. ZeRO-0 in fp32 is the layout where
+DeepSpeed steps the torch optimizer itself without any check (llmjp_ds.optim.SkipNonFiniteAdamW covers it); ZeRO-1 goes through
 DeepSpeed's ZeRO optimizer, which skips on a non-finite gradient norm.
 """
 
@@ -13,9 +13,14 @@ import math
 
 import pytest
 
-from tests.reliability.conftest import TINY, assert_latest_complete, events, read_records, run_train
+from tests.reliability.conftest import (TINY, assert_latest_complete, events, read_records, run, subprocess_env,
+                                        train_argv)
 
 NAN_AT = 2  # step index (0-based); its metrics record is step NAN_AT + 1
+
+
+def drill(*steps: int) -> dict:
+    return subprocess_env(LLMJP_DS_DRILL_NAN_STEPS=",".join(map(str, steps)), LLMJP_DS_DRILL_NAN_PHASE="any")
 
 
 @pytest.mark.slow
@@ -23,9 +28,9 @@ NAN_AT = 2  # step index (0-based); its metrics record is step NAN_AT + 1
 @pytest.mark.parametrize("zero_stage", [0, 1])
 def test_a_nonfinite_step_is_skipped_and_leaves_the_weights_alone(zero_stage, bundled, tmp_path):
     run_dir = tmp_path / "run"
-    result = run_train(run_dir, TINY, "train.steps=5", f"parallel.zero_stage={zero_stage}", "checkpoint.interval=0",
-                       "train.eval_interval=1", "train.eval_batches=1", f"train.inject_nan_steps=[{NAN_AT}]",
-                       "train.inject_only_fp8=false")
+    result = run(train_argv(run_dir, TINY, "train.steps=5", f"parallel.zero_stage={zero_stage}",
+                            "checkpoint.interval=0", "train.eval_interval=1", "train.eval_batches=1"),
+                 env=drill(NAN_AT))
     assert result.returncode == 0, result.stderr[-3000:]
     recs = {r["step"]: r for r in read_records(run_dir) if "event" not in r}
     skipped = events(run_dir, "skipped_step")
@@ -44,8 +49,8 @@ def test_a_nonfinite_step_is_skipped_and_leaves_the_weights_alone(zero_stage, bu
 @pytest.mark.timeout(240)
 def test_n_nonfinite_steps_in_a_row_stop_the_run_with_one_line(bundled, tmp_path):
     run_dir = tmp_path / "run"
-    result = run_train(run_dir, TINY, "train.steps=8", "checkpoint.interval=0", "train.inject_nan_steps=[1, 2, 3]",
-                       "train.inject_only_fp8=false", "train.max_nonfinite_steps=3")
+    result = run(train_argv(run_dir, TINY, "train.steps=8", "checkpoint.interval=0", "train.max_nonfinite_steps=3"),
+                 env=drill(1, 2, 3))
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr + result.stdout
     last = result.stderr.strip().splitlines()[-1]

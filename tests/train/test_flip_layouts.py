@@ -6,8 +6,9 @@ group. With one data-parallel rank per stage every layer sees the same micro-bat
 so its amax history, its scales and the quantised GEMMs are the same, in whatever order the 1F1B schedule
 interleaves forwards and backwards (the emulation rolls forward and backward histories separately, as TE
 does; rolling them together made the pipeline's first FP8 backward use other scales, 8e-5 off by step 6):
-the trails must agree to fp32 summation order (``LOSS_RTOL`` of ``test_equivalence``) through the flip. A resume after the flip (the amax histories travel in the pipeline's
-per-layer checkpoint files) must repeat the uninterrupted pipeline run exactly.
+the trails must agree to fp32 summation order (``LOSS_RTOL`` of ``test_equivalence``) through the flip. A resume
+after the flip (the amax histories travel in the pipeline's per-layer checkpoint files) must repeat the
+uninterrupted pipeline run exactly.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""``engine.fuse_grad_accumulation`` on DeepSpeed's ``BF16_Optimizer`` (bf16, ZeRO-1, fp32 accumulation,
-``immediate_grad_update``: the bundled ``ds_configs/zero1.json``), one process on CPU, GAS 3.
+"""``parallel.grad_accumulation.fuse_grad_accumulation`` on DeepSpeed's ``BF16_Optimizer`` (bf16, ZeRO-1, fp32
+accumulation, ``immediate_grad_update``: the bundled ``ds_configs/zero1.json``), one process on CPU, GAS 3.
 
 (a) The one-pass add is DeepSpeed's own cast-then-add to the bit: the same model trained by an engine with and
     one without the patch has bit-identical fp32 gradient buffers after a step's micro-batches for every
@@ -22,6 +22,7 @@ import os
 import socket
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -130,23 +131,26 @@ def _named_buffers(opt, model) -> dict:
 
 
 def _llama_run(fused: bool) -> dict:
-    """(a) and (c): the tiny Llama of the torch backend through ``engine.initialize``."""
-    from llmjp_ds.engine import build_ds_config, initialize
+    """(a) and (c): the tiny Llama of the torch backend through ``parallel.build.initialize``."""
     from llmjp_ds.model import LlamaForCausalLM
-    from llmjp_ds.model.presets import model_config
-    from llmjp_ds.train import forward_backward
+    from llmjp_ds.model.shapes import model_config
+    from llmjp_ds.parallel.build import initialize
+    from llmjp_ds.parallel.context import ParallelContext
+    from llmjp_ds.parallel.ds_config import build_ds_config
+    from llmjp_ds.parallel.layout import Layout
+    from llmjp_ds.parallel.runners import EngineRunner
 
     cfg = _cfg(fused)
     config = model_config("tiny", hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
                           ffn_hidden_size=128, vocab_size=512, seq_len=SEQ)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config, backend="torch", z_loss_coeff=1e-4)
-    engine = initialize(cfg, model, 1)
+    engine = initialize(cfg, model, Layout(1))
     opt = engine.optimizer
     ids = torch.randint(0, 512, (STEPS, GAS, MICRO, SEQ + 1), generator=torch.Generator().manual_seed(1))
     batches = [[(ids[s, m, :, :-1], ids[s, m, :, 1:]) for m in range(GAS)] for s in range(STEPS)]
     named = _named_buffers(opt, model)
-    out = {"ds_config": build_ds_config(cfg, 1), "optimizer": type(opt).__name__,
+    out = {"ds_config": build_ds_config(cfg, Layout(1)), "optimizer": type(opt).__name__,
            "immediate": opt.immediate_grad_update, "patched": "_update_hp_grad" in vars(opt),
            "main_grad": sorted(n for n, p in model.named_parameters() if hasattr(p, "main_grad")),
            "initial": _clone(engine.module.parameters()), "losses": [], "pre_reduce": [], "ids": ids,
@@ -176,7 +180,9 @@ def _llama_run(fused: bool) -> dict:
     out["grads_step1"] = {n: b.clone() for n, b in named.items()}
     engine.step()
     assert engine.global_steps == 1
-    out["losses"] += forward_backward(engine, batches[1], contextlib.nullcontext).tolist()
+    bf16 = types.SimpleNamespace(micro_batch=contextlib.nullcontext)
+    runner = EngineRunner(engine, bf16, ParallelContext(Layout(1), rank=0, device=torch.device("cpu")))
+    out["losses"] += runner.train_step(batches[1]).tolist()
     assert engine.global_steps == 2
     out["params"] = _clone(engine.module.parameters())
     return out
@@ -184,11 +190,13 @@ def _llama_run(fused: bool) -> dict:
 
 def _fake_te_run(fuse: bool) -> dict:
     """(b): the stand-in TE layer; the engine is built unfused and patched here, to see the return value."""
-    from llmjp_ds.engine import fuse_grad_accumulation, initialize
+    from llmjp_ds.parallel.build import initialize
+    from llmjp_ds.parallel.grad_accumulation import fuse_grad_accumulation
+    from llmjp_ds.parallel.layout import Layout
 
     torch.manual_seed(0)
     model = FakeTEModel()
-    engine = initialize(_cfg(False), model, 1)
+    engine = initialize(_cfg(False), model, Layout(1))
     opt = engine.optimizer
     out = {"fused_count": fuse_grad_accumulation(opt, engine.module.modules()) if fuse else None,
            "comm_dtype": str(engine.communication_data_type), "pre_reduce": []}
@@ -239,7 +247,7 @@ def _fake_te_run(fuse: bool) -> dict:
 
 def _main(path: str) -> None:
     torch.set_num_threads(1)
-    from llmjp_ds.engine import init_distributed
+    from llmjp_ds.parallel.context import init_distributed
 
     init_distributed()
     torch.save({"llama": {fused: _llama_run(fused) for fused in (False, True)},
@@ -447,7 +455,7 @@ def test_a_deepspeed_without_the_fields_keeps_its_own_accumulation(capsys):
     DeepSpeed's path alone (slower, still correct) and says so, instead of patching half of it."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
-    from llmjp_ds.engine import fuse_grad_accumulation
+    from llmjp_ds.parallel.grad_accumulation import fuse_grad_accumulation
 
     bare = object.__new__(BF16_Optimizer)  # no __init__: none of the instance fields exist
     assert fuse_grad_accumulation(bare, []) == 0

@@ -1,0 +1,48 @@
+"""Fault drills for tests and rehearsals, set from the environment (never from the run config):
+
+* ``LLMJP_DS_DRILL_NAN_STEPS=3,4``: the losses of those step indices are NaN, so their gradients are too;
+* ``LLMJP_DS_DRILL_NAN_PHASE=fp8`` (default: only in FP8 phases, to rehearse the divergence guard) or ``any``
+  (to rehearse skipped steps).
+
+A drill wraps the step runner; the runner itself only multiplies its loss by ``loss_scale``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from llmjp_ds.errors import fail
+
+STEPS_VAR = "LLMJP_DS_DRILL_NAN_STEPS"
+PHASE_VAR = "LLMJP_DS_DRILL_NAN_PHASE"
+
+
+class NanDrill:
+    """A step runner whose chosen steps' losses are NaN."""
+
+    def __init__(self, runner, precision, steps: set[int], any_phase: bool):
+        self.runner, self.precision, self.steps, self.any_phase = runner, precision, steps, any_phase
+
+    def train_step(self, batches):
+        step = self.precision.step
+        drilled = step in self.steps and (self.any_phase or self.precision.phase_at(step).precision == "fp8")
+        self.runner.loss_scale = float("nan") if drilled else 1.0
+        return self.runner.train_step(batches)
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+
+def with_drills(runner, precision):
+    """``runner``, wrapped in the drill the environment asks for (if any)."""
+    raw = os.environ.get(STEPS_VAR, "").strip()
+    if not raw:
+        return runner
+    try:
+        steps = {int(s) for s in raw.replace(" ", "").split(",") if s}
+    except ValueError:
+        fail(f"{STEPS_VAR}={raw!r} must be a comma list of step indices, e.g. 3,4")
+    phase = os.environ.get(PHASE_VAR, "fp8")
+    if phase not in ("fp8", "any"):
+        fail(f"{PHASE_VAR}={phase!r} must be fp8 or any")
+    return NanDrill(runner, precision, steps, phase == "any")

@@ -1,0 +1,101 @@
+"""Step runners: one interface over DeepSpeed's two engines, so the training loop never asks which it has.
+
+A runner runs one optimizer step (forward and backward of every micro-batch, then DeepSpeed's optimizer step)
+and one evaluation, each micro-batch's forward inside the precision schedule's ``micro_batch()`` context, and
+returns the losses reduced over all ranks as device tensors (nothing here waits for the GPU):
+
+* :class:`EngineRunner`: the ZeRO engine (no pipeline). The runner drives the micro-batches itself.
+* :class:`PipelineRunner`: DeepSpeed's pipeline engine, which drives them in its 1F1B schedule; the pipeline
+  module enters the precision context per micro-batch and the last stage's loss function keeps the parts.
+
+``loss_scale`` multiplies the loss (1; NaN in a fault drill, :mod:`llmjp_ds.drills`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmjp_ds.parallel.context import ParallelContext
+
+
+class StepRunner:
+    loss_scale = 1.0
+
+    def __init__(self, engine, precision, ctx: ParallelContext):
+        self.engine, self.precision, self.ctx = engine, precision, ctx
+
+    def train_step(self, batches) -> torch.Tensor:
+        """Forward/backward over ``batches`` (this rank's micro-batches) and the optimizer step; the mean
+        (lm_loss, z_loss) over all micro-batches of all data-parallel ranks."""
+        raise NotImplementedError
+
+    def eval_loss(self, batches) -> torch.Tensor:
+        """The mean lm_loss over ``batches`` of all data-parallel ranks, without gradients, as ``[1]``."""
+        raise NotImplementedError
+
+    def step_applied(self) -> bool:
+        return self.engine.was_step_applied()
+
+    def grad_norm(self) -> float | None:
+        norm = self.engine.get_global_grad_norm()
+        if norm is None:
+            return None
+        return float(norm.item() if hasattr(norm, "item") else norm)
+
+
+class EngineRunner(StepRunner):
+    def train_step(self, batches) -> torch.Tensor:
+        parts = None
+        for input_ids, targets in batches:
+            with self.precision.micro_batch():
+                out = self.engine(input_ids=input_ids, shift_labels=targets)
+            self.engine.backward(out.loss * self.loss_scale)
+            self.engine.step()
+            micro = torch.stack([out.lm_loss.detach() * self.loss_scale, out.z_loss.detach()]).float()
+            parts = micro if parts is None else parts + micro
+        return self.ctx.all_reduce(parts / len(batches) / self.ctx.dp_size)
+
+    def eval_loss(self, batches) -> torch.Tensor:
+        self.engine.eval()
+        total = torch.zeros((), device=self.ctx.device)
+        with torch.no_grad():
+            for input_ids, targets in batches:
+                with self.precision.micro_batch():
+                    total += self.engine(input_ids=input_ids, shift_labels=targets).lm_loss.float()
+        self.engine.train()
+        return self.ctx.all_reduce((total / (len(batches) * self.ctx.dp_size)).reshape(1))
+
+
+class PipelineRunner(StepRunner):
+    def __init__(self, engine, precision, ctx: ParallelContext, loss):
+        super().__init__(engine, precision, ctx)
+        self.loss = loss
+        engine.module.micro_batch_context = precision.micro_batch
+
+    def train_step(self, batches) -> torch.Tensor:
+        self.loss.reset()
+        self.loss.scale = self.loss_scale
+        self.engine.train_batch(data_iter=iter(batches))
+        parts = torch.zeros(2, device=self.ctx.device)
+        if self.engine.is_last_stage():
+            parts += torch.stack([torch.as_tensor(self.loss.lm_loss_sum, device=self.ctx.device),
+                                  torch.as_tensor(self.loss.z_loss_sum, device=self.ctx.device)]).float()
+            parts /= self.loss.micro_batches * self.ctx.dp_size
+        return self.ctx.all_reduce(parts)
+
+    def eval_loss(self, batches) -> torch.Tensor:
+        self.engine.eval()
+        with torch.no_grad():
+            self.loss.reset()
+            self.loss.scale = 1.0
+            self.engine.eval_batch(data_iter=iter(batches))
+            value = torch.tensor([float(self.loss.lm_loss_sum) / max(1, self.loss.micro_batches) / self.ctx.dp_size
+                                  if self.engine.is_last_stage() else 0.0], device=self.ctx.device)
+        self.engine.train()
+        return self.ctx.all_reduce(value)
+
+
+def make_runner(engine, precision, ctx: ParallelContext, pipeline_loss=None) -> StepRunner:
+    if pipeline_loss is not None:
+        return PipelineRunner(engine, precision, ctx, pipeline_loss)
+    return EngineRunner(engine, precision, ctx)

@@ -1,0 +1,291 @@
+"""The Trainer: one object that sets a run up, steps it, evaluates, saves, rolls back and loops.
+
+It holds the pieces and calls them; none of them knows it exists:
+
+* the precision schedule (:mod:`llmjp_ds.precision`) and the divergence guard;
+* the parallel wiring (:mod:`llmjp_ds.parallel`): the process groups, the model or pipeline on this rank, the
+  DeepSpeed engine and a step runner that hides which engine it is;
+* the data (:mod:`llmjp_ds.data`, batches by :mod:`llmjp_ds.batching`), checkpoints (:mod:`llmjp_ds.checkpoint`)
+  and metrics (:mod:`llmjp_ds.metrics`).
+
+``Trainer(cfg)`` validates (no process group yet); :meth:`Trainer.build_engine` starts the process group and
+builds the engine (all ``llmjp-ds bench`` needs); :meth:`Trainer.setup` does that and adds data, resume and
+logging; :meth:`Trainer.fit` runs the loop.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmjp_ds.config import RunConfig, model_config_of, sample_counts, seq_len_of
+from llmjp_ds.errors import fail
+from llmjp_ds.validate import validate_run
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    consumed_samples: int = 0
+    skipped_in_a_row: int = 0
+    skipped_total: int = 0
+
+
+class StopRequest:
+    """SIGTERM/SIGINT: finish the current step, save, exit 0. A watchdog ends the process if the save takes
+    longer than the grace time (the checkpoint being written is then simply not named by ``latest``)."""
+
+    def __init__(self, grace_seconds: float):
+        self.requested = False
+        self.grace = grace_seconds
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame):
+        if not self.requested:
+            self.requested = True
+            timer = threading.Timer(self.grace, lambda: os._exit(143))
+            timer.daemon = True
+            timer.start()
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, world_size: int | None = None):
+        # before torch, transformers and DeepSpeed load: a mistake in the config costs seconds, not a job
+        self.layout = validate_run(cfg, world_size)
+        from llmjp_ds.model.backend import resolve_backend
+        from llmjp_ds.precision import PrecisionSchedule
+
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir)
+        self.backend = resolve_backend(cfg.model.backend)
+        self.model_config = model_config_of(cfg)
+        self.seq_len = seq_len_of(cfg, self.model_config)
+        self.tokens_per_step = cfg.train.global_batch_size * self.seq_len
+        # validates FP8 availability before any process group exists
+        self.precision = PrecisionSchedule(cfg.precision, self.backend, self.tokens_per_step)
+        self.state = TrainState()
+
+    # --- setup ----------------------------------------------------------------------------------------------
+    def build_engine(self, model=None) -> None:
+        """Start the process group; build the model (or take ``model``), DeepSpeed's engine and the runner."""
+        import torch
+
+        from llmjp_ds.drills import with_drills
+        from llmjp_ds.model.backend import layers_module
+        from llmjp_ds.model.llama import DecoderLayer
+        from llmjp_ds.parallel.build import build_model, initialize
+        from llmjp_ds.parallel.context import ParallelContext
+        from llmjp_ds.parallel.runners import make_runner
+
+        self.ctx = ParallelContext.start(self.layout)
+        torch.manual_seed(self.cfg.train.seed)  # identical initial weights on every rank
+        pipeline_loss = None
+        if model is None:
+            checkpoint_fn = self.precision.checkpoint_function(layers_module(self.backend).checkpoint)
+            model, pipeline_loss = build_model(self.cfg, self.model_config, self.backend, checkpoint_fn)
+        self.engine = initialize(self.cfg, model, self.layout)
+        self.ctx.bind(self.engine)
+        self.gas = self.engine.gradient_accumulation_steps()
+        layers = [m for m in self.engine.module.modules() if isinstance(m, DecoderLayer)]
+        self.precision.attach(self.engine.module, layers, self.model_config.num_hidden_layers,
+                              self.ctx.amax_reduction_group)
+        self.runner = with_drills(make_runner(self.engine, self.precision, self.ctx, pipeline_loss), self.precision)
+
+    def setup(self) -> None:
+        """Everything a training run needs, resumed from ``latest`` when the run directory has one."""
+        from llmjp_ds import checkpoint
+        from llmjp_ds.data.prepare import resolve_data
+        from llmjp_ds.metrics import MetricsLogger, Throughput
+        from llmjp_ds.model.flops import flops_per_token_for
+        from llmjp_ds.precision import DivergenceGuard
+
+        cfg = self.cfg
+        # a run directory we cannot write, a `latest` that names no complete checkpoint, or a checkpoint of another
+        # model shape or LM head fail here, before any process group exists (not in DeepSpeed's load)
+        checkpoint.check_writable(self.run_dir)
+        checkpoint.check_resume(self.run_dir, self.model_config.to_dict(), cfg.precision.fp8_lm_head)
+        data = resolve_data(cfg, self.model_config, world_rank=int(os.environ.get("RANK", "0")))
+        self.build_engine()
+        self.guard = DivergenceGuard(cfg.precision.guard)
+        self.train_ds, self.valid_ds = data.build(self.seq_len, *sample_counts(cfg), barrier=self.ctx.barrier)
+        client: dict = {}
+        tag = checkpoint.latest_tag(self.run_dir)
+        if tag:
+            client = self._load(tag)
+        self.logger = MetricsLogger(self.run_dir, wandb_mode=cfg.logging.wandb, project=cfg.logging.project,
+                                    run_name=cfg.logging.run_name, run_id=client.get("wandb_run_id"),
+                                    config=cfg.to_dict(), resume_step=self.state.step if tag else None,
+                                    rank=self.ctx.rank)
+        if tag:
+            self.logger.event(self.state.step, "resume", tag=tag)
+        self.stop = StopRequest(cfg.checkpoint.grace_seconds)
+        self.throughput = Throughput(flops_per_token_for(self.model_config, self.seq_len), self.tokens_per_step,
+                                     self.layout.world)
+        self.meta = checkpoint.CheckpointMeta.for_run(cfg, self.model_config)
+
+    # --- one step -------------------------------------------------------------------------------------------
+    def micro_batches(self, dataset, consumed: int):
+        from llmjp_ds.batching import step_micro_batches
+
+        return step_micro_batches(dataset, consumed, self.gas, self.cfg.train.micro_batch_size, self.ctx.dp_rank,
+                                  self.ctx.dp_size, self.ctx.device)
+
+    def train_step(self, step: int, batches):
+        """One optimizer step at ``step`` on this rank's ``batches``: the LR, the precision of the step, forward
+        and backward of every micro-batch, the update. Returns (mean [lm_loss, z_loss] over all ranks as a
+        device tensor, the LR)."""
+        from llmjp_ds.optim import schedule_lr, set_lr
+
+        lr = schedule_lr(step, self.cfg.optim, self.cfg.train.steps)
+        set_lr(self.engine.optimizer, lr)
+        self.precision.begin_step(step)
+        parts = self.runner.train_step(batches)
+        self.precision.end_step()
+        return parts, lr
+
+    def evaluate(self) -> float:
+        """Mean validation loss over ``eval_batches`` global batches, in the current step's precision."""
+        value = self.runner.eval_loss(self.micro_batches(self.valid_ds, 0))
+        self.precision.commit_amax()
+        return value.item()
+
+    # --- checkpoints ----------------------------------------------------------------------------------------
+    def save(self) -> str:
+        import torch
+
+        from llmjp_ds import checkpoint
+
+        client = {"train_state": self.state.__dict__, "precision": self.precision.state_dict(),
+                  "guard": self.guard.state_dict(), "wandb_run_id": self.logger.run_id, "rng": torch.get_rng_state()}
+        return checkpoint.save(self.engine, self.run_dir, self.state.step, client, self.meta,
+                               self.cfg.checkpoint.keep_last, rollbacks=self.precision.rollbacks)
+
+    def _load(self, tag: str) -> dict:
+        from llmjp_ds import checkpoint
+
+        client = checkpoint.load(self.engine, self.run_dir, tag)
+        self.state = TrainState(**client["train_state"])
+        self.precision.load_state_dict(client.get("precision", {}))
+        self.guard.load_state_dict(client.get("guard", {}))
+        return client
+
+    def rollback(self, reason: str) -> None:
+        """Back to the newest checkpoint before the first bad step of an FP8 divergence; on in BF16."""
+        from llmjp_ds import checkpoint
+
+        # a tag's number counts completed steps: tag N holds the state before step index N ran
+        first_bad = self.guard.first_bad_step if self.guard.first_bad_step is not None else self.state.step
+        good = [(s, t) for s, t in checkpoint.complete_tags(self.run_dir) if s <= first_bad]
+        if not good:
+            fail(f"loss diverged after the FP8 flip ({reason}) and there is no checkpoint before it to roll back "
+                 "to: lower checkpoint.interval so one is saved before the flip, or disable the guard")
+        good_step, good_tag = good[-1]
+        failed_step, rollbacks = self.state.step, self.precision.rollbacks + 1
+        loaded = checkpoint.load(self.engine, self.run_dir, good_tag)
+        self.precision.weights_changed()
+        self.state.__dict__.update(loaded["train_state"])
+        self.guard.load_state_dict(loaded.get("guard", {}))
+        self.precision.fallback_from_step, self.precision.rollbacks = good_step, rollbacks
+        self.logger.event(failed_step, "rollback", reason=reason, to_step=good_step, tag=good_tag, fallback="bf16")
+        if self.ctx.rank == 0:
+            print(f"[llmjp-ds] FP8 divergence at step {failed_step} ({reason}): rolled back to {good_tag}, "
+                  "continuing in BF16", flush=True)
+        self.save()
+        if self.ctx.rank == 0:
+            checkpoint.discard_after(self.run_dir, good_step)
+        self.ctx.barrier()
+
+    # --- the loop -------------------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        """Train to ``train.steps`` (or a stop request); returns a summary of the run."""
+        from llmjp_ds import checkpoint
+        from llmjp_ds.metrics import reset_peak_memory
+
+        reset_peak_memory()
+        self.last_loss = float("nan")
+        while self.state.step < self.cfg.train.steps:
+            if self._loop_step():
+                break
+        else:
+            if self.cfg.checkpoint.save_at_end and checkpoint.latest_tag(self.run_dir) != checkpoint.tag_for(
+                    self.state.step, self.precision.rollbacks):
+                self.save()
+        self.logger.close()
+        self.ctx.barrier()
+        return {"step": self.state.step, "loss": self.last_loss, "run_dir": str(self.run_dir),
+                "rollbacks": self.precision.rollbacks, "skipped_steps": self.state.skipped_total}
+
+    def _loop_step(self) -> bool:
+        """One step of the loop with its bookkeeping; True when the run stops here (a stop request)."""
+        import torch
+
+        step = self.state.step
+        phase = self.precision.describe(step)
+        if self.precision.is_flip_step(step):
+            self.logger.event(step, "precision_flip", **phase)
+        t0 = time.perf_counter()
+        parts, lr = self.train_step(step, self.micro_batches(self.train_ds, self.state.consumed_samples))
+        lm_loss, z_loss = parts.tolist()
+        applied = self.runner.step_applied() and math.isfinite(lm_loss)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        step_time = time.perf_counter() - t0
+        if self.guard.observe(step, lm_loss + z_loss, phase["precision"]):
+            self.rollback("non-finite loss" if not math.isfinite(lm_loss) else "loss spike")
+            return False
+        self.state.step += 1
+        self.state.consumed_samples += self.cfg.train.global_batch_size
+        self._count_skipped(step, applied)
+        self.last_loss = lm_loss
+        metrics = {"loss": lm_loss, "z_loss": z_loss, "lr": lr, "grad_norm": self.runner.grad_norm(),
+                   "step_time_s": step_time, **self._step_metrics(phase, step_time)}
+        return self._after_step(metrics)
+
+    def _count_skipped(self, step: int, applied: bool) -> None:
+        if applied:
+            self.state.skipped_in_a_row = 0
+            return
+        self.state.skipped_in_a_row += 1
+        self.state.skipped_total += 1
+        self.logger.event(step, "skipped_step", reason="non-finite loss or gradients",
+                          in_a_row=self.state.skipped_in_a_row)
+        if self.state.skipped_in_a_row >= self.cfg.train.max_nonfinite_steps:
+            self.save()
+            fail(f"{self.state.skipped_in_a_row} consecutive steps had non-finite loss or gradients (last: step "
+                 f"{step}); a checkpoint was saved. Lower optim.lr or check the data, then resume")
+
+    def _step_metrics(self, phase: dict, step_time: float) -> dict:
+        from llmjp_ds.metrics import peak_memory_gib
+        from llmjp_ds.precision import fp8_summary
+
+        metrics = {"peak_memory_gib": peak_memory_gib(), "consumed_samples": self.state.consumed_samples,
+                   "phase": phase["recipe"], "precision": phase["precision"], "emulated_fp8": phase["emulated"],
+                   "skipped_steps": self.state.skipped_total, **self.throughput.update(step_time)}
+        if self.cfg.precision.log_amax:
+            metrics.update(fp8_summary(self.engine.module))
+        return metrics
+
+    def _after_step(self, metrics: dict) -> bool:
+        """Validation, logging and checkpointing after a step; True when a stop request ends the run."""
+        from llmjp_ds import checkpoint
+        from llmjp_ds.metrics import format_log_line
+
+        cfg, step = self.cfg, self.state.step
+        if cfg.train.eval_interval and step % cfg.train.eval_interval == 0:
+            metrics["valid_loss"] = self.evaluate()
+        if step % cfg.logging.interval == 0 or step == cfg.train.steps:
+            self.logger.log(step, metrics)
+            if self.ctx.rank == 0 and cfg.logging.progress:
+                print(format_log_line(step, cfg.train.steps, metrics), flush=True)
+        stopping = self.ctx.any_rank(self.stop.requested)
+        if stopping or (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0):
+            self.save()
+        if stopping:
+            self.logger.event(step, "preempted", tag=checkpoint.tag_for(step, self.precision.rollbacks))
+        return stopping

@@ -78,6 +78,9 @@ class ParallelConfig:
     partition_method: str = "flops"  # or DeepSpeed's: type:DecoderLayerPipe | parameters | uniform
     fused_grad_accumulation: bool = True  # one-pass fp32 accumulation (parallel.grad_accumulation)
     ds_config: str | None = None  # DeepSpeed JSON; default ds_configs/zero{stage}.json or pipeline.json
+    # a rank that makes no progress in a step phase for this long ends the job (parallel/failure.py); longer than
+    # any phase of a 172B step, including a checkpoint save of its ~2.6 TB of state
+    stall_timeout_s: float = 1200.0
 
 
 @dataclass

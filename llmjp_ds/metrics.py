@@ -234,6 +234,10 @@ class MetricsLogger:
         if wandb_mode != "disabled":
             try:
                 self._wandb_run = self._start_wandb(project, run_name, config, resumed=run_id is not None)
+            except ImportError:
+                self.close()
+                fail(f"wandb ({wandb_mode}) did not start: wandb is not installed; pip install wandb, or set "
+                     "logging.wandb=disabled")
             except Exception as exc:  # e.g. online without a login, or no network
                 self.close()
                 reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]

@@ -38,13 +38,15 @@ def train(cfg: RunConfig) -> dict:
     return trainer.fit()
 
 
-def shutdown() -> None:
+def shutdown(clean: bool = True) -> None:
+    """Close the process group; ``clean``: after a finished run, when every rank reaches this barrier."""
     if "torch.distributed" not in sys.modules:  # failed before torch loaded (a config error): nothing to close
         return
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        if clean:
+            dist.barrier()
         dist.destroy_process_group()
 
 
@@ -53,8 +55,13 @@ def cli_main(argv: list[str] | None, verb: str = "train") -> int:
     cfg = load_config(args.config, args.sets, args.preset)
     try:
         summary = train(cfg)
-    finally:
-        shutdown()
+    except BaseException as exc:
+        from llmjp_ds.parallel.failure import end_on_error
+
+        end_on_error(exc)  # a multi-rank job: every rank ends now, the failing one says why (no return)
+        shutdown(clean=False)
+        raise
+    shutdown()
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"[llmjp-ds] done: step {summary['step']}, loss {summary['loss']:.4f}, run {summary['run_dir']}")
     return 0

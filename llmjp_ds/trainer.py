@@ -70,20 +70,29 @@ class Trainer:
         # validates FP8 availability before any process group exists
         self.precision = PrecisionSchedule(cfg.precision, self.backend, self.tokens_per_step)
         self.state = TrainState()
+        self.ctx = None  # the ParallelContext, once start() ran
 
     # --- setup ----------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the process group (once)."""
+        from llmjp_ds.parallel.context import ParallelContext
+
+        if self.ctx is None:
+            self.ctx = ParallelContext.start(self.layout)
+
     def build_engine(self, model=None) -> None:
-        """Start the process group; build the model (or take ``model``), DeepSpeed's engine and the runner."""
+        """Build the model (or take ``model``), DeepSpeed's engine and the step runner (starting the process group
+        if :meth:`start` has not)."""
         import torch
 
         from llmjp_ds.drills import with_drills
         from llmjp_ds.model.backend import layers_module
         from llmjp_ds.model.llama import DecoderLayer
         from llmjp_ds.parallel.build import build_model, initialize
-        from llmjp_ds.parallel.context import ParallelContext
+        from llmjp_ds.parallel.failure import Watchdog
         from llmjp_ds.parallel.runners import make_runner
 
-        self.ctx = ParallelContext.start(self.layout)
+        self.start()
         torch.manual_seed(self.cfg.train.seed)  # identical initial weights on every rank
         pipeline_loss = None
         if model is None:
@@ -95,7 +104,10 @@ class Trainer:
         layers = [m for m in self.engine.module.modules() if isinstance(m, DecoderLayer)]
         self.precision.attach(self.engine.module, layers, self.model_config.num_hidden_layers,
                               self.ctx.amax_reduction_group)
-        self.runner = with_drills(make_runner(self.engine, self.precision, self.ctx, pipeline_loss), self.precision)
+        runner = make_runner(self.engine, self.precision, self.ctx, pipeline_loss)
+        self.watchdog = Watchdog(self.cfg.parallel.stall_timeout_s, self.ctx.rank)  # armed by fit()
+        runner.beat = self.watchdog.beat
+        self.runner = with_drills(runner, self.precision)
 
     def setup(self) -> None:
         """Everything a training run needs, resumed from ``latest`` when the run directory has one."""
@@ -110,7 +122,11 @@ class Trainer:
         # model shape or LM head fail here, before any process group exists (not in DeepSpeed's load)
         checkpoint.check_writable(self.run_dir)
         checkpoint.check_resume(self.run_dir, self.model_config.to_dict(), cfg.precision.fp8_lm_head)
-        data = resolve_data(cfg, self.model_config, world_rank=int(os.environ.get("RANK", "0")))
+        data = resolve_data(cfg, self.model_config)
+        self.start()
+        self.ctx.check_shared_dir(self.run_dir)  # before anything is written there
+        if self.ctx.rank == 0:
+            data.install_tokenizer(self.run_dir)
         self.build_engine()
         self.guard = DivergenceGuard(cfg.precision.guard)
         self.train_ds, self.valid_ds = data.build(self.seq_len, *sample_counts(cfg), barrier=self.ctx.barrier)
@@ -151,6 +167,7 @@ class Trainer:
 
     def evaluate(self) -> float:
         """Mean validation loss over ``eval_batches`` global batches, in the current step's precision."""
+        self.watchdog.beat("evaluation")
         value = self.runner.eval_loss(self.micro_batches(self.valid_ds, 0))
         self.precision.commit_amax()
         return value.item()
@@ -161,6 +178,7 @@ class Trainer:
 
         from llmjp_ds import checkpoint
 
+        self.watchdog.beat("checkpoint")
         client = {"train_state": self.state.__dict__, "precision": self.precision.state_dict(),
                   "guard": self.guard.state_dict(), "wandb_run_id": self.logger.run_id, "rng": torch.get_rng_state()}
         return checkpoint.save(self.engine, self.run_dir, self.state.step, client, self.meta,
@@ -208,6 +226,7 @@ class Trainer:
         from llmjp_ds.metrics import reset_peak_memory
 
         reset_peak_memory()
+        self.watchdog.arm()
         self.last_loss = float("nan")
         while self.state.step < self.cfg.train.steps:
             if self._loop_step():
@@ -230,6 +249,7 @@ class Trainer:
         if self.precision.is_flip_step(step):
             self.logger.event(step, "precision_flip", **phase)
         t0 = time.perf_counter()
+        self.watchdog.beat("data", step)
         parts, lr = self.train_step(step, self.micro_batches(self.train_ds, self.state.consumed_samples))
         lm_loss, z_loss = parts.tolist()
         applied = self.runner.step_applied() and math.isfinite(lm_loss)

@@ -72,6 +72,9 @@ def _check_parallel(cfg: RunConfig, layout: Layout, num_layers: int) -> None:
     if p.pipeline_stages > num_layers:
         fail(f"parallel.pipeline_stages={p.pipeline_stages} exceeds the model's {num_layers} layers: use at most "
              f"{num_layers} stages")
+    if not p.stall_timeout_s > 0:
+        fail(f"parallel.stall_timeout_s must be > 0 (seconds without progress before a stalled job ends), got "
+             f"{p.stall_timeout_s}")
     for name in ("steps", "global_batch_size", "micro_batch_size"):
         if getattr(t, name) <= 0:
             fail(f"train.{name} must be positive, got {getattr(t, name)}")

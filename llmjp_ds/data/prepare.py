@@ -74,6 +74,16 @@ class DataPlan:
         return build_datasets(self.blend, seq_len, self.seed, train_samples, valid_samples, split=tuple(self.split),
                               cache_dir=self.cache_dir, barrier=barrier, vocab_size=self.vocab_size)
 
+    def install_tokenizer(self, run_dir) -> None:
+        """Copy the tokenizer into ``<run_dir>/tokenizer`` (once per run; a lock serialises concurrent callers)."""
+        if self.tokenizer_dir is None:
+            return
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with open(run_dir / ".tokenizer.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            _install_tokenizer(self.tokenizer_dir, run_dir)
+
 
 def _install_tokenizer(source: Path, run_dir: Path) -> Path:
     """Copy the tokenizer into the run directory as HF files (``AutoTokenizer``-loadable) + tokenizer.model."""
@@ -94,12 +104,12 @@ def _install_tokenizer(source: Path, run_dir: Path) -> Path:
     return target
 
 
-def resolve_data(cfg, model_config, world_rank: int = 0) -> DataPlan:
-    """The blend and tokenizer of a run; checks the tokenizer fits the model's embedding."""
+def resolve_data(cfg, model_config) -> DataPlan:
+    """The blend and tokenizer of a run; checks the tokenizer fits the model's embedding. Writes nothing into
+    the run directory (:meth:`DataPlan.install_tokenizer` does, once the trainer knows the directory is shared)."""
     from llmjp_ds.data.dataset import parse_blend
     from llmjp_ds.data.tokenizer import load_tokenizer
 
-    run_dir = Path(cfg.run_dir)
     if cfg.data.blend:
         blend = parse_blend(list(map(str, cfg.data.blend)))
         tokenizer = Path(cfg.data.tokenizer) if cfg.data.tokenizer else None
@@ -121,9 +131,4 @@ def resolve_data(cfg, model_config, world_rank: int = 0) -> DataPlan:
 
     for _, prefix in blend:
         _check_vocab(IndexedDataset(prefix), vocab or model_config.vocab_size, cfg.data.cache_dir)
-    if tokenizer is not None and world_rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with open(run_dir / ".tokenizer.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            _install_tokenizer(tokenizer, run_dir)
     return DataPlan(blend, tokenizer, vocab, list(cfg.data.split), cfg.data.seed, cfg.data.cache_dir)

@@ -9,12 +9,18 @@ inside ``PipelineModule``), or the world without a pipeline. No process group li
 from __future__ import annotations
 
 import os
+import secrets
 import socket
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from llmjp_ds.errors import fail
 from llmjp_ds.parallel.layout import Layout
+
+SHARED_TOKEN = ".llmjp_ds_shared"
 
 
 def init_distributed() -> None:
@@ -80,8 +86,46 @@ class ParallelContext:
 
         dist.barrier()
 
+    def check_shared_dir(self, path) -> None:
+        """Every rank must see the same run directory (a node-local one would split checkpoints across nodes):
+        rank 0 writes a fresh token into it and every rank reads it back, before anything else is written."""
+        import torch.distributed as dist
+
+        from llmjp_ds.io_utils import write_bytes_atomic
+        from llmjp_ds.parallel.failure import PeerFailure
+
+        path = Path(path)
+        token = [secrets.token_hex(16) if self.rank == 0 else None]
+        dist.broadcast_object_list(token, src=0)
+        if self.rank == 0:
+            write_bytes_atomic(path / SHARED_TOKEN, token[0].encode())
+        self.barrier()
+        seen = _read_token(path / SHARED_TOKEN, token[0])
+        missing = torch.tensor([0.0 if seen == token[0] else 1.0], device=self.device)
+        if self.all_reduce(missing).item() == 0:
+            return
+        if seen == token[0]:
+            raise PeerFailure("another rank does not see the run directory")
+        fail(f"run_dir {path} is not shared by every rank: rank {self.rank} on {socket.gethostname()} "
+             f"{'finds no' if seen is None else 'finds another'} token where rank 0 wrote one; put run_dir on a "
+             "filesystem that every node mounts at the same path (checkpoints would be split across nodes)")
+
     def any_rank(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is true on any."""
         t = torch.tensor([1.0 if flag else 0.0], device=self.device)
         self.all_reduce(t)
         return bool(t.item() > 0)
+
+
+def _read_token(path: Path, expected: str, tries: int = 10) -> str | None:
+    """The token in ``path``; retried briefly, as a shared filesystem may show a new file late."""
+    seen = None
+    for attempt in range(tries):
+        try:
+            seen = path.read_text().strip()
+        except OSError:
+            seen = None
+        if seen == expected:
+            break
+        time.sleep(0.5 * (attempt < tries - 1))
+    return seen

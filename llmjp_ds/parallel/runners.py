@@ -8,7 +8,8 @@ returns the losses reduced over all ranks as device tensors (nothing here waits 
 * :class:`PipelineRunner`: DeepSpeed's pipeline engine, which drives them in its 1F1B schedule; the pipeline
   module enters the precision context per micro-batch and the last stage's loss function keeps the parts.
 
-``loss_scale`` multiplies the loss (1; NaN in a fault drill, :mod:`llmjp_ds.drills`).
+``loss_scale`` multiplies the loss (1; NaN in a fault drill, :mod:`llmjp_ds.drills`). ``beat(phase)`` is called
+as each phase of the step starts (the trainer hands its watchdog's, :mod:`llmjp_ds.parallel.failure`).
 """
 
 from __future__ import annotations
@@ -18,8 +19,13 @@ import torch
 from llmjp_ds.parallel.context import ParallelContext
 
 
+def _no_watchdog(phase: str) -> None:
+    pass
+
+
 class StepRunner:
     loss_scale = 1.0
+    beat = staticmethod(_no_watchdog)
 
     def __init__(self, engine, precision, ctx: ParallelContext):
         self.engine, self.precision, self.ctx = engine, precision, ctx
@@ -46,10 +52,14 @@ class StepRunner:
 class EngineRunner(StepRunner):
     def train_step(self, batches) -> torch.Tensor:
         parts = None
-        for input_ids, targets in batches:
+        for m, (input_ids, targets) in enumerate(batches):
+            self.beat("forward")
             with self.precision.micro_batch():
                 out = self.engine(input_ids=input_ids, shift_labels=targets)
+            self.beat("backward")
             self.engine.backward(out.loss * self.loss_scale)
+            if m == len(batches) - 1:
+                self.beat("optimizer")
             self.engine.step()
             micro = torch.stack([out.lm_loss.detach() * self.loss_scale, out.z_loss.detach()]).float()
             parts = micro if parts is None else parts + micro
@@ -70,7 +80,12 @@ class PipelineRunner(StepRunner):
     def __init__(self, engine, precision, ctx: ParallelContext, loss):
         super().__init__(engine, precision, ctx)
         self.loss = loss
-        engine.module.micro_batch_context = precision.micro_batch
+        engine.module.micro_batch_context = self._micro_batch
+
+    def _micro_batch(self):
+        """The stage's forward of one micro-batch; after it the stage's 1F1B schedule goes on to backward work."""
+        self.beat("forward")
+        return _BeatOnExit(self.precision.micro_batch(), lambda: self.beat("backward"))
 
     def train_step(self, batches) -> torch.Tensor:
         self.loss.reset()
@@ -93,6 +108,19 @@ class PipelineRunner(StepRunner):
                                   if self.engine.is_last_stage() else 0.0], device=self.ctx.device)
         self.engine.train()
         return self.ctx.all_reduce(value)
+
+
+class _BeatOnExit:
+    def __init__(self, inner, on_exit):
+        self.inner, self.on_exit = inner, on_exit
+
+    def __enter__(self):
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc):
+        result = self.inner.__exit__(*exc)
+        self.on_exit()
+        return result
 
 
 def make_runner(engine, precision, ctx: ParallelContext, pipeline_loss=None) -> StepRunner:

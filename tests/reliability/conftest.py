@@ -76,10 +76,10 @@ def check_ok(result: subprocess.CompletedProcess) -> None:
 class Proc:
     """A started subprocess (own session) whose stdout lines are read by a thread into a queue."""
 
-    def __init__(self, argv, env=None):
+    def __init__(self, argv, env=None, cwd=REPO):
         self.t0 = time.monotonic()
         self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                  env=env or subprocess_env(), cwd=REPO, start_new_session=True)
+                                  env=env or subprocess_env(), cwd=cwd, start_new_session=True)
         self.lines: list[str] = []
         self._q: queue.Queue = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)

@@ -113,6 +113,7 @@ CASES = [
     Case("zero-stage-4", T("parallel.zero_stage=4"), ("parallel.zero_stage must be 0, 1, 2 or 3, got 4",)),
     Case("logging-interval-zero", T("logging.interval=0"), ("logging.interval must be >= 1",)),
     Case("max-nonfinite-zero", T("train.max_nonfinite_steps=0"), ("train.max_nonfinite_steps must be >= 1",)),
+    Case("stall-timeout-zero", T("parallel.stall_timeout_s=0"), ("parallel.stall_timeout_s must be > 0",)),
     Case("grace-time-zero", T("checkpoint.grace_seconds=0"), ("checkpoint.grace_seconds must be > 0",)),
     Case("keep-last-zero", T("checkpoint.keep_last=0"), ("checkpoint.keep_last must be >= 1, got 0",)),
     Case("wandb-mode-typo", T("logging.wandb=ofline"),

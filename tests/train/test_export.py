@@ -94,7 +94,7 @@ def test_export_reproduces_logged_loss(runs, tmp_path):
     assert f"step{N:08d} (step {N})" in result.stdout, result.stdout
 
     cfg = load_config(None, [f"run_dir={tmp_path / 'scratch'}", *COMMON_SETS, f"train.steps={STEPS}"])
-    plan = resolve_data(cfg, model_config_of(cfg), world_rank=1)
+    plan = resolve_data(cfg, model_config_of(cfg))
     train_ds, _ = plan.build(cfg.data.seq_len, STEPS * cfg.train.global_batch_size, cfg.train.global_batch_size)
     gbs = cfg.train.global_batch_size
     # step N+1 (counting from 1) consumes the global samples [N * gbs, (N + 1) * gbs)

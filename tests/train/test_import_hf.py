@@ -41,7 +41,7 @@ def test_first_loss_after_import_is_transformers_loss(train_env, tmp_path, pipel
     run_command(cmd, tmp_path / "train", env=env)
 
     cfg = load_config(run / "config.yaml", [*COMMON_SETS, f"run_dir={tmp_path / 'scratch'}"])
-    plan = resolve_data(cfg, model_config_of(cfg), world_rank=1)
+    plan = resolve_data(cfg, model_config_of(cfg))
     train_ds, _ = plan.build(cfg.data.seq_len, cfg.train.global_batch_size, cfg.train.global_batch_size)
     tokens = torch.from_numpy(np.stack([np.asarray(train_ds[i], dtype=np.int64)
                                         for i in range(cfg.train.global_batch_size)]))

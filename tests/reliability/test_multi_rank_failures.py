@@ -1,0 +1,168 @@
+"""What ends a multi-rank job, and how fast: one rank's error ends every rank with one tagged line; a rank that
+stops answering ends the job after ``parallel.stall_timeout_s``; a write error on one rank during a save keeps
+the previous checkpoint; a run directory that is not shared is refused. Two gloo processes on CPU, launched by
+torchrun as users launch them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.reliability.conftest import (DRILL, REPO, TINY, Proc, check_ok, latest_of, loss_trail, run, run_train,
+                                        subprocess_env, train_argv, wait_for)
+
+pytestmark = pytest.mark.slow
+
+ENDS_WITHIN = 60  # seconds: the issue's bound for a failed rank to end the job
+
+
+def torchrun(nproc: int, run_dir, *sets: str, script: list[str] | None = None, nnodes: int = 1, node_rank: int = 0,
+             port: int | None = None) -> list[str]:
+    from tests.train.conftest import free_port
+
+    argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+            f"--master_port={port or free_port()}"]
+    if nnodes > 1:
+        argv += [f"--nnodes={nnodes}", f"--node_rank={node_rank}", "--master_addr=127.0.0.1"]
+    argv += script or ["-m", "llmjp_ds.train"]
+    for s in (f"run_dir={run_dir}", *TINY, *sets):
+        argv += ["--set", s]
+    return argv
+
+
+def tagged_errors(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error: [rank ")]
+
+
+def our_tracebacks(stderr: str) -> list[str]:
+    """Traceback frames in llmjp_ds (torchrun prints its own summary of a failed worker, which is not ours)."""
+    return [line for line in stderr.splitlines() if line.strip().startswith("File") and "/llmjp_ds/" in line]
+
+
+@pytest.mark.timeout(240)
+def test_one_rank_failing_after_init_ends_every_rank_with_one_line(bundled, tmp_path):
+    """wandb missing on the rank that logs (the H200 image has none): rank 0 fails after the process group
+    exists, while rank 1 goes on to its first collective. Before, rank 0 waited in an exit barrier and rank 1
+    in the step's all-reduce until the job was killed."""
+    hidden = tmp_path / "no-wandb" / "wandb"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError('No module named wandb')\n")
+    env = subprocess_env(PYTHONPATH=f"{hidden.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    t0 = time.monotonic()
+    result = run(torchrun(2, tmp_path / "run", "train.steps=50", "logging.wandb=offline"), env=env, timeout=180)
+    took = time.monotonic() - t0
+    assert result.returncode != 0
+    assert took < ENDS_WITHIN, f"the job took {took:.0f} s to end"
+    lines = tagged_errors(result.stderr)
+    assert len(lines) == 1 and lines[0].startswith("error: [rank 0] wandb (offline) did not start"), lines
+    assert not our_tracebacks(result.stderr), result.stderr[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_a_stopped_rank_ends_the_job_after_the_stall_timeout(bundled, tmp_path):
+    """SIGSTOP one rank mid-run (a hung GPU, as seen by its peers): the other rank's watchdog ends it with the
+    step and phase it was waiting in, and the launcher ends the stopped one."""
+    timeout = 8
+    proc = Proc(torchrun(2, tmp_path / "run", "train.steps=400", "checkpoint.interval=0",
+                         f"parallel.stall_timeout_s={timeout}"))
+    try:
+        assert wait_for(lambda: proc.steps_done() >= 3, proc, timeout=180), proc.output()[-3000:]
+        worker = _worker_pid(proc.p.pid, rank=1)
+        os.kill(worker, signal.SIGSTOP)
+        t0 = time.monotonic()
+        rc = proc.wait(timeout + ENDS_WITHIN)
+        took = time.monotonic() - t0
+    finally:
+        proc.kill()
+    assert rc != 0
+    assert took < timeout + ENDS_WITHIN, f"the job took {took:.0f} s to end after the stop"
+    stalls = [line for line in proc.output().splitlines() if "no progress for" in line]
+    assert stalls and stalls[0].startswith("error: [rank 0] no progress for"), proc.output()[-3000:]
+    step = max(int(line.split()[1].split("/")[0]) for line in proc.lines if line.startswith("step "))
+    assert f"in step {step} (" in stalls[0] or f"in step {step + 1} (" in stalls[0], stalls
+    assert any(f"({phase})" in stalls[0] for phase in ("data", "forward", "backward", "optimizer")), stalls
+
+
+def _worker_pid(launcher: int, rank: int) -> int:
+    """The pid of torchrun's worker with ``RANK=rank`` (a child of the launcher)."""
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            ppid = int(next(line.split()[1] for line in status.read_text().splitlines() if line.startswith("PPid")))
+            environ = (status.parent / "environ").read_bytes().split(b"\0")
+        except (OSError, StopIteration, ValueError):
+            continue
+        if ppid == launcher and f"RANK={rank}".encode() in environ:
+            return int(status.parent.name)
+    raise AssertionError(f"no worker with RANK={rank} under {launcher}")
+
+
+@pytest.mark.timeout(300)
+def test_a_write_error_on_one_rank_keeps_the_previous_checkpoint(bundled, tmp_path):
+    """A real size limit on rank 1 only (it writes its ZeRO-1 optimizer shard): the save fails there, the job
+    ends with one line naming the path and the free space, ``latest`` still names the previous checkpoint, the
+    partial one is gone, and a relaunch resumes from it exactly."""
+    run_dir = tmp_path / "run"
+    sets = ("train.steps=4", "checkpoint.interval=2", "optim.decay_steps=8")
+    check_ok(run(torchrun(2, run_dir, *sets[1:], "train.steps=2")))
+    assert latest_of(run_dir) == "step00000002"
+    env = subprocess_env(LIMIT_RANK="1", LIMIT_BYTES=str(256 * 1024))
+    t0 = time.monotonic()
+    failed = run(torchrun(2, run_dir, *sets, script=[str(REPO / "tests/reliability/limited_rank.py")]), env=env)
+    assert failed.returncode != 0 and time.monotonic() - t0 < 120
+    lines = tagged_errors(failed.stderr)
+    assert len(lines) == 1, failed.stderr[-3000:]
+    assert lines[0].startswith("error: [rank 1] saving checkpoint step00000004 to ") and "GiB free" in lines[0], lines
+    assert "still names the complete checkpoint step00000002" in lines[0], lines
+    assert latest_of(run_dir) == "step00000002"
+    assert not (run_dir / "checkpoints" / "step00000004" / "llmjp_ds.json").exists()
+    logged = loss_trail(run_dir)  # rank 0 logged steps 3 and 4 before the save failed
+    check_ok(run(torchrun(2, run_dir, *sets)))
+    resumed = loss_trail(run_dir)
+    assert latest_of(run_dir) == "step00000004"
+    assert [resumed[s] for s in (3, 4)] == [logged[s] for s in (3, 4)]
+
+
+@pytest.mark.timeout(240)
+def test_a_single_process_save_under_a_size_limit_fails_cleanly_and_resumes_exactly(baseline, tmp_path):
+    """The same with one process, against the uninterrupted baseline run."""
+    run_dir = tmp_path / "run"
+    check_ok(run_train(run_dir, DRILL, "train.steps=2", "optim.decay_steps=30"))
+    env = subprocess_env(LIMIT_BYTES=str(256 * 1024))
+    failed = run([sys.executable, str(REPO / "tests/reliability/limited_rank.py"),
+                  *train_argv(run_dir, DRILL)[3:]], env=env)
+    assert failed.returncode == 2
+    lines = [line for line in failed.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and lines[0].startswith("error: saving checkpoint step00000003 to "), lines
+    assert "GiB free" in lines[0] and ("File too large" in lines[0] or "a write was cut short" in lines[0]), lines
+    assert latest_of(run_dir) == "step00000002"
+    check_ok(run_train(run_dir, DRILL, "train.steps=5", "optim.decay_steps=30"))
+    _, reference = baseline
+    assert [loss_trail(run_dir)[s] for s in range(1, 6)] == [reference[s] for s in range(1, 6)]
+
+
+@pytest.mark.timeout(240)
+def test_a_run_directory_that_is_not_shared_is_refused(bundled, tmp_path):
+    """Two 'nodes' (torchrun --nnodes=2 on one machine) whose relative run_dir resolves to two directories, as a
+    node-local path does on a cluster: rank 1 cannot read rank 0's token, and the job ends before writing."""
+    from tests.train.conftest import free_port
+
+    port, procs = free_port(), []
+    for node in (0, 1):
+        (tmp_path / f"node{node}").mkdir()
+        procs.append(Proc(torchrun(1, "run", "train.steps=3", nnodes=2, node_rank=node, port=port),
+                          env=subprocess_env(PYTHONPATH=str(REPO)), cwd=tmp_path / f"node{node}"))
+    try:
+        outputs = [(p.wait(ENDS_WITHIN + 60), p.output()) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(rc != 0 for rc, _ in outputs), outputs
+    lines = [line for _, out in outputs for line in out.splitlines() if line.startswith("error: [rank ")]
+    assert len(lines) == 1 and lines[0].startswith("error: [rank 1] run_dir run is not shared by every rank"), lines
+    assert not (tmp_path / "node0" / "run" / "checkpoints").exists()
+    assert not (tmp_path / "node1" / "run" / "checkpoints").exists()

@@ -162,6 +162,10 @@ def save(engine, run_dir, step: int, client_state: dict, meta: CheckpointMeta, k
     try:
         engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
     except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError
+        from llmjp_ds.parallel.failure import is_peer_failure
+
+        if is_peer_failure(exc):  # another rank died inside DeepSpeed's save: that rank says why
+            raise
         _save_failed(root, tag, exc)
     dist.barrier()
     if dist.get_rank() == 0:
@@ -183,6 +187,8 @@ def _save_failed(root: Path, tag: str, exc: BaseException):
     if not (root / tag / MARKER).is_file():
         shutil.rmtree(root / tag, ignore_errors=True)
     reason = getattr(exc, "strerror", None) or (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+    if "unexpected pos" in reason:  # torch's zip writer, when the OS refused part of a write
+        reason = "a write was cut short"
     try:
         n = shutil.disk_usage(root).free
         free = f"{n / 2**30:.1f} GiB free" if n >= 2**30 else f"{n / 2**20:.1f} MiB free"

@@ -257,8 +257,11 @@ def load(engine, run_dir, tag: str) -> dict:
 # --- reading a checkpoint without DeepSpeed's engine (export) -------------------------------------------
 
 def read_model_state(run_dir, tag: str, marker: CheckpointMeta) -> dict[str, torch.Tensor]:
-    """The model's full state dict (our names) from a ZeRO-0..3 or pipeline checkpoint, on CPU."""
+    """The model's full state dict (our names) from a ZeRO-0..3 or pipeline checkpoint, on CPU. The directory
+    may come from anywhere (a collaborator's bucket, a download): every file is read with weights_only=True
+    (llmjp_ds.safe_load), and one that names code is refused before anything of it is unpickled."""
     from llmjp_ds.model.hf_adapter import pipeline_name_to_ours
+    from llmjp_ds.safe_load import load_untrusted, vet_files
 
     d = checkpoint_dir(run_dir) / tag
     if marker.pipeline_stages > 1:
@@ -266,10 +269,12 @@ def read_model_state(run_dir, tag: str, marker: CheckpointMeta) -> dict[str, tor
         state = {}
         for f in sorted(d.glob("layer_*-model_states.pt")):
             idx = int(f.name.split("_")[1].split("-")[0])
-            for name, tensor in torch.load(f, map_location="cpu", weights_only=False).items():
+            for name, tensor in load_untrusted(f).items():
                 state[pipeline_name_to_ours(idx, n, name)] = tensor
         return state
     if marker.zero_stage == 3:
+        # DeepSpeed's reader unpickles with weights_only=False: it sees the tag's files only once all are vetted
+        vet_files(d)
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         with contextlib.redirect_stdout(open(os.devnull, "w")):
@@ -277,7 +282,7 @@ def read_model_state(run_dir, tag: str, marker: CheckpointMeta) -> dict[str, tor
     files = sorted(d.glob("mp_rank_*_model_states.pt"))
     if not files:
         fail(f"{d} has no model states file: the checkpoint is incomplete")
-    return torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+    return load_untrusted(files[0])["module"]
 
 
 def export(run_dir, output, tag: str | None = None, dtype: str = "bf16", force: bool = False) -> dict:

@@ -76,16 +76,18 @@ class CheckpointMeta:
     dtype: str
     seq_len: int
     fp8_lm_head: bool = False
+    data_parallel: int | None = None  # None in checkpoints of earlier releases (the files tell)
     step: int | None = None
     tag: str | None = None
 
     @classmethod
-    def for_run(cls, cfg, model_config) -> "CheckpointMeta":
+    def for_run(cls, cfg, model_config, data_parallel: int) -> "CheckpointMeta":
         from llmjp_ds.config import seq_len_of
 
         return cls(model_config=model_config.to_dict(), zero_stage=cfg.parallel.zero_stage,
                    pipeline_stages=cfg.parallel.pipeline_stages, dtype=cfg.precision.dtype,
-                   seq_len=seq_len_of(cfg, model_config), fp8_lm_head=cfg.precision.fp8_lm_head)
+                   seq_len=seq_len_of(cfg, model_config), fp8_lm_head=cfg.precision.fp8_lm_head,
+                   data_parallel=data_parallel)
 
     @classmethod
     def from_dict(cls, data: dict) -> "CheckpointMeta":
@@ -128,10 +130,21 @@ SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_laye
               "num_key_value_heads")
 
 
-def check_resume(run_dir, model_config: dict, fp8_lm_head: bool = False) -> str | None:
+def saved_layout(run_dir, tag: str, marker: CheckpointMeta) -> tuple[int, int]:
+    """(pipeline stages, data-parallel size) of the run that wrote checkpoint ``tag``."""
+    if marker.data_parallel is not None:
+        return marker.pipeline_stages, marker.data_parallel
+    from llmjp_ds.parallel.reshape import saved_layout as from_files
+
+    return from_files(checkpoint_dir(run_dir) / tag)
+
+
+def check_resume(run_dir, model_config: dict, fp8_lm_head: bool = False, layout=None,
+                 zero_stage: int | None = None) -> str | None:
     """The tag a run will resume from (None for a fresh run), checked before any process group exists:
     ``latest`` must name a complete checkpoint, saved from a model of the same shape and the same kind of LM head
-    (an FP8 head carries TE scaling state that a BF16 head has no slot for, and the other way round)."""
+    (an FP8 head carries TE scaling state that a BF16 head has no slot for, and the other way round), and, if
+    it was saved on another layout than ``layout``, with ZeRO-1, as this run is (``parallel.reshape``)."""
     tag = latest_tag(run_dir)
     if tag is None:
         return None
@@ -145,6 +158,12 @@ def check_resume(run_dir, model_config: dict, fp8_lm_head: bool = False) -> str 
     if diff:
         fail(f"{checkpoint_dir(run_dir) / tag} was saved from another model shape ({', '.join(diff)}): resume with "
              f"the run's own model settings, or set a new run_dir to start afresh")
+    if layout is not None and (marker.zero_stage != 1 or zero_stage != 1):
+        pipeline, data = saved_layout(run_dir, tag, marker)
+        if (pipeline, data) != (layout.pipeline, layout.data):
+            fail(f"{checkpoint_dir(run_dir) / tag} was saved on PP{pipeline} x DP{data} with ZeRO-{marker.zero_stage}; "
+                 f"resuming it on PP{layout.pipeline} x DP{layout.data} (ZeRO-{zero_stage}) works with ZeRO-1 on "
+                 f"both sides only: relaunch on PP{pipeline} x DP{data}")
     return tag
 
 
@@ -243,6 +262,15 @@ def trusted_te_extra_state():
             os.environ.pop(key, None)
         else:
             os.environ[key] = previous
+
+
+def read_client_state(run_dir, tag: str) -> dict:
+    """The trainer's own state saved with checkpoint ``tag`` (train state, precision, guard, wandb id), read
+    without an engine (a resume on another layout). The run's own directory, as :func:`load` reads it."""
+    with trusted_te_extra_state():
+        state = torch.load(checkpoint_dir(run_dir) / tag / "mp_rank_00_model_states.pt", map_location="cpu",
+                           weights_only=False)
+    return {k: state[k] for k in ("train_state", "precision", "guard", "wandb_run_id", "rng") if k in state}
 
 
 def load(engine, run_dir, tag: str) -> dict:

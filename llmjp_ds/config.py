@@ -76,7 +76,7 @@ class ParallelConfig:
     zero_stage: int = 1
     pipeline_stages: int = 1
     partition_method: str = "flops"  # or DeepSpeed's: type:DecoderLayerPipe | parameters | uniform
-    fused_grad_accumulation: bool = True  # one-pass fp32 accumulation (parallel.grad_accumulation)
+    fused_grad_accumulation: bool = True  # one-pass fp32 accumulation (parallel.deepspeed_internals)
     ds_config: str | None = None  # DeepSpeed JSON; default ds_configs/zero{stage}.json or pipeline.json
     # a rank that makes no progress in a step phase for this long ends the job (parallel/failure.py); longer than
     # any phase of a 172B step, including a checkpoint save of its ~2.6 TB of state

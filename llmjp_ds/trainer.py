@@ -121,7 +121,8 @@ class Trainer:
         # a run directory we cannot write, a `latest` that names no complete checkpoint, or a checkpoint of another
         # model shape or LM head fail here, before any process group exists (not in DeepSpeed's load)
         checkpoint.check_writable(self.run_dir)
-        checkpoint.check_resume(self.run_dir, self.model_config.to_dict(), cfg.precision.fp8_lm_head)
+        checkpoint.check_resume(self.run_dir, self.model_config.to_dict(), cfg.precision.fp8_lm_head, self.layout,
+                                cfg.parallel.zero_stage)
         data = resolve_data(cfg, self.model_config)
         self.start()
         self.ctx.check_shared_dir(self.run_dir)  # before anything is written there
@@ -131,19 +132,28 @@ class Trainer:
         self.guard = DivergenceGuard(cfg.precision.guard)
         self.train_ds, self.valid_ds = data.build(self.seq_len, *sample_counts(cfg), barrier=self.ctx.barrier)
         client: dict = {}
+        reshaped = None
         tag = checkpoint.latest_tag(self.run_dir)
         if tag:
-            client = self._load(tag)
+            saved = checkpoint.saved_layout(self.run_dir, tag, checkpoint.read_marker(self.run_dir, tag))
+            if saved != (self.layout.pipeline, self.layout.data):
+                client, reshaped = self._reshape(tag), saved
+            else:
+                client = self._load(tag)
         self.logger = MetricsLogger(self.run_dir, wandb_mode=cfg.logging.wandb, project=cfg.logging.project,
                                     run_name=cfg.logging.run_name, run_id=client.get("wandb_run_id"),
                                     config=cfg.to_dict(), resume_step=self.state.step if tag else None,
                                     rank=self.ctx.rank)
         if tag:
             self.logger.event(self.state.step, "resume", tag=tag)
+        if reshaped:
+            self.logger.event(self.state.step, "reshape", tag=tag, saved=f"PP{reshaped[0]} x DP{reshaped[1]}",
+                              now=f"PP{self.layout.pipeline} x DP{self.layout.data}",
+                              gradient_accumulation=self.gas)
         self.stop = StopRequest(cfg.checkpoint.grace_seconds)
         self.throughput = Throughput(flops_per_token_for(self.model_config, self.seq_len), self.tokens_per_step,
                                      self.layout.world)
-        self.meta = checkpoint.CheckpointMeta.for_run(cfg, self.model_config)
+        self.meta = checkpoint.CheckpointMeta.for_run(cfg, self.model_config, self.layout.data)
 
     # --- one step -------------------------------------------------------------------------------------------
     def micro_batches(self, dataset, consumed: int):
@@ -191,6 +201,25 @@ class Trainer:
         self.state = TrainState(**client["train_state"])
         self.precision.load_state_dict(client.get("precision", {}))
         self.guard.load_state_dict(client.get("guard", {}))
+        return client
+
+    def _reshape(self, tag: str) -> dict:
+        """Resume checkpoint ``tag`` of another layout: rank 0 converts it once (``parallel.reshape``), every
+        rank reads its parameters from the conversion."""
+        from llmjp_ds import checkpoint
+        from llmjp_ds.parallel.reshape import CONVERTED, convert, load_converted
+
+        n = self.model_config.num_hidden_layers
+        if self.ctx.rank == 0:
+            convert(checkpoint.checkpoint_dir(self.run_dir) / tag, n)
+        self.ctx.barrier()
+        load_converted(self.engine, checkpoint.checkpoint_dir(self.run_dir) / tag / CONVERTED, n)
+        self.precision.weights_changed()
+        client = checkpoint.read_client_state(self.run_dir, tag)
+        self.state = TrainState(**client["train_state"])
+        self.precision.load_state_dict(client.get("precision", {}))
+        self.guard.load_state_dict(client.get("guard", {}))
+        self.engine.global_steps, self.engine.global_samples = self.state.step, self.state.consumed_samples
         return client
 
     def rollback(self, reason: str) -> None:

@@ -22,7 +22,7 @@ from llmjp_ds.model.weight_cache import ReusesFP8Weights
 
 
 # MAIN_GRAD_WEIGHTS: the weights whose gradient TE's GEMM accumulates into ``main_grad``
-# (llmjp_ds.parallel.grad_accumulation)
+# (llmjp_ds.parallel.deepspeed_internals)
 class _LayerNormLinear(ReusesFP8Weights, te.LayerNormLinear):
     MAIN_GRAD_WEIGHTS = ("weight",)
 

@@ -5,6 +5,9 @@ them, the step runners, and every use of DeepSpeed internals.
 * :mod:`.context`: starting torch.distributed and the process groups the rest asks for;
 * :mod:`.ds_config`: DeepSpeed's JSON, filled from the run config;
 * :mod:`.build`: the model or the pipeline, seeded per layer, HF weights loaded into it, the engine;
-* :mod:`.grad_accumulation`: one-pass fp32 gradient accumulation inside DeepSpeed's BF16 optimizer;
-* :mod:`.runners`: one step runner per engine kind, behind one interface.
+* :mod:`.deepspeed_internals`: every use of DeepSpeed's internals (one-pass fp32 gradient accumulation in its
+  BF16 optimizer; its ZeRO-1 checkpoint format and optimizer state);
+* :mod:`.runners`: one step runner per engine kind, behind one interface;
+* :mod:`.failure`: how a multi-rank job ends when one rank fails or stalls;
+* :mod:`.reshape`: resuming a checkpoint on another layout.
 """

@@ -108,7 +108,7 @@ def initialize(cfg: RunConfig, model, layout: Layout):
 
     from llmjp_ds.optim import build_optimizer
     from llmjp_ds.parallel.ds_config import build_ds_config
-    from llmjp_ds.parallel.grad_accumulation import fuse_grad_accumulation
+    from llmjp_ds.parallel.deepspeed_internals import fuse_grad_accumulation
 
     # fp32 + ZeRO-0 is the one layout where DeepSpeed steps our AdamW directly, with no overflow check: a
     # non-finite step must still be skipped (and reported through was_step_applied) there

@@ -1,4 +1,4 @@
-"""``parallel.grad_accumulation.fuse_grad_accumulation`` on DeepSpeed's ``BF16_Optimizer`` (bf16, ZeRO-1, fp32
+"""``parallel.deepspeed_internals.fuse_grad_accumulation`` on DeepSpeed's ``BF16_Optimizer`` (bf16, ZeRO-1, fp32
 accumulation, ``immediate_grad_update``: the bundled ``ds_configs/zero1.json``), one process on CPU, GAS 3.
 
 (a) The one-pass add is DeepSpeed's own cast-then-add to the bit: the same model trained by an engine with and
@@ -191,7 +191,7 @@ def _llama_run(fused: bool) -> dict:
 def _fake_te_run(fuse: bool) -> dict:
     """(b): the stand-in TE layer; the engine is built unfused and patched here, to see the return value."""
     from llmjp_ds.parallel.build import initialize
-    from llmjp_ds.parallel.grad_accumulation import fuse_grad_accumulation
+    from llmjp_ds.parallel.deepspeed_internals import fuse_grad_accumulation
     from llmjp_ds.parallel.layout import Layout
 
     torch.manual_seed(0)
@@ -455,7 +455,7 @@ def test_a_deepspeed_without_the_fields_keeps_its_own_accumulation(capsys):
     DeepSpeed's path alone (slower, still correct) and says so, instead of patching half of it."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
-    from llmjp_ds.parallel.grad_accumulation import fuse_grad_accumulation
+    from llmjp_ds.parallel.deepspeed_internals import fuse_grad_accumulation
 
     bare = object.__new__(BF16_Optimizer)  # no __init__: none of the instance fields exist
     assert fuse_grad_accumulation(bare, []) == 0

@@ -1,0 +1,152 @@
+"""Every use of DeepSpeed's internals, in one place, each named with the DeepSpeed version it was read from.
+
+**One-pass fp32 gradient accumulation** inside DeepSpeed's ``BF16_Optimizer``
+(:func:`fuse_grad_accumulation`). The private names, read from DeepSpeed 0.19.8's
+``deepspeed/runtime/bf16_optimizer.py``:
+
+* ``_update_hp_grad(lp, group_idx, param_idx, clear_lp_grads)``: the method the grad hooks call to add a bf16
+  gradient into the fp32 buffer (replaced here);
+* ``fp32_groups_gradients[i][j]``: the fp32 gradient buffer of parameter ``j`` of group ``i``;
+* ``fp32_groups_has_gradients[i][j]``: the flag ``get_grads_for_norm`` and the step read;
+* ``bf16_groups[i][j]``: the bf16 parameters, in the same order;
+* ``immediate_grad_update``: DeepSpeed's ``bf16.immediate_grad_update`` (the hook path);
+* ``lp._hp_grad``: the attribute DeepSpeed sets on a bf16 parameter to its fp32 gradient.
+
+If a DeepSpeed lacks any of them the run keeps DeepSpeed's own accumulation and says so in one line.
+
+**The ZeRO-1 checkpoint format and optimizer state**, for a resume on another layout (``parallel/reshape.py``),
+read from DeepSpeed 0.19.8's ``runtime/zero/stage_1_and_2.py``, ``runtime/bf16_optimizer.py`` and
+``checkpoint/constants.py``:
+
+* the files ``[bf16_]zero_pp_rank_{dp}_mp_rank_{pp:02d}_optim_states.pt`` and ``mp_rank_{pp:02d}_model_states.pt``;
+* in an optimizer file's ``optimizer_state_dict``: ``single_partition_of_fp32_groups`` (the rank's flat fp32
+  slice per group), ``param_slice_mappings`` (name -> ``fragment_address(start, numel)`` in that slice) and
+  ``base_optimizer_state`` (torch's AdamW state of the slices: ``step``, ``exp_avg``, ``exp_avg_sq``); in a model
+  file, ``param_shapes`` (name -> shape per group);
+* in a live ZeRO-1 / BF16 optimizer: its flat slices (``single_partition_of_fp32_groups`` /
+  ``fp32_groups_flat_partition``), its base ``optimizer.state``, and ``_lazy_init_hp_params_optimizer_state`` with
+  ``_hp_optimizer_states_linked``, which link each parameter to its slice of the Adam moments (what
+  ``deepspeed.utils.safe_set_full_optimizer_state`` writes through).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+BF16_OPTIMIZER_INTERNALS = ("_update_hp_grad", "fp32_groups_gradients", "fp32_groups_has_gradients", "bf16_groups",
+                            "immediate_grad_update")
+
+
+def fuse_grad_accumulation(optimizer, modules) -> int:
+    """FP32 gradient accumulation in one pass, for DeepSpeed's ``BF16_Optimizer`` (bf16 + ZeRO-1 or pipeline
+    with ``grad_accum_dtype`` fp32, ``ds_configs/zero1.json`` and ``pipeline.json``).
+
+    Per micro-batch and parameter DeepSpeed casts the bf16 gradient to a new fp32 tensor and then adds it to the
+    fp32 buffer: two kernels and 22 bytes of memory traffic per parameter (its measured cost is in
+    docs/performance.md). Here (1) that add reads the bf16 gradient directly (``add_`` promotes inside the
+    kernel: one pass, 10 bytes, the same fp32 result bit for bit), and (2) with ``immediate_grad_update`` the
+    weights a module lists in ``MAIN_GRAD_WEIGHTS`` (TE's GEMM weights in ``te_layers``; the embedding and LM
+    head in ``model/main_grad.py``) get DeepSpeed's fp32 buffer as ``main_grad`` and ``fuse_wgrad_accumulation``:
+    the module's backward accumulates into it in fp32 (no bf16 rounding of each micro-batch's gradient) and
+    returns a placeholder, which the hook drops. Returns the number of weights accumulated that way."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer  # DeepSpeed 0.19.8
+
+    if not isinstance(optimizer, BF16_Optimizer):
+        return 0
+    if not all(hasattr(optimizer, name) for name in BF16_OPTIMIZER_INTERNALS):
+        print("[llmjp-ds] this DeepSpeed's BF16_Optimizer lacks the fields parallel.fused_grad_accumulation "
+              "uses: accumulating gradients DeepSpeed's way", flush=True)
+        return 0
+    hp_grads, has_grads = optimizer.fp32_groups_gradients, optimizer.fp32_groups_has_gradients
+
+    @torch.no_grad()
+    def update_hp_grad(lp, group_idx, param_idx, clear_lp_grads):
+        if lp.grad is None:
+            return
+        hp = hp_grads[group_idx][param_idx]
+        if getattr(lp, "grad_added_to_main_grad", False):
+            lp.grad_added_to_main_grad = False  # the GEMM accumulated into hp; lp.grad is TE's placeholder
+        else:
+            hp.add_(lp.grad.view(hp.shape))
+        lp._hp_grad = hp
+        has_grads[group_idx][param_idx] = True
+        if clear_lp_grads:
+            lp.grad.zero_()
+
+    # DeepSpeed 0.19.8: BF16_Optimizer's grad hooks (immediate_grad_update) and update_hp_grads() call
+    # self._update_hp_grad(lp, group_idx, param_idx, clear_lp_grads) once per parameter and micro-batch
+    optimizer._update_hp_grad = update_hp_grad
+    if not optimizer.immediate_grad_update:
+        return 0
+    where = {id(lp): (i, j) for i, group in enumerate(optimizer.bf16_groups) for j, lp in enumerate(group)}
+    fused = 0
+    for module in modules:
+        names = getattr(module, "MAIN_GRAD_WEIGHTS", ())
+        weights = [getattr(module, name) for name in names]
+        if not weights or not all(id(w) in where for w in weights):
+            continue
+        for w in weights:
+            i, j = where[id(w)]
+            w.main_grad = hp_grads[i][j].view(w.shape)
+            w.grad_added_to_main_grad = False
+        module.fuse_wgrad_accumulation = True
+        fused += len(weights)
+    return fused
+
+
+# --- the ZeRO-1 checkpoint format, for a resume on another layout ---------------------------------------------
+
+_OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+
+
+def zero_checkpoint_ranks(tag_dir) -> list[tuple[int, int]]:
+    """(data-parallel rank, pipeline rank) of every ZeRO optimizer file in a checkpoint directory."""
+    found = [_OPTIM_FILE.match(f.name) for f in Path(tag_dir).iterdir()]
+    return [(int(m.group(1)), int(m.group(2))) for m in found if m]
+
+
+def _optim_state(path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+
+
+def zero_checkpoint_step(tag_dir) -> torch.Tensor:
+    """The optimizer step of a ZeRO-1 checkpoint (AdamW's ``step``, the same in every group and rank)."""
+    path = next(Path(tag_dir).glob("*zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    return _optim_state(path)["base_optimizer_state"]["state"][0]["step"]
+
+
+def zero_checkpoint_params(tag_dir, stages: int, data: int):
+    """Yield ``(name, {"fp32", "exp_avg", "exp_avg_sq"} full tensors)`` of every parameter of a ZeRO-1
+    checkpoint written by ``stages`` x ``data`` ranks (names as the writing engine's module called them)."""
+    tag_dir = Path(tag_dir)
+    for pp in range(stages):
+        shapes = torch.load(tag_dir / f"mp_rank_{pp:02d}_model_states.pt", map_location="cpu",
+                            weights_only=False)["param_shapes"]
+        parts: dict[str, dict[str, list]] = {}
+        for dp in range(data):
+            osd = _optim_state(next(tag_dir.glob(f"*zero_pp_rank_{dp}_mp_rank_{pp:02d}_optim_states.pt")))
+            for g, mapping in enumerate(osd["param_slice_mappings"]):
+                adam = osd["base_optimizer_state"]["state"][g]
+                flat = {"fp32": osd["single_partition_of_fp32_groups"][g], "exp_avg": adam["exp_avg"],
+                        "exp_avg_sq": adam["exp_avg_sq"]}
+                for name, where in mapping.items():
+                    slot = parts.setdefault(name, {k: [] for k in flat})
+                    for key, tensor in flat.items():
+                        slot[key].append(tensor.narrow(0, where.start, where.numel))
+        for group in shapes:
+            for name, shape in group.items():
+                yield name, {k: torch.cat(v).reshape(shape).clone() for k, v in parts.pop(name).items()}
+
+
+def seed_optimizer_state(optimizer, step: torch.Tensor) -> None:
+    """Give a fresh ZeRO-1 / BF16 optimizer Adam state (zero moments at ``step``) and link it to the
+    parameters, so ``deepspeed.utils.safe_set_full_optimizer_state`` can write each parameter's moments."""
+    flats = getattr(optimizer, "single_partition_of_fp32_groups", None) or optimizer.fp32_groups_flat_partition
+    for flat in flats:  # torch's AdamW makes its state only at the first step
+        optimizer.optimizer.state[flat] = {"step": step.clone(), "exp_avg": torch.zeros_like(flat),
+                                           "exp_avg_sq": torch.zeros_like(flat)}
+    optimizer._hp_optimizer_states_linked = False
+    optimizer._lazy_init_hp_params_optimizer_state()

@@ -1,0 +1,103 @@
+"""Resuming a checkpoint on another layout: another data-parallel size or pipeline depth, with ZeRO-1.
+
+DeepSpeed's ZeRO-1 checkpoint is cut by the layout that wrote it: one optimizer file per (data, pipeline) rank,
+each holding a flat slice of every parameter group, and pipeline weights named by layer index. A relaunch on
+another layout converts it once into a layout-free form beside it, ``<tag>/layout-free/``: one file per
+parameter under our names (``hf_adapter``) with its fp32 master weights and Adam moments, plus the modules'
+``_extra_state`` (FP8 amax histories and scales) and the optimizer step. Each rank of the new layout then
+reads the files of its own parameters into its engine. The global batch is the run's, so the gradient
+accumulation follows the new data-parallel size and the samples of every step stay the same.
+
+The DeepSpeed checkpoint format and optimizer internals this needs live in ``parallel/deepspeed_internals.py``.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import torch
+
+from llmjp_ds.errors import fail
+from llmjp_ds.io_utils import write_bytes_atomic
+from llmjp_ds.parallel.deepspeed_internals import (seed_optimizer_state, zero_checkpoint_params, zero_checkpoint_ranks,
+                                                   zero_checkpoint_step)
+
+CONVERTED = "layout-free"
+DONE = "complete"
+
+
+def saved_layout(tag_dir) -> tuple[int, int]:
+    """(pipeline stages, data-parallel size) that wrote the checkpoint, from its optimizer files' names."""
+    ranks = zero_checkpoint_ranks(tag_dir)
+    if not ranks:
+        fail(f"{tag_dir} has no ZeRO optimizer files: it cannot be resumed on another layout (ZeRO-1 only)")
+    return max(pp for _, pp in ranks) + 1, max(dp for dp, _ in ranks) + 1
+
+
+def _ours(name: str, pipeline: bool, num_layers: int) -> str:
+    from llmjp_ds.model.hf_adapter import pipeline_name_to_ours
+
+    if not pipeline:
+        return name
+    index, _, rest = name.partition(".")
+    return pipeline_name_to_ours(int(index), num_layers, rest)
+
+
+def convert(tag_dir, num_layers: int) -> Path:
+    """Write ``<tag>/layout-free/`` from the checkpoint in ``tag_dir`` (once: a finished conversion is kept)."""
+    tag_dir = Path(tag_dir)
+    out = tag_dir / CONVERTED
+    if (out / DONE).is_file():
+        return out
+    stages, data = saved_layout(tag_dir)
+    pipeline = stages > 1
+    for name, full in zero_checkpoint_params(tag_dir, stages, data):
+        _save(out / f"{_ours(name, pipeline, num_layers)}.pt", full)
+    _save(out / "_extra_state.pt", {"step": zero_checkpoint_step(tag_dir),
+                                    "extra": _extra_states(tag_dir, pipeline, num_layers)})
+    write_bytes_atomic(out / DONE, f"{stages} {data}\n".encode())
+    return out
+
+
+def _save(path: Path, obj) -> None:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    write_bytes_atomic(path, buffer.getvalue())
+
+
+def _extra_states(tag_dir: Path, pipeline: bool, num_layers: int) -> dict[str, torch.Tensor]:
+    from llmjp_ds.model.hf_adapter import pipeline_name_to_ours
+
+    extra = {}
+    if pipeline:
+        for f in sorted(tag_dir.glob("layer_*-model_states.pt")):
+            index = int(f.name.split("_")[1].split("-")[0])
+            for name, value in torch.load(f, map_location="cpu", weights_only=False).items():
+                if name.endswith("_extra_state"):
+                    extra[pipeline_name_to_ours(index, num_layers, name)] = value
+        return extra
+    module = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+    return {k: v for k, v in module.items() if k.endswith("_extra_state")}
+
+
+def load_converted(engine, converted: Path, num_layers: int) -> None:
+    """Set this rank's engine (weights, fp32 master weights, Adam moments and step, FP8 state) from a
+    conversion."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    pipeline = hasattr(engine, "grid") and engine.is_pipe_parallel
+    meta = torch.load(converted / "_extra_state.pt", map_location="cpu", weights_only=False)
+    seed_optimizer_state(engine.optimizer, meta["step"])
+    module = engine.module
+    for name, param in module.named_parameters():
+        full = torch.load(converted / f"{_ours(name, pipeline, num_layers)}.pt", map_location="cpu",
+                          weights_only=False)
+        with torch.no_grad():
+            param.copy_(full["fp32"].to(param.device, param.dtype))
+        safe_set_full_fp32_param(param, full["fp32"].to(param.device))
+        for key in ("exp_avg", "exp_avg_sq"):
+            safe_set_full_optimizer_state(param, full[key].to(param.device), key)
+    extra = {name: meta["extra"][_ours(name, pipeline, num_layers)] for name in module.state_dict()
+             if name.endswith("_extra_state") and _ours(name, pipeline, num_layers) in meta["extra"]}
+    module.load_state_dict(extra, strict=False)

@@ -1,0 +1,83 @@
+"""Resume on another layout: a checkpoint written at one data-parallel size and pipeline depth continues at
+another (DP2 -> DP1, DP1 -> DP2, PP2 -> PP1, PP1 -> PP2, ZeRO-1), the user only relaunching with the new layout.
+
+The first N steps run on one layout, the next N on another, from the same run directory; the trail must be the
+uninterrupted one-process run's within the equivalence tolerances (the layouts differ only in fp32 summation
+order), consumed samples included, with a ``reshape`` event at the switch. After the emulated FP8 flip the
+amax histories must carry over as well: PP2 -> one process continues the flip run's trail.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from llmjp_ds.metrics import read_metrics
+
+from .conftest import COMMON_SETS, FLIP, LAYOUTS, N, STEPS, cli, max_rel_diff, run_train, trail
+from .test_equivalence import GRAD_NORM_RTOL, LOSS_RTOL
+
+pytestmark = pytest.mark.slow
+
+SWITCHES = [("zero1", "single"), ("single", "zero1"), ("pp2", "single"), ("single", "pp2")]
+
+
+@pytest.fixture(scope="module")
+def first_halves(train_env, tmp_path_factory):
+    """N steps on each starting layout (each forked per switch, so the halves are trained once)."""
+    root = tmp_path_factory.mktemp("reshape-first")
+    out = {}
+    for layout in sorted({a for a, _ in SWITCHES}):
+        nproc, sets = LAYOUTS[layout]
+        out[layout] = run_train(root / layout, nproc, *sets, f"train.steps={N}")
+    nproc, sets = LAYOUTS["pp2"]
+    out["pp2-flip"] = run_train(root / "pp2-flip", nproc, *sets, *FLIP, f"train.steps={N}")
+    return out
+
+
+def _continue(first, tmp_path, layout: str, *more: str):
+    """A copy of the first half's run directory, resumed on ``layout`` to 2N steps."""
+    shutil.copytree(first.parent, tmp_path / "fork")
+    nproc, sets = LAYOUTS[layout]
+    return run_train(tmp_path / "fork", nproc, *sets, *more, f"train.steps={STEPS}")
+
+
+def _assert_continues(run_dir, reference, saved: str, now: str) -> None:
+    ref, got = trail(reference), trail(run_dir)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert [r["consumed_samples"] for r in got] == [r["consumed_samples"] for r in ref]
+    loss = max_rel_diff([r["loss"] for r in got], [r["loss"] for r in ref])
+    gnorm = max_rel_diff([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref])
+    assert loss <= LOSS_RTOL and gnorm <= GRAD_NORM_RTOL, (loss, gnorm)
+    events = [r for r in read_metrics(run_dir) if r.get("event") == "reshape"]
+    assert [(e["step"], e["saved"], e["now"]) for e in events] == [(N, saved, now)]
+
+
+NAMES = {"single": "PP1 x DP1", "zero1": "PP1 x DP2", "pp2": "PP2 x DP1"}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("start,then", SWITCHES, ids=[f"{a}-to-{b}" for a, b in SWITCHES])
+def test_a_checkpoint_resumes_on_another_layout(first_halves, runs, tmp_path, start, then):
+    run_dir = _continue(first_halves[start], tmp_path, then)
+    _assert_continues(run_dir, runs.full("single"), NAMES[start], NAMES[then])
+
+
+@pytest.mark.timeout(900)
+def test_fp8_state_carries_over_a_reshape_after_the_flip(first_halves, flip_runs, tmp_path):
+    """PP2 -> one process after the flip: the amax histories of every layer (both stages' files) continue."""
+    run_dir = _continue(first_halves["pp2-flip"], tmp_path, "single", *FLIP)
+    _assert_continues(run_dir, flip_runs[0], "PP2 x DP1", "PP1 x DP1")
+    assert [r["precision"] for r in trail(run_dir)][N:] == ["fp8"] * (STEPS - N)
+
+
+@pytest.mark.timeout(300)
+def test_a_zero2_checkpoint_on_another_layout_is_a_one_line_error(runs, tmp_path):
+    shutil.copytree(runs.full("zero2"), tmp_path / "run")
+    sets = [f"run_dir={tmp_path / 'run'}", *COMMON_SETS, "parallel.zero_stage=2", f"train.steps={STEPS + 1}"]
+    result = cli(["train", *(a for s in sets for a in ("--set", s))], tmp_path / "train", check=False)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
+    assert "was saved on PP1 x DP2 with ZeRO-2; resuming it on PP1 x DP1 (ZeRO-2) works with ZeRO-1" in lines[0]
+    assert "relaunch on PP1 x DP2" in lines[0]

@@ -213,7 +213,8 @@ class Trainer:
         if self.ctx.rank == 0:
             convert(checkpoint.checkpoint_dir(self.run_dir) / tag, n)
         self.ctx.barrier()
-        load_converted(self.engine, checkpoint.checkpoint_dir(self.run_dir) / tag / CONVERTED, n)
+        with checkpoint.trusted_te_extra_state():  # TE's pickled FP8 state of this run's own checkpoint
+            load_converted(self.engine, checkpoint.checkpoint_dir(self.run_dir) / tag / CONVERTED, n)
         self.precision.weights_changed()
         client = checkpoint.read_client_state(self.run_dir, tag)
         self.state = TrainState(**client["train_state"])

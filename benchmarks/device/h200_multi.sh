@@ -15,9 +15,13 @@
 # slice: the 172B preset's layer shape, seq 4096, micro-batch 1, FP8 (LLM-jp's delayed hybrid, history 1) from
 #   step 5: 2 layers on one GPU (global batch 8), then 4 layers (more than one GPU holds with its optimizer state)
 #   as 2 pipeline stages (global batch 16).
+# failures: an 8-layer llmjp3-1.8b on NGPU GPUs: wandb offline on an image without wandb (rank 0 fails after the
+#   process group exists), a SIGKILL of rank 1 mid-step, each timed until the whole job has ended; then ZeRO-1
+#   data parallel through the flip with a checkpoint at step 12, resumed from it on one GPU (a reshape) against
+#   the uninterrupted run.
 # A dry run on the CPUs: NGPU=2 EXTRA="--set model.backend=torch --set precision.emulate_fp8=true ..."
 set -uo pipefail
-MODE=${1:?usage: h200_multi.sh layouts|partition|scale|slice}
+MODE=${1:?usage: h200_multi.sh layouts|partition|scale|slice|failures}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export LLMJP_DS_CACHE=$PWD/.cache TORCHINDUCTOR_CACHE_DIR=/tmp/inductor TORCH_EXTENSIONS_DIR=/tmp/torch_ext
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
@@ -97,6 +101,24 @@ elif [ "$MODE" = scale ]; then
   python benchmarks/device/multi_summary.py $FLIP "$R/single-24l-gbs32" "$R/zero1-dp$NGPU-24l-gbs32:$NGPU" \
     "$R/pp2-dp$((NGPU / 2))-24l-gbs32:$NGPU" 2>&1 | sed '/^loss per step/,$d' | tee -a "$S"
   tar czf "$OUT/metrics-$MODE.tgz" -C "$R" $(cd "$R" && ls -d *-gbs32/metrics.jsonl)
+elif [ "$MODE" = failures ]; then
+  use_1_8b 8
+  t0=$SECONDS; train wandb-missing "$NGPU" 120 --set logging.wandb=offline
+  echo "wandb-missing: the job ended after $((SECONDS - t0)) s; tagged lines: $(grep -c '^error: \[rank' "$OUT/wandb-missing.log")" \
+    | tee -a "$S"; grep '^error: \[rank' "$OUT/wandb-missing.log" | tee -a "$S"
+  train killed "$NGPU" 200 & job=$!
+  until grep -qE '^step +3/' "$OUT/killed.log" 2>/dev/null || ! kill -0 $job 2>/dev/null; do sleep 0.5; done
+  for p in $(pgrep -f "run_dir=$R/killed"); do
+    tr '\0' '\n' < /proc/$p/environ 2>/dev/null | grep -qx RANK=1 && kill -9 "$p" && log "SIGKILL rank 1 (pid $p)"
+  done
+  t0=$SECONDS; wait $job; echo "killed: the job ended $((SECONDS - t0)) s after the SIGKILL" | tee -a "$S"
+  train "zero1-dp$NGPU" "$NGPU" 200 --set parallel.zero_stage=1 --set checkpoint.interval=12
+  fork reshape-dp1 "zero1-dp$NGPU" 12
+  train reshape-dp1 1 200 --set parallel.zero_stage=1
+  grep -h '"event": "reshape"' "$R/reshape-dp1/metrics.jsonl" | tee -a "$S"
+  python benchmarks/device/multi_summary.py $FLIP "$R/zero1-dp$NGPU" "$R/reshape-dp1:1" --resumed "$R/zero1-dp$NGPU:$R/reshape-dp1:12" \
+    2>&1 | tee -a "$S"
+  tar czf "$OUT/metrics-$MODE.tgz" -C "$R" zero1-dp$NGPU/metrics.jsonl reshape-dp1/metrics.jsonl
 elif [ "$MODE" = slice ]; then
   COMMON=(--preset llmjp3-172b --set model.backend=te --set model.activation_checkpointing=false
           --set logging.wandb=disabled --set train.micro_batch_size=1 --set train.steps=8 --set optim.warmup_steps=2

@@ -145,8 +145,10 @@ def seed_optimizer_state(optimizer, step: torch.Tensor) -> None:
     """Give a fresh ZeRO-1 / BF16 optimizer Adam state (zero moments at ``step``) and link it to the
     parameters, so ``deepspeed.utils.safe_set_full_optimizer_state`` can write each parameter's moments."""
     flats = getattr(optimizer, "single_partition_of_fp32_groups", None) or optimizer.fp32_groups_flat_partition
-    for flat in flats:  # torch's AdamW makes its state only at the first step
-        optimizer.optimizer.state[flat] = {"step": step.clone(), "exp_avg": torch.zeros_like(flat),
-                                           "exp_avg_sq": torch.zeros_like(flat)}
+    for flat, group in zip(flats, optimizer.optimizer.param_groups):  # AdamW makes its state at the first step
+        # where torch's AdamW keeps its step: on the parameter's device when fused or capturable, else on the CPU
+        on_device = group.get("fused") or group.get("capturable")
+        optimizer.optimizer.state[flat] = {"step": step.to(flat.device if on_device else "cpu", torch.float32),
+                                           "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
     optimizer._hp_optimizer_states_linked = False
     optimizer._lazy_init_hp_params_optimizer_state()

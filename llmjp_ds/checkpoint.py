@@ -326,7 +326,7 @@ def export(run_dir, output, tag: str | None = None, dtype: str = "bf16", force: 
     if tag is None:
         fail(f"{run_dir} has no checkpoint yet: train first, or pass --tag")
     marker = read_marker(run_dir, tag)
-    # transformers' modeling code loads only now (~5 s): the checks above answer a mistake at once
+    # transformers' modeling code loads only now (it takes seconds): the checks above answer a mistake at once
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from llmjp_ds.model import LlamaForCausalLM

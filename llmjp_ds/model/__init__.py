@@ -1,7 +1,7 @@
 """The model: an HF-compatible Llama built from Transformer Engine layers (or their pure-PyTorch twins).
 
 The names below load on first use (PEP 562), so that config validation, which needs only ``shapes`` and
-``backend``, does not pay for importing transformers' modeling code (~5 s) before it can report a mistake.
+``backend``, does not pay for importing transformers' modeling code (seconds) before it can report a mistake.
 """
 
 _LAZY = {

@@ -1,6 +1,7 @@
 """What ends a multi-rank job, and how fast: one rank's error ends every rank with one tagged line; a rank that
 stops answering ends the job after ``parallel.stall_timeout_s``; a write error on one rank during a save keeps
-the previous checkpoint; a run directory that is not shared is refused. Two gloo processes on CPU, launched by
+the previous checkpoint; a run directory that is not shared is refused; a checkpoint that cannot be resumed on
+the new layout is refused before any process group. Two gloo processes on CPU, launched by
 torchrun as users launch them."""
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability.conftest import (DRILL, REPO, TINY, Proc, check_ok, latest_of, loss_trail, run, run_train,
-                                        subprocess_env, train_argv, wait_for)
+from tests.reliability.conftest import (DEEPSPEED_STARTED, DRILL, REPO, TINY, Proc, check_ok, latest_of, loss_trail,
+                                        run, run_train, subprocess_env, train_argv, wait_for)
 
 pytestmark = pytest.mark.slow
 
@@ -166,3 +167,19 @@ def test_a_run_directory_that_is_not_shared_is_refused(bundled, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: [rank 1] run_dir run is not shared by every rank"), lines
     assert not (tmp_path / "node0" / "run" / "checkpoints").exists()
     assert not (tmp_path / "node1" / "run" / "checkpoints").exists()
+
+
+@pytest.mark.timeout(240)
+def test_a_zero2_checkpoint_on_another_layout_is_refused_in_one_line(bundled, tmp_path):
+    """A resume on another layout converts ZeRO-1 checkpoints only: a ZeRO-2 run of two ranks relaunched on one
+    gets one line naming both layouts before any process group starts, and its checkpoint is untouched."""
+    run_dir = tmp_path / "run"
+    check_ok(run(torchrun(2, run_dir, "train.steps=2", "parallel.zero_stage=2")))
+    before = sorted(p.name for p in (run_dir / "checkpoints" / "step00000002").iterdir())
+    result = run(train_argv(run_dir, TINY, "train.steps=4", "parallel.zero_stage=2"))
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
+    assert lines[0].endswith("step00000002 was saved on PP1 x DP2 with ZeRO-2; resuming it on PP1 x DP1 (ZeRO-2) "
+                             "works with ZeRO-1 on both sides only: relaunch on PP1 x DP2"), lines
+    assert not any(marker in result.stdout + result.stderr for marker in DEEPSPEED_STARTED)
+    assert sorted(p.name for p in (run_dir / "checkpoints" / "step00000002").iterdir()) == before

@@ -90,7 +90,9 @@ class PhaseConfig:
     precision: str = "bf16"  # bf16 | fp8
     start_step: int = 0
     start_tokens: int | None = None
-    recipe: str = "delayed"  # delayed | current | block
+    recipe: str = "delayed"  # delayed | current | block | auto (chosen at the flip by measured penalty)
+    candidates: list[str] = field(default_factory=lambda: ["delayed", "current", "block"])  # for recipe: auto
+    fallback: list[str] = field(default_factory=list)  # e.g. [current, block, bf16]: guard.penalty_action=fallback
     fp8_format: str = "hybrid"  # hybrid | e4m3
     amax_history_len: int = 1024
     amax_compute_algo: str = "max"  # max | most_recent
@@ -104,6 +106,10 @@ class GuardConfig:
     window: int = 20  # running mean over this many steps before the flip
     factor: float = 1.5  # loss above factor x running mean ...
     patience: int = 3  # ... for this many consecutive steps -> roll back
+    # FP8's loss penalty, valid_loss / valid_loss_bf16 - 1, measured at every validation in an FP8 phase
+    max_penalty: float = 0.02  # above this for penalty_patience validations in a row -> penalty_action
+    penalty_patience: int = 2
+    penalty_action: str = "warn"  # warn | fallback (the phase's fallback chain) | bf16
 
 
 @dataclass

@@ -2,7 +2,9 @@
 
 * ``LLMJP_DS_DRILL_NAN_STEPS=3,4``: the losses of those step indices are NaN, so their gradients are too;
 * ``LLMJP_DS_DRILL_NAN_PHASE=fp8`` (default: only in FP8 phases, to rehearse the divergence guard) or ``any``
-  (to rehearse skipped steps).
+  (to rehearse skipped steps);
+* ``LLMJP_DS_DRILL_FP8_PENALTY=0.05``: validation losses measured in FP8 come out 5 % higher, so FP8's measured
+  penalty rises by that much (to rehearse the penalty guard's actions).
 
 A drill wraps the step runner; the runner itself only multiplies its loss by ``loss_scale``.
 """
@@ -15,6 +17,7 @@ from llmjp_ds.errors import fail
 
 STEPS_VAR = "LLMJP_DS_DRILL_NAN_STEPS"
 PHASE_VAR = "LLMJP_DS_DRILL_NAN_PHASE"
+PENALTY_VAR = "LLMJP_DS_DRILL_FP8_PENALTY"
 
 
 class NanDrill:
@@ -33,8 +36,34 @@ class NanDrill:
         return getattr(self.runner, name)
 
 
+class PenaltyDrill:
+    """A step runner whose validation losses in FP8 are ``1 + extra`` times the measured ones."""
+
+    def __init__(self, runner, precision, extra: float):
+        self.runner, self.precision, self.extra = runner, precision, extra
+
+    def eval_loss(self, batches):
+        loss = self.runner.eval_loss(batches)
+        fp8 = self.precision.phase_at(self.precision.step).precision == "fp8" and not self.precision.bf16_reference
+        return loss * (1.0 + self.extra) if fp8 else loss
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+
 def with_drills(runner, precision):
-    """``runner``, wrapped in the drill the environment asks for (if any)."""
+    """``runner``, wrapped in the drills the environment asks for (if any)."""
+    runner = _nan_drill(runner, precision)
+    extra = os.environ.get(PENALTY_VAR, "").strip()
+    if extra:
+        try:
+            runner = PenaltyDrill(runner, precision, float(extra))
+        except ValueError:
+            fail(f"{PENALTY_VAR}={extra!r} must be a number, e.g. 0.05")
+    return runner
+
+
+def _nan_drill(runner, precision):
     raw = os.environ.get(STEPS_VAR, "").strip()
     if not raw:
         return runner

@@ -319,6 +319,7 @@ def _si(value: float) -> str:
 # the log line's fields after the loss, in order: metric key -> its text
 _LOG_FIELDS = (
     ("valid_loss", lambda v: f"valid {v:.4f}"),
+    ("fp8_penalty", lambda v: f"FP8 penalty {100 * v:+.3f}%"),
     ("lr", lambda v: f"lr {v:.2e}"),
     ("grad_norm", lambda v: f"gnorm {v:.3f}"),
     ("tokens_per_s", lambda v: f"{_si(v)} tok/s"),

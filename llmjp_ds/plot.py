@@ -68,6 +68,8 @@ def _draw(steps: dict[int, dict], events: list[dict], title: str):
     if _series(steps, "loss")[0] or _series(steps, "valid_loss")[0]:
         panels.append(("loss", [("loss", "train loss", "-"), ("valid_loss", "valid loss", "o-")],
                        ("z_loss", "z-loss")))
+    if _series(steps, "fp8_penalty")[0]:
+        panels.append(("FP8 penalty", [("fp8_penalty", "valid loss FP8 / BF16 - 1", "o-")], None))
     if _series(steps, "lr")[0]:
         panels.append(("learning rate", [("lr", "lr", "-")], None))
     if _series(steps, "tflops_per_gpu")[0]:

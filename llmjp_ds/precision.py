@@ -21,8 +21,8 @@ region). What happens there:
   as they carry TE's. Emulation reduces amax per rank (no cross-rank reduction). Layers kept in BF16 get no
   emulator.
 
-The :class:`DivergenceGuard` watches the loss after a flip and asks the trainer to roll back to the last good
-checkpoint and continue in the fallback precision.
+What watches FP8 once it runs (the divergence guard, the loss penalty, the choice of ``recipe: auto``) lives in
+:mod:`llmjp_ds.fp8_guard`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections import deque
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -39,7 +38,9 @@ from llmjp_ds.errors import fail
 from llmjp_ds.model.weight_cache import ReusesFP8Weights, WeightCache
 
 RECIPES = ("delayed", "current", "block")
+AUTO = "auto"  # the recipe chosen at the flip by measured penalty (llmjp_ds.fidelity)
 FORMATS = ("hybrid", "e4m3")
+PENALTY_ACTIONS = ("warn", "fallback", "bf16")
 
 
 def validate_phases(cfg, num_layers: int) -> None:
@@ -51,8 +52,12 @@ def validate_phases(cfg, num_layers: int) -> None:
         where = f"precision.phases[{i}]"
         if ph.precision not in ("bf16", "fp8"):
             fail(f"{where}.precision must be bf16 or fp8, got {ph.precision!r}")
-        if ph.recipe not in RECIPES:
-            fail(f"{where}.recipe must be one of {', '.join(RECIPES)}, got {ph.recipe!r}")
+        if ph.recipe not in RECIPES + (AUTO,):
+            fail(f"{where}.recipe must be one of {', '.join(RECIPES + (AUTO,))}, got {ph.recipe!r}")
+        if not ph.candidates or any(r not in RECIPES for r in ph.candidates):
+            fail(f"{where}.candidates must be a non-empty list of {', '.join(RECIPES)}, got {ph.candidates}")
+        if any(r not in RECIPES + ("bf16",) for r in ph.fallback):
+            fail(f"{where}.fallback must list recipes ({', '.join(RECIPES)}) or bf16, got {ph.fallback}")
         if ph.fp8_format not in FORMATS:
             fail(f"{where}.fp8_format must be hybrid or e4m3, got {ph.fp8_format!r}")
         if ph.amax_compute_algo not in ("max", "most_recent"):
@@ -64,6 +69,13 @@ def validate_phases(cfg, num_layers: int) -> None:
         previous = ph.start_step if ph.start_tokens is None else previous
     if cfg.bf16_first_layers + cfg.bf16_last_layers > num_layers:
         fail(f"precision.bf16_first_layers + bf16_last_layers exceeds the model's {num_layers} layers")
+    guard = cfg.guard
+    if guard.penalty_action not in PENALTY_ACTIONS:
+        fail(f"precision.guard.penalty_action must be one of {', '.join(PENALTY_ACTIONS)}, got "
+             f"{guard.penalty_action!r}")
+    if not guard.max_penalty > 0 or guard.penalty_patience < 1:
+        fail(f"precision.guard.max_penalty must be > 0 and penalty_patience >= 1, got {guard.max_penalty} and "
+             f"{guard.penalty_patience}")
 
 
 @dataclass(frozen=True)
@@ -77,6 +89,8 @@ class Phase:
     amax_compute_algo: str = "max"
     margin: int = 0
     calibration_steps: int = 1
+    candidates: tuple = RECIPES
+    fallback: tuple = ()
 
     @property
     def label(self) -> str:
@@ -101,9 +115,14 @@ class PrecisionSchedule:
         phases = []
         for i, ph in enumerate(cfg.phases):
             start = ph.start_step if ph.start_tokens is None else math.ceil(ph.start_tokens / tokens_per_step)
-            fields = {k: v for k, v in asdict(ph).items() if k in Phase.__dataclass_fields__}
+            fields = {k: tuple(v) if isinstance(v, list) else v for k, v in asdict(ph).items()
+                      if k in Phase.__dataclass_fields__}
             phases.append(Phase(**{**fields, "index": i, "start_step": start}))
-        self.phases = sorted(phases, key=lambda p: p.start_step)
+        self.configured = sorted(phases, key=lambda p: p.start_step)
+        self.phases = self.configured
+        # recipe switches made during the run (the penalty's fallback, recipe: auto): {step, recipe, reason}
+        self.switches: list[dict] = []
+        self.bf16_reference = False  # inside forced_bf16(): every micro-batch in BF16
         # after a rollback: from this step on every FP8 phase runs in the fallback precision
         self.fallback_from_step: int | None = None
         self.rollbacks = 0
@@ -152,7 +171,7 @@ class PrecisionSchedule:
         if self.phase_at(step).precision != "bf16":
             return None
         nxt = self.next_fp8_phase(step)
-        if nxt and nxt.recipe == "delayed" and nxt.start_step - nxt.calibration_steps <= step:
+        if nxt and nxt.recipe in ("delayed", AUTO) and nxt.start_step - nxt.calibration_steps <= step:
             return nxt
         return None
 
@@ -203,9 +222,11 @@ class PrecisionSchedule:
         """Context for one micro-batch's forward at ``step``."""
         ph = self.phase_at(step)
         calib = self.calibrating(step)
-        if ph.precision == "bf16" and calib is None:
+        if (ph.precision == "bf16" and calib is None) or self.bf16_reference:
             return contextlib.nullcontext()
         target = ph if ph.precision == "fp8" else calib
+        if target.recipe == AUTO:  # calibrating before the choice: record amax as delayed scaling would
+            target = replace(target, recipe="delayed")
         if self.emulator is not None:
             return self.emulator.region(target, calibrating=ph.precision == "bf16")
         import transformer_engine.pytorch as te
@@ -230,13 +251,78 @@ class PrecisionSchedule:
         """The weights were updated or loaded: FP8 copies cached from them are stale."""
         self.weight_cache.weights_changed()
 
+    # --- recipe switches during the run ---------------------------------------------------------------
+    @contextlib.contextmanager
+    def forced_bf16(self):
+        """Every micro-batch inside runs with FP8 off (the BF16 reference of a validation). FP8 state is not
+        touched: no autocast region is entered, so no amax is recorded and no scale updated."""
+        self.bf16_reference = True
+        try:
+            yield
+        finally:
+            self.bf16_reference = False
+
+    def switch_recipe(self, step: int, recipe: str, reason: str, calibrate: bool = True) -> None:
+        """From ``step`` on, the FP8 phase running there uses ``recipe`` (or ``bf16``); delayed scaling is
+        calibrated first, on ``calibration_steps`` BF16 steps, as at the flip (unless it was: ``calibrate``)."""
+        self.switches.append({"step": step, "recipe": recipe, "reason": reason, "calibrate": calibrate})
+        self._apply_switches()
+        self.weights_changed()
+
+    def _apply_switches(self) -> None:
+        phases = list(self.configured)
+        for sw in self.switches:
+            base = max((p for p in phases if p.start_step <= sw["step"]), key=lambda p: p.start_step)
+            if sw["recipe"] == "bf16":
+                phases.append(replace(base, precision="bf16", start_step=sw["step"]))
+                continue
+            start = sw["step"]
+            if sw["recipe"] == "delayed" and base.calibration_steps and sw.get("calibrate", True):
+                phases.append(replace(base, precision="bf16", start_step=start))
+                start += base.calibration_steps
+            phases.append(replace(base, precision="fp8", recipe=sw["recipe"], start_step=start))
+        self.phases = sorted(phases, key=lambda p: p.start_step)  # stable: a switch wins over its phase
+
+    def next_fallback(self, step: int) -> str:
+        """The recipe the configured fallback chain of the phase at ``step`` goes to next (``bf16`` at its end).
+        A recipe chosen by ``recipe: auto`` steps to the chain's first other entry."""
+        now = self.phase_at(step).recipe
+        configured = max((p for p in self.configured if p.start_step <= step), key=lambda p: p.start_step)
+        chain = [configured.recipe, *configured.fallback]
+        if now in chain:
+            rest = chain[chain.index(now) + 1:]
+        else:
+            rest = [r for r in configured.fallback if r != now]
+        return rest[0] if rest else "bf16"
+
+    def choice_pending(self, step: int) -> bool:
+        """``recipe: auto`` starts at ``step`` and its recipe is still to be chosen."""
+        return self.phase_at(step).recipe == AUTO and self.phase_at(step).precision == "fp8"
+
+    def candidates(self, step: int) -> tuple:
+        return self.phase_at(step).candidates
+
+    @contextlib.contextmanager
+    def trying(self, step: int, recipe: str):
+        """The micro-batches inside run the phase at ``step`` with ``recipe`` (probing a candidate)."""
+        saved = self.phases
+        ph = self.phase_at(step)
+        self.phases = sorted(self.phases + [replace(ph, recipe=recipe, start_step=step)], key=lambda p: p.start_step)
+        try:
+            yield
+        finally:
+            self.phases = saved
+
     # --- state ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"fallback_from_step": self.fallback_from_step, "rollbacks": self.rollbacks}
+        return {"fallback_from_step": self.fallback_from_step, "rollbacks": self.rollbacks,
+                "switches": list(self.switches)}
 
     def load_state_dict(self, state: dict) -> None:
         self.fallback_from_step = state.get("fallback_from_step")
         self.rollbacks = state.get("rollbacks", 0)
+        self.switches = list(state.get("switches", []))
+        self._apply_switches()
 
 
 class _KeptInBF16:
@@ -271,44 +357,6 @@ def te_recipe(ph: Phase):
     if ph.recipe == "current":
         return R.Float8CurrentScaling(fp8_format=fmt)
     return R.Float8BlockScaling(fp8_format=R.Format.E4M3 if ph.fp8_format == "e4m3" else fmt)
-
-
-class DivergenceGuard:
-    """After a flip to FP8: a non-finite loss, or a loss above ``factor`` x the running mean of the last
-    ``window`` pre-flip losses for ``patience`` consecutive steps, asks for a rollback."""
-
-    def __init__(self, cfg):
-        self.cfg = cfg
-        self.history: deque = deque(maxlen=cfg.window)
-        self.bad_steps = 0
-        self.first_bad_step: int | None = None
-
-    def observe(self, step: int, loss: float, precision: str) -> bool:
-        """Record ``loss`` of ``step``; True when the run should roll back."""
-        if not self.cfg.enabled:
-            return False
-        if precision != "fp8":
-            if math.isfinite(loss):
-                self.history.append(loss)
-            self.bad_steps, self.first_bad_step = 0, None
-            return False
-        mean = sum(self.history) / len(self.history) if self.history else None
-        bad = not math.isfinite(loss) or (mean is not None and loss > self.cfg.factor * mean)
-        if not bad:
-            self.bad_steps, self.first_bad_step = 0, None
-            return False
-        if self.first_bad_step is None:
-            self.first_bad_step = step
-        self.bad_steps += 1
-        return not math.isfinite(loss) or self.bad_steps >= self.cfg.patience
-
-    def state_dict(self) -> dict:
-        return {"history": list(self.history)}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.history.clear()
-        self.history.extend(state.get("history", []))
-        self.bad_steps, self.first_bad_step = 0, None
 
 
 def fp8_summary(model) -> dict:

@@ -114,8 +114,8 @@ class Trainer:
         from llmjp_ds import checkpoint
         from llmjp_ds.data.prepare import resolve_data
         from llmjp_ds.metrics import MetricsLogger, Throughput
+        from llmjp_ds.fp8_guard import DivergenceGuard, PenaltyMonitor
         from llmjp_ds.model.flops import flops_per_token_for
-        from llmjp_ds.precision import DivergenceGuard
 
         cfg = self.cfg
         # a run directory we cannot write, a `latest` that names no complete checkpoint, or a checkpoint of another
@@ -130,6 +130,7 @@ class Trainer:
             data.install_tokenizer(self.run_dir)
         self.build_engine()
         self.guard = DivergenceGuard(cfg.precision.guard)
+        self.penalty = PenaltyMonitor(cfg.precision.guard)
         self.train_ds, self.valid_ds = data.build(self.seq_len, *sample_counts(cfg), barrier=self.ctx.barrier)
         client: dict = {}
         reshaped = None
@@ -175,12 +176,61 @@ class Trainer:
         self.precision.end_step()
         return parts, lr
 
-    def evaluate(self) -> float:
-        """Mean validation loss over ``eval_batches`` global batches, in the current step's precision."""
+    def evaluate(self) -> dict:
+        """Mean validation loss over ``eval_batches`` global batches in the current step's precision; in an FP8
+        phase also on the same weights and batches with FP8 off, and FP8's penalty (``fp8_guard``)."""
+        from llmjp_ds.fp8_guard import penalty
+
         self.watchdog.beat("evaluation")
-        value = self.runner.eval_loss(self.micro_batches(self.valid_ds, 0))
+        batches = self.micro_batches(self.valid_ds, 0)
+        out = {"valid_loss": self.runner.eval_loss(batches).item()}
+        if self.precision.phase_at(self.precision.step).precision == "fp8":
+            with self.precision.forced_bf16():
+                out["valid_loss_bf16"] = self.runner.eval_loss(batches).item()
+            out["fp8_penalty"] = penalty(out["valid_loss"], out["valid_loss_bf16"])
         self.precision.commit_amax()
-        return value.item()
+        return out
+
+    def choose_recipe(self, step: int) -> None:
+        """``recipe: auto`` at its flip: evaluate each candidate recipe with the current weights on the
+        validation batches, flip to the one with the lowest penalty within ``max_penalty`` or stay in BF16."""
+        from llmjp_ds.fp8_guard import choose_recipe, penalty
+
+        self.watchdog.beat("evaluation", step)
+        self.precision.begin_step(step)
+        batches = self.micro_batches(self.valid_ds, 0)
+        with self.precision.forced_bf16():
+            bf16 = self.runner.eval_loss(batches).item()
+        penalties = {}
+        for recipe in self.precision.candidates(step):
+            with self.precision.trying(step, recipe):
+                penalties[recipe] = penalty(self.runner.eval_loss(batches).item(), bf16)
+            self.precision.commit_amax()
+        recipe, why = choose_recipe(penalties, self.cfg.precision.guard.max_penalty)
+        self.precision.switch_recipe(step, recipe, f"recipe auto: {why}", calibrate=False)
+        self.logger.event(step, "recipe_choice", chosen=recipe, reason=why, valid_loss_bf16=bf16,
+                          **{f"penalty_{r}": p for r, p in penalties.items()})
+        if self.ctx.rank == 0:
+            print(f"[llmjp-ds] recipe auto at step {step}: {recipe} ({why})", flush=True)
+
+    def _watch_penalty(self, metrics: dict) -> None:
+        """FP8's penalty too high for ``penalty_patience`` validations: warn, fall back along the chain, or BF16."""
+        if "fp8_penalty" not in metrics or not self.penalty.observe(metrics["fp8_penalty"]):
+            return
+        guard, step = self.cfg.precision.guard, self.state.step
+        now = self.precision.phase_at(step).label
+        action = guard.penalty_action
+        reason = (f"FP8 penalty {100 * metrics['fp8_penalty']:+.2f}% above max_penalty {100 * guard.max_penalty:.3g}%"
+                  f" for {guard.penalty_patience} validation{'s' if guard.penalty_patience > 1 else ''} in a row")
+        if action == "warn":
+            self.logger.event(step, "fp8_penalty", reason=reason, recipe=now)
+        else:
+            target = "bf16" if action == "bf16" else self.precision.next_fallback(step)
+            self.precision.switch_recipe(step, target, reason)
+            self.logger.event(step, "precision_fallback", reason=reason, to=target, **{"from": now})
+        if self.ctx.rank == 0:
+            print(f"[llmjp-ds] step {step}: {reason}" + ("" if action == "warn" else f"; from {now} to {target}"),
+                  flush=True)
 
     # --- checkpoints ----------------------------------------------------------------------------------------
     def save(self) -> str:
@@ -190,7 +240,7 @@ class Trainer:
 
         self.watchdog.beat("checkpoint")
         client = {"train_state": self.state.__dict__, "precision": self.precision.state_dict(),
-                  "guard": self.guard.state_dict(), "wandb_run_id": self.logger.run_id, "rng": torch.get_rng_state()}
+                  "guard": self.guard.state_dict(), "penalty": self.penalty.state_dict(), "wandb_run_id": self.logger.run_id, "rng": torch.get_rng_state()}
         return checkpoint.save(self.engine, self.run_dir, self.state.step, client, self.meta,
                                self.cfg.checkpoint.keep_last, rollbacks=self.precision.rollbacks)
 
@@ -199,9 +249,13 @@ class Trainer:
 
         client = checkpoint.load(self.engine, self.run_dir, tag)
         self.state = TrainState(**client["train_state"])
+        self._load_watchers(client)
+        return client
+
+    def _load_watchers(self, client: dict) -> None:
         self.precision.load_state_dict(client.get("precision", {}))
         self.guard.load_state_dict(client.get("guard", {}))
-        return client
+        self.penalty.load_state_dict(client.get("penalty", {}))
 
     def _reshape(self, tag: str) -> dict:
         """Resume checkpoint ``tag`` of another layout: rank 0 converts it once (``parallel.reshape``), every
@@ -218,8 +272,7 @@ class Trainer:
         self.precision.weights_changed()
         client = checkpoint.read_client_state(self.run_dir, tag)
         self.state = TrainState(**client["train_state"])
-        self.precision.load_state_dict(client.get("precision", {}))
-        self.guard.load_state_dict(client.get("guard", {}))
+        self._load_watchers(client)
         self.engine.global_steps, self.engine.global_samples = self.state.step, self.state.consumed_samples
         return client
 
@@ -275,6 +328,8 @@ class Trainer:
         import torch
 
         step = self.state.step
+        if self.precision.choice_pending(step):
+            self.choose_recipe(step)
         phase = self.precision.describe(step)
         if self.precision.is_flip_step(step):
             self.logger.event(step, "precision_flip", **phase)
@@ -328,7 +383,8 @@ class Trainer:
 
         cfg, step = self.cfg, self.state.step
         if cfg.train.eval_interval and step % cfg.train.eval_interval == 0:
-            metrics["valid_loss"] = self.evaluate()
+            metrics.update(self.evaluate())
+            self._watch_penalty(metrics)
         if step % cfg.logging.interval == 0 or step == cfg.train.steps:
             self.logger.log(step, metrics)
             if self.ctx.rank == 0 and cfg.logging.progress:

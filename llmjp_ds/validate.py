@@ -24,9 +24,12 @@ def validate_run(cfg: RunConfig, world_size: int | None = None) -> Layout:
     _check_parallel(cfg, layout, shape.num_layers)
     _check_train(cfg)
     _check_logging(cfg)
-    from llmjp_ds.precision import validate_phases
+    from llmjp_ds.precision import AUTO, validate_phases
 
     validate_phases(cfg.precision, shape.num_layers)
+    if any(ph.recipe == AUTO for ph in cfg.precision.phases) and not cfg.train.eval_interval:
+        fail("precision.phases: recipe auto chooses by the penalty measured on validation batches: set "
+             "train.eval_interval > 0 (and a data.split with a valid share), or name the recipe")
     from llmjp_ds.parallel.ds_config import build_ds_config
 
     build_ds_config(cfg, layout)  # the DeepSpeed JSON: exists, parses, has no optimizer/scheduler block

@@ -4,7 +4,6 @@ across it, and the divergence guard's rollback."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,14 +18,6 @@ PHASES = (f"precision.phases=[{{precision: bf16}}, {{precision: fp8, start_step:
 BASE = [TINY, "data.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=2", "precision.dtype=fp32",
         "precision.emulate_fp8=true", PHASES, "train.eval_interval=2", "logging.wandb=disabled",
         "optim.warmup_steps=1", "optim.decay_steps=8", "checkpoint.interval=1", "checkpoint.keep_last=10"]
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    e = dict(os.environ, OMP_NUM_THREADS="1", LLMJP_DS_CACHE=os.environ.get(
-        "LLMJP_DS_CACHE", str(Path.home() / ".cache" / "llmjp-ds")))
-    e.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "llmjp-ds" / "torch_extensions"))
-    return e
 
 
 def train(env, run_dir: Path, *sets: str) -> subprocess.CompletedProcess:

@@ -7,7 +7,8 @@ import torch
 
 from llmjp_ds.config import GuardConfig, PhaseConfig, PrecisionConfig
 from llmjp_ds.errors import UserError
-from llmjp_ds.precision import DivergenceGuard, PrecisionSchedule, validate_phases
+from llmjp_ds.fp8_guard import DivergenceGuard
+from llmjp_ds.precision import PrecisionSchedule, validate_phases
 
 
 def schedule(phases, tokens_per_step=1000, **kw):

@@ -122,7 +122,17 @@ CASES = [
     Case("dtype-fp16", T("precision.dtype=fp16"), ("precision.dtype must be bf16 or fp32, got 'fp16'",)),
     Case("unknown-recipe",
          T("precision.phases=[{precision: bf16}, {precision: fp8, start_step: 10, recipe: fancy}]"),
-         ("precision.phases[1].recipe must be one of delayed, current, block, got 'fancy'",)),
+         ("precision.phases[1].recipe must be one of delayed, current, block, auto, got 'fancy'",)),
+    Case("unknown-fallback-recipe",
+         T("precision.phases=[{precision: bf16}, {precision: fp8, start_step: 10, fallback: [current, fp4]}]"),
+         ("precision.phases[1].fallback must list recipes (delayed, current, block) or bf16, got ['current', 'fp4']",)),
+    Case("penalty-action-unknown", T("precision.guard.penalty_action=panic"),
+         ("precision.guard.penalty_action must be one of warn, fallback, bf16, got 'panic'",)),
+    Case("recipe-auto-without-validation",
+         T("precision.phases=[{precision: bf16}, {precision: fp8, start_step: 10, recipe: auto}]",
+           "train.eval_interval=0"),
+         ("precision.phases: recipe auto chooses by the penalty measured on validation batches: set "
+          "train.eval_interval > 0",)),
     Case("phases-out-of-order", T("precision.phases=[{precision: bf16}, {precision: fp8, start_step: 10}, "
                                   "{precision: bf16, start_step: 5}]"),
          ("precision.phases[2].start_step=5 must be after the previous phase's start (10)",)),

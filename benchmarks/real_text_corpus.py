@@ -1,0 +1,71 @@
+"""A large real-text corpus from text already on a machine: the Python sources (code and docstrings) of its
+installed packages and standard library, for FP8 fidelity runs that must not memorise their data.
+
+    python benchmarks/real_text_corpus.py --output-dir DIR --tokenizer LLM_JP_V3_MODEL [--megabytes 250]
+
+Writes ``DIR/sources.jsonl`` (one document per source file, in a fixed order, up to ``--megabytes`` of text)
+and preprocesses it with ``llmjp-ds preprocess`` into ``DIR/python_text_document.{bin,idx}``; prints the blend
+prefix. The bundled demo corpus cannot serve here: it is a few MB, which a small model learns by heart within
+a few hundred steps, and the FP8 penalty then measures the precision of memorisation (docs/precision.md).
+Not shipped: it only runs where the evidence is gathered (benchmarks/device/fp8_fidelity.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+
+def source_files() -> list[Path]:
+    """Every ``.py`` file under the interpreter's library directories, sorted (the same order on every run)."""
+    roots = {Path(sysconfig.get_paths()[key]) for key in ("stdlib", "purelib", "platlib")}
+    roots |= {Path(p) for p in sys.path if p.endswith("site-packages") and Path(p).is_dir()}
+    files = set()
+    for root in roots:
+        files.update(p for p in root.rglob("*.py") if p.is_file())
+    return sorted(files)
+
+
+def write_jsonl(path: Path, budget_bytes: int) -> tuple[int, int]:
+    """(documents, bytes) written: the source files' texts until the budget is reached."""
+    docs = size = 0
+    with open(path, "w", encoding="utf-8") as out:
+        for f in source_files():
+            try:
+                text = f.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError):
+                continue
+            if not text.strip():
+                continue
+            out.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
+            docs, size = docs + 1, size + len(text.encode())
+            if size >= budget_bytes:
+                break
+    return docs, size
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--tokenizer", required=True, help="SentencePiece .model (the LLM-jp v3 tokenizer)")
+    p.add_argument("--megabytes", type=float, default=250.0)
+    p.add_argument("--workers", type=int, default=max(1, min(14, os.cpu_count() or 1)))
+    a = p.parse_args(argv)
+    out = Path(a.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    docs, size = write_jsonl(out / "sources.jsonl", int(a.megabytes * 2**20))
+    print(f"{docs} source files, {size / 2**20:.0f} MB of text", flush=True)
+    prefix = out / "python"
+    subprocess.run([sys.executable, "-m", "llmjp_ds.cli", "preprocess", "--input", str(out / "sources.jsonl"),
+                    "--tokenizer", a.tokenizer, "--output-prefix", str(prefix), "--workers", str(a.workers),
+                    "--force"], check=True)
+    print(f"blend prefix: {prefix}_text_document", flush=True)
+
+
+if __name__ == "__main__":
+    main()

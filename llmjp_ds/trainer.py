@@ -2,15 +2,17 @@
 
 It holds the pieces and calls them; none of them knows it exists:
 
-* the precision schedule (:mod:`llmjp_ds.precision`) and the divergence guard;
+* the precision schedule (:mod:`llmjp_ds.precision`) and what watches FP8 once it runs (:mod:`llmjp_ds.fp8_guard`:
+  the divergence guard, FP8's loss penalty, ``recipe: auto``);
 * the parallel wiring (:mod:`llmjp_ds.parallel`): the process groups, the model or pipeline on this rank, the
   DeepSpeed engine and a step runner that hides which engine it is;
 * the data (:mod:`llmjp_ds.data`, batches by :mod:`llmjp_ds.batching`), checkpoints (:mod:`llmjp_ds.checkpoint`)
   and metrics (:mod:`llmjp_ds.metrics`).
 
 ``Trainer(cfg)`` validates (no process group yet); :meth:`Trainer.build_engine` starts the process group and
-builds the engine (all ``llmjp-ds bench`` needs); :meth:`Trainer.setup` does that and adds data, resume and
-logging; :meth:`Trainer.fit` runs the loop.
+builds the engine (all ``llmjp-ds bench`` needs); :meth:`Trainer.setup` does that and adds data, resume (on the
+saved layout or, converted once, on another: :mod:`llmjp_ds.parallel.reshape`) and logging; :meth:`Trainer.fit`
+runs the loop, with a watchdog that ends a stalled rank (:mod:`llmjp_ds.parallel.failure`).
 """
 
 from __future__ import annotations
@@ -113,8 +115,8 @@ class Trainer:
         """Everything a training run needs, resumed from ``latest`` when the run directory has one."""
         from llmjp_ds import checkpoint
         from llmjp_ds.data.prepare import resolve_data
-        from llmjp_ds.metrics import MetricsLogger, Throughput
         from llmjp_ds.fp8_guard import DivergenceGuard, PenaltyMonitor
+        from llmjp_ds.metrics import MetricsLogger, Throughput
         from llmjp_ds.model.flops import flops_per_token_for
 
         cfg = self.cfg

@@ -283,6 +283,7 @@ class Trainer:
         from llmjp_ds import checkpoint
 
         # a tag's number counts completed steps: tag N holds the state before step index N ran
+        self.watchdog.beat("checkpoint")  # loading the good checkpoint
         first_bad = self.guard.first_bad_step if self.guard.first_bad_step is not None else self.state.step
         good = [(s, t) for s, t in checkpoint.complete_tags(self.run_dir) if s <= first_bad]
         if not good:

@@ -148,7 +148,9 @@ def seed_optimizer_state(optimizer, step: torch.Tensor) -> None:
     for flat, group in zip(flats, optimizer.optimizer.param_groups):  # AdamW makes its state at the first step
         # where torch's AdamW keeps its step: on the parameter's device when fused or capturable, else on the CPU
         on_device = group.get("fused") or group.get("capturable")
-        optimizer.optimizer.state[flat] = {"step": step.to(flat.device if on_device else "cpu", torch.float32),
+        # a tensor of its own per group: AdamW increments each group's step in place
+        where = flat.device if on_device else "cpu"
+        optimizer.optimizer.state[flat] = {"step": step.to(where, torch.float32).clone(),
                                            "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
     optimizer._hp_optimizer_states_linked = False
     optimizer._lazy_init_hp_params_optimizer_state()

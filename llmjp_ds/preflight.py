@@ -60,6 +60,7 @@ def cli_main(argv: list[str], verb: str = "preflight") -> int:
     p.add_argument("--config", help="run config (YAML or JSON)")
     p.add_argument("--preset", help="run preset")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--gpu-gib", type=float, default=79.6, help="memory of one GPU in GiB (H100 80GB: 79.6)")
     a = p.parse_args(argv)
     hosts = parse_hostfile(a.hostfile)
     if a.num_nodes is not None:
@@ -76,5 +77,29 @@ def cli_main(argv: list[str], verb: str = "preflight") -> int:
         layout = validate_run(cfg, world)
         gas = layout.gradient_accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size)
         line += f"; config OK: {layout.describe(cfg.parallel.zero_stage)}, gradient accumulation {gas}"
+        print(line)
+        line = memory_line(cfg, layout, gas, a.gpu_gib)
     print(line)
     return 0
+
+
+def memory_line(cfg, layout, gas: int, capacity_gib: float) -> str:
+    """The busiest GPU's memory estimate (``parallel.memory``) for a ZeRO-1 run; a note otherwise."""
+    if cfg.parallel.zero_stage != 1:
+        return f"no memory estimate for ZeRO-{cfg.parallel.zero_stage} (parallel/memory.py models ZeRO-1)"
+    from llmjp_ds.config import model_config_of, seq_len_of
+    from llmjp_ds.model.shapes import resolve_shape
+    from llmjp_ds.parallel.memory import describe, layout_memory, stage_layers
+
+    model_config = model_config_of(cfg)
+    if layout.pipeline > 1:
+        from llmjp_ds.model.pipeline import flops_weights, stage_bounds
+
+        bounds = stage_bounds(flops_weights(model_config, seq_len_of(cfg, model_config)), layout.pipeline)
+        layers = stage_layers(bounds, model_config.num_hidden_layers)
+    else:
+        layers = [model_config.num_hidden_layers]
+    stages = layout_memory(resolve_shape(cfg.model.shape, cfg.model.overrides), layers, layout.data,
+                           cfg.train.micro_batch_size, seq_len_of(cfg, model_config), gas,
+                           cfg.model.activation_checkpointing)
+    return describe(max(stages, key=lambda s: s.total), capacity_gib)

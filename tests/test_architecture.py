@@ -31,7 +31,7 @@ ALLOWED = {
                 "checkpoint", "metrics", "optim", "drills"},
     "train": {"errors", "config", "trainer", "parallel"},
     "bench": {"errors", "config", "validate", "trainer", "model", "metrics", "optim", "parallel", "io_utils"},
-    "preflight": {"errors", "config", "validate"},
+    "preflight": {"errors", "config", "validate", "model", "parallel"},
     "demo": {"checkpoint", "config", "metrics", "train"},
     "plot": {"errors", "metrics"},
     "cli": {"errors"},

@@ -9,5 +9,6 @@ them, the step runners, and every use of DeepSpeed internals.
   BF16 optimizer; its ZeRO-1 checkpoint format and optimizer state);
 * :mod:`.runners`: one step runner per engine kind, behind one interface;
 * :mod:`.failure`: how a multi-rank job ends when one rank fails or stalls;
-* :mod:`.reshape`: resuming a checkpoint on another layout.
+* :mod:`.reshape`: resuming a checkpoint on another layout;
+* :mod:`.memory`: the per-stage memory of a layout (what preflight estimates).
 """

@@ -44,8 +44,7 @@ class PenaltyDrill:
 
     def eval_loss(self, batches):
         loss = self.runner.eval_loss(batches)
-        fp8 = self.precision.phase_at(self.precision.step).precision == "fp8" and not self.precision.bf16_reference
-        return loss * (1.0 + self.extra) if fp8 else loss
+        return loss * (1.0 + self.extra) if self.precision.in_fp8() else loss
 
     def __getattr__(self, name):
         return getattr(self.runner, name)

@@ -148,11 +148,7 @@ class PrecisionSchedule:
 
     # --- which phase ----------------------------------------------------------------------------------
     def scheduled_phase(self, step: int) -> Phase:
-        current = self.phases[0]
-        for ph in self.phases:
-            if ph.start_step <= step:
-                current = ph
-        return current
+        return _in_force(self.phases, step)
 
     def phase_at(self, step: int) -> Phase:
         ph = self.scheduled_phase(step)
@@ -272,7 +268,7 @@ class PrecisionSchedule:
     def _apply_switches(self) -> None:
         phases = list(self.configured)
         for sw in self.switches:
-            base = max((p for p in phases if p.start_step <= sw["step"]), key=lambda p: p.start_step)
+            base = _in_force(sorted(phases, key=lambda p: p.start_step), sw["step"])
             if sw["recipe"] == "bf16":
                 phases.append(replace(base, precision="bf16", start_step=sw["step"]))
                 continue
@@ -287,13 +283,17 @@ class PrecisionSchedule:
         """The recipe the configured fallback chain of the phase at ``step`` goes to next (``bf16`` at its end).
         A recipe chosen by ``recipe: auto`` steps to the chain's first other entry."""
         now = self.phase_at(step).recipe
-        configured = max((p for p in self.configured if p.start_step <= step), key=lambda p: p.start_step)
+        configured = _in_force(self.configured, step)
         chain = [configured.recipe, *configured.fallback]
         if now in chain:
             rest = chain[chain.index(now) + 1:]
         else:
             rest = [r for r in configured.fallback if r != now]
         return rest[0] if rest else "bf16"
+
+    def in_fp8(self) -> bool:
+        """Whether the current micro-batches run in FP8 (the current step's phase, outside ``forced_bf16``)."""
+        return self.phase_at(self.step).precision == "fp8" and not self.bf16_reference
 
     def choice_pending(self, step: int) -> bool:
         """``recipe: auto`` starts at ``step`` and its recipe is still to be chosen."""
@@ -323,6 +323,15 @@ class PrecisionSchedule:
         self.rollbacks = state.get("rollbacks", 0)
         self.switches = list(state.get("switches", []))
         self._apply_switches()
+
+
+def _in_force(phases: list[Phase], step: int) -> Phase:
+    """The phase of ``phases`` (sorted by start step; of equal starts the later one) in force at ``step``."""
+    current = phases[0]
+    for ph in phases:
+        if ph.start_step <= step:
+            current = ph
+    return current
 
 
 class _KeptInBF16:

@@ -186,7 +186,7 @@ class Trainer:
         self.watchdog.beat("evaluation")
         batches = self.micro_batches(self.valid_ds, 0)
         out = {"valid_loss": self.runner.eval_loss(batches).item()}
-        if self.precision.phase_at(self.precision.step).precision == "fp8":
+        if self.precision.in_fp8():
             with self.precision.forced_bf16():
                 out["valid_loss_bf16"] = self.runner.eval_loss(batches).item()
             out["fp8_penalty"] = penalty(out["valid_loss"], out["valid_loss_bf16"])

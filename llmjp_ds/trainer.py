@@ -266,8 +266,12 @@ class Trainer:
         from llmjp_ds.parallel.reshape import CONVERTED, convert, load_converted
 
         n = self.model_config.num_hidden_layers
+        def extra_states() -> dict:
+            state = checkpoint.read_model_state(self.run_dir, tag, checkpoint.read_marker(self.run_dir, tag))
+            return {k: v for k, v in state.items() if k.endswith("_extra_state")}
+
         if self.ctx.rank == 0:
-            convert(checkpoint.checkpoint_dir(self.run_dir) / tag, n)
+            convert(checkpoint.checkpoint_dir(self.run_dir) / tag, n, extra_states)
         self.ctx.barrier()
         with checkpoint.trusted_te_extra_state():  # TE's pickled FP8 state of this run's own checkpoint
             load_converted(self.engine, checkpoint.checkpoint_dir(self.run_dir) / tag / CONVERTED, n)

@@ -44,8 +44,9 @@ def _ours(name: str, pipeline: bool, num_layers: int) -> str:
     return pipeline_name_to_ours(int(index), num_layers, rest)
 
 
-def convert(tag_dir, num_layers: int) -> Path:
-    """Write ``<tag>/layout-free/`` from the checkpoint in ``tag_dir`` (once: a finished conversion is kept)."""
+def convert(tag_dir, num_layers: int, read_extra_states) -> Path:
+    """Write ``<tag>/layout-free/`` from the checkpoint in ``tag_dir`` (once: a finished conversion is kept);
+    ``read_extra_states()`` returns its modules' ``_extra_state`` entries under our names."""
     tag_dir = Path(tag_dir)
     out = tag_dir / CONVERTED
     if (out / DONE).is_file():
@@ -54,8 +55,7 @@ def convert(tag_dir, num_layers: int) -> Path:
     pipeline = stages > 1
     for name, full in zero_checkpoint_params(tag_dir, stages, data):
         _save(out / f"{_ours(name, pipeline, num_layers)}.pt", full)
-    _save(out / "_extra_state.pt", {"step": zero_checkpoint_step(tag_dir),
-                                    "extra": _extra_states(tag_dir, pipeline, num_layers)})
+    _save(out / "_extra_state.pt", {"step": zero_checkpoint_step(tag_dir), "extra": read_extra_states()})
     write_bytes_atomic(out / DONE, f"{stages} {data}\n".encode())
     return out
 
@@ -64,21 +64,6 @@ def _save(path: Path, obj) -> None:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     write_bytes_atomic(path, buffer.getvalue())
-
-
-def _extra_states(tag_dir: Path, pipeline: bool, num_layers: int) -> dict[str, torch.Tensor]:
-    from llmjp_ds.model.hf_adapter import pipeline_name_to_ours
-
-    extra = {}
-    if pipeline:
-        for f in sorted(tag_dir.glob("layer_*-model_states.pt")):
-            index = int(f.name.split("_")[1].split("-")[0])
-            for name, value in torch.load(f, map_location="cpu", weights_only=False).items():
-                if name.endswith("_extra_state"):
-                    extra[pipeline_name_to_ours(index, num_layers, name)] = value
-        return extra
-    module = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
-    return {k: v for k, v in module.items() if k.endswith("_extra_state")}
 
 
 def load_converted(engine, converted: Path, num_layers: int) -> None:

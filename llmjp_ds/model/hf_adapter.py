@@ -133,3 +133,53 @@ def pipeline_name_to_ours(layer_index: int, num_layers: int, name: str) -> str:
     if name.startswith("norm."):
         return "model." + name
     return name  # lm_head.weight
+
+
+# --- tensor-parallel shards ---------------------------------------------------------------------------------
+# how each of our weights is split over a tensor-parallel group (TE's layout): rows of the column-parallel GEMMs
+# (QKV: whole KV groups, as the interleaved layout keeps each group's rows together), columns of the
+# row-parallel ones, vocabulary rows of the embedding and the head; the RMSNorm weights are replicated
+_TP_DIMS = (("self_attention.layernorm_qkv.weight", 0), ("self_attention.proj.weight", 1),
+            ("layernorm_mlp.fc1_weight", 0), ("layernorm_mlp.fc2_weight", 1), ("embed_tokens.weight", 0),
+            ("lm_head.weight", 0))
+_GATED = "layernorm_mlp.fc1_weight"  # each rank's fc1 is [its gate rows; its up rows]
+
+
+def tp_split_dim(name: str) -> int | None:
+    """The dimension ``name`` (ours, or a pipeline layer's) is split along under TP; None: replicated."""
+    for suffix, dim in _TP_DIMS:
+        if name.endswith(suffix):
+            return dim
+    return None
+
+
+def tp_shard(name: str, tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Rank ``rank``'s part of the whole ``tensor`` named ``name``, of a group of ``size``."""
+    dim = tp_split_dim(name)
+    if dim is None or size == 1:
+        return tensor
+    if name.endswith(_GATED):
+        gate, up = tensor.chunk(2, dim=0)
+        return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
+    return tensor.chunk(size, dim=dim)[rank]
+
+
+def tp_merge(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    """The whole tensor from every rank's part (in rank order); inverse of :func:`tp_shard`. A replicated
+    tensor is taken from rank 0."""
+    dim = tp_split_dim(name)
+    if dim is None or len(shards) == 1:
+        return shards[0]
+    if name.endswith(_GATED):
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(shards, dim=dim)
+
+
+def tp_shard_state_dict(state: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.Tensor]:
+    return {name: tp_shard(name, t, rank, size) for name, t in state.items()}
+
+
+def tp_merge_state_dicts(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One state dict from the TP ranks' ones (rank order). ``_extra_state`` entries are rank 0's."""
+    return {name: tp_merge(name, [s[name] for s in shards]) for name in shards[0]}

@@ -34,6 +34,7 @@ from llmjp_ds.model.loss import CausalLMLoss, LossParts
 from llmjp_ds.model.loss import shift_labels as shift_labels_of
 from llmjp_ds.model.main_grad import HeadLinear, TokenEmbedding
 from llmjp_ds.model.shapes import check_supported, rope_theta
+from llmjp_ds.model.tensor_parallel import TensorParallel, leave_row, mark_sharded
 
 
 @functools.lru_cache(maxsize=16)
@@ -52,51 +53,67 @@ def head_dim_of(config) -> int:
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config, layer_idx: int, L, params_dtype=None):
+    """QKV (column-parallel under TP: this rank's KV groups and their query heads), RoPE, the attention core on
+    those heads, and the output projection (row-parallel). ``recompute_core``: the core is recomputed in backward
+    (``model.recompute: selective``)."""
+
+    def __init__(self, config, layer_idx: int, L, params_dtype=None, tp: TensorParallel | None = None,
+                 recompute_core: bool = False):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_kv = config.num_key_value_heads
+        split = 1 if tp is None else tp.size
+        self.num_heads = config.num_attention_heads // split
+        self.num_kv = config.num_key_value_heads // split
         self.head_dim = head_dim_of(config)
+        self.qkv_format = "bshd" if tp is None else "sbhd"
+        self.recompute_core = recompute_core
         std = config.initializer_range
         self.layernorm_qkv = L.LayerNormLinear(
-            config.hidden_size, (self.num_heads + 2 * self.num_kv) * self.head_dim, eps=config.rms_norm_eps,
-            init_std=std, params_dtype=params_dtype)
-        self.core_attention = L.DotProductAttention(self.num_heads, self.head_dim, self.num_kv)
-        self.proj = L.Linear(self.num_heads * self.head_dim, config.hidden_size,
-                             init_std=std / math.sqrt(2.0 * config.num_hidden_layers), params_dtype=params_dtype)
+            config.hidden_size, (config.num_attention_heads + 2 * config.num_key_value_heads) * self.head_dim,
+            eps=config.rms_norm_eps, init_std=std, params_dtype=params_dtype, tp=tp)
+        self.core_attention = L.DotProductAttention(self.num_heads, self.head_dim, self.num_kv,
+                                                    qkv_format=self.qkv_format)
+        self.proj = L.Linear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                             init_std=std / math.sqrt(2.0 * config.num_hidden_layers), params_dtype=params_dtype,
+                             tp=tp, parallel_mode="row")
         self._L = L
 
     def forward(self, x, freqs, mask=None, cache=None):
-        b, s, _ = x.shape
+        qkv = self.layernorm_qkv(x)
+        lead = qkv.shape[:2]  # (b, s), or (s, b) under tensor parallelism (the whole sequence: gathered)
         group = self.num_heads // self.num_kv
         # TE's fused QKV layout: [kv groups, (q heads of the group, k, v), head_dim]
-        qkv = self.layernorm_qkv(x).view(b, s, self.num_kv, group + 2, self.head_dim)
+        qkv = qkv.view(*lead, self.num_kv, group + 2, self.head_dim)
         q, k, v = qkv.split([group, 1, 1], dim=3)
-        q = q.reshape(b, s, self.num_heads, self.head_dim)
-        k = k.reshape(b, s, self.num_kv, self.head_dim)
-        v = v.reshape(b, s, self.num_kv, self.head_dim)
-        q, k = self._L.apply_rope(q, freqs), self._L.apply_rope(k, freqs)
+        q = q.reshape(*lead, self.num_heads, self.head_dim)
+        k = k.reshape(*lead, self.num_kv, self.head_dim)
+        v = v.reshape(*lead, self.num_kv, self.head_dim)
+        q, k = self._L.apply_rope(q, freqs, self.qkv_format), self._L.apply_rope(k, freqs, self.qkv_format)
         if cache is None and mask is None:
-            out = self.core_attention(q, k, v)
+            out = self.core_attention(q, k, v, checkpoint_core_attention=self.recompute_core and self.training)
         else:
             if cache is not None:
                 k, v = cache.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_idx)
                 k, v = k.transpose(1, 2), v.transpose(1, 2)
             out = self._L.sdpa(q, k, v, mask=mask, scale=1.0 / math.sqrt(self.head_dim))
-        return self.proj(out.reshape(b, s, -1))
+        return self.proj(out.reshape(*lead, -1))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; the norms live inside TE's fused modules."""
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; the norms live inside TE's fused modules.
+    Under tensor parallelism ``x`` is ``[s, b, h]``, sequence-sharded ``[s / tp, b, h]`` with sequence
+    parallelism."""
 
-    def __init__(self, config, layer_idx: int, backend: str, params_dtype=None):
+    def __init__(self, config, layer_idx: int, backend: str, params_dtype=None, tp: TensorParallel | None = None,
+                 recompute_core: bool = False):
         super().__init__()
         L = layers_module(backend)
-        self.self_attention = SelfAttention(config, layer_idx, L, params_dtype)
+        self.tp = tp
+        self.self_attention = SelfAttention(config, layer_idx, L, params_dtype, tp, recompute_core)
         self.layernorm_mlp = L.LayerNormMLP(
             config.hidden_size, config.intermediate_size, eps=config.rms_norm_eps, init_std=config.initializer_range,
-            output_std=config.initializer_range / math.sqrt(2.0 * config.num_hidden_layers), params_dtype=params_dtype)
+            output_std=config.initializer_range / math.sqrt(2.0 * config.num_hidden_layers), params_dtype=params_dtype,
+            tp=tp)
 
     def forward(self, x, freqs, mask=None, cache=None):
         x = x + self.self_attention(x, freqs, mask, cache)
@@ -107,10 +124,32 @@ def _device_for(backend: str):
     return "cuda" if backend == "te" else None
 
 
+def sequence_length(x: torch.Tensor, tp: TensorParallel | None) -> int:
+    """The whole sequence's length of hidden states ``x`` (``[b, s, h]``; under TP ``[s, b, h]``, sharded by SP)."""
+    if tp is None:
+        return x.shape[1]
+    return x.shape[0] * (tp.size if tp.sequence_parallel else 1)
+
+
 class Embedding(TokenEmbedding):
-    def __init__(self, config, backend: str, params_dtype=None):
-        super().__init__(config.vocab_size, config.hidden_size, device=_device_for(backend), dtype=params_dtype)
+    """The token embedding; vocabulary-parallel under TP: this rank's rows, ids outside them give zeros, and the
+    sum over ranks is reduce-scattered to the sequence shards (SP) or all-reduced. Output ``[s, b, h]`` then."""
+
+    def __init__(self, config, backend: str, params_dtype=None, tp: TensorParallel | None = None):
+        rows = config.vocab_size if tp is None else tp.split(config.vocab_size)
+        super().__init__(rows, config.hidden_size, device=_device_for(backend), dtype=params_dtype)
         nn.init.normal_(self.weight, std=config.initializer_range)
+        self.tp = tp
+        if tp is not None:
+            mark_sharded(self.weight, 0)
+
+    def forward(self, input_ids):
+        if self.tp is None:
+            return super().forward(input_ids)
+        local = input_ids.t() - self.tp.rank * self.num_embeddings  # sequence-first
+        outside = (local < 0) | (local >= self.num_embeddings)
+        x = super().forward(local.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(-1), 0.0)
+        return leave_row(x, self.tp)
 
 
 class FinalNormHead(nn.Module):
@@ -118,28 +157,31 @@ class FinalNormHead(nn.Module):
     TE module: it stays in BF16 in FP8 phases, as in Megatron-LM and LLM-jp's FP8 runs. ``fp8_head`` makes it the
     backend's ``Linear`` (TE's on a GPU), which FP8 phases run in FP8 like the decoder layers; it then carries
     FP8 scaling state (``lm_head._extra_state``) in checkpoints. The parameter name is ``lm_head.weight`` either
-    way."""
+    way. Under TP the head is column-parallel over the vocabulary: each rank's logits are its vocabulary slice
+    (``[s, b, V / tp]``), which the loss reads as they are (``model.loss``)."""
 
-    def __init__(self, config, backend: str, params_dtype=None, fp8_head: bool = False):
+    def __init__(self, config, backend: str, params_dtype=None, fp8_head: bool = False,
+                 tp: TensorParallel | None = None):
         super().__init__()
         L = layers_module(backend)
-        self.norm = L.RMSNorm(config.hidden_size, eps=config.rms_norm_eps, params_dtype=params_dtype)
+        self.norm = L.RMSNorm(config.hidden_size, eps=config.rms_norm_eps, params_dtype=params_dtype, tp=tp)
         if fp8_head:
             self.lm_head = L.Linear(config.hidden_size, config.vocab_size, init_std=config.initializer_range,
-                                    params_dtype=params_dtype)
+                                    params_dtype=params_dtype, tp=tp, parallel_mode="column")
         else:
             self.lm_head = HeadLinear(config.hidden_size, config.vocab_size, init_std=config.initializer_range,
-                                      device=_device_for(backend), dtype=params_dtype)
+                                      device=_device_for(backend), dtype=params_dtype, tp=tp)
 
     def forward(self, x):
         return self.lm_head(self.norm(x))
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, backend: str, params_dtype=None):
+    def __init__(self, config, backend: str, params_dtype=None, tp: TensorParallel | None = None,
+                 recompute_core: bool = False):
         super().__init__()
-        self.embed_tokens = Embedding(config, backend, params_dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, backend, params_dtype)
+        self.embed_tokens = Embedding(config, backend, params_dtype, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, backend, params_dtype, tp, recompute_core)
                                     for i in range(config.num_hidden_layers))
         self.norm: nn.Module | None = None  # set by LlamaForCausalLM from its FinalNormHead
 
@@ -180,15 +222,17 @@ class LlamaForCausalLM(PreTrainedModel, GenerationMixin):
     _supports_sdpa = True
 
     def __init__(self, config: LlamaConfig, backend: str | None = None, params_dtype: torch.dtype | None = None,
-                 z_loss_coeff: float = 0.0, fused_loss: bool = False, fp8_lm_head: bool = False):
+                 z_loss_coeff: float = 0.0, fused_loss: bool = False, fp8_lm_head: bool = False,
+                 tp: TensorParallel | None = None, recompute_core: bool = False):
         check_supported(config)
         super().__init__(config)
         self.backend = resolve_backend(backend)
-        self.loss_fn = CausalLMLoss(z_loss_coeff, fused_loss)  # see llmjp_ds.model.loss
-        self.activation_checkpointing = False
+        self.tp = tp
+        self.loss_fn = CausalLMLoss(z_loss_coeff, fused_loss, tp)  # see llmjp_ds.model.loss
+        self.activation_checkpointing = False  # model.recompute: full
         self.checkpoint_fn = layers_module(self.backend).checkpoint  # the precision schedule may hand another
-        self.model = LlamaModel(config, self.backend, params_dtype)
-        head = FinalNormHead(config, self.backend, params_dtype, fp8_head=fp8_lm_head)
+        self.model = LlamaModel(config, self.backend, params_dtype, tp, recompute_core)
+        head = FinalNormHead(config, self.backend, params_dtype, fp8_head=fp8_lm_head, tp=tp)
         self.model.norm, self.lm_head = head.norm, head.lm_head  # HF's names for the same two modules
         self.post_init()
 
@@ -206,8 +250,12 @@ class LlamaForCausalLM(PreTrainedModel, GenerationMixin):
         return self.lm_head
 
     def hidden_states(self, input_ids, position_ids=None, attention_mask=None, cache=None, inputs_embeds=None):
+        if self.tp is not None and (cache is not None or inputs_embeds is not None or (
+                attention_mask is not None and not bool(attention_mask.all()))):
+            raise ValueError("a tensor-parallel model trains and evaluates only: generate with its export "
+                             "(llmjp-ds export merges the shards)")
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        b, s = x.shape[:2]
+        s = sequence_length(x, self.tp)
         past = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:
             freqs = rope_freqs(torch.arange(past, past + s, device=x.device), head_dim_of(self.config),
@@ -231,6 +279,7 @@ class LlamaForCausalLM(PreTrainedModel, GenerationMixin):
         shifted (transformers' name for it), which is how the trainer calls the model."""
         cache = cache if cache is not None else past_key_values
         use_cache = self.config.use_cache if use_cache is None else use_cache
+        use_cache = use_cache and self.tp is None  # a tensor-parallel model does not generate
         if use_cache and cache is None and not self.training:
             from transformers import DynamicCache
 

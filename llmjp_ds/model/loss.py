@@ -5,6 +5,10 @@ Over a 100k vocabulary the logits of one micro-batch are the largest tensor of t
 fp32 gradient the size of it again. ``fused=True`` runs the same formula through ``torch.compile``: the fp32
 cast happens in registers inside one reduction kernel (and one pointwise backward kernel that writes the bf16
 gradient directly), so no fp32 logits ever exist in memory. Same math, same result to fp32 rounding.
+
+Under tensor parallelism the logits are vocabulary-parallel (each rank holds ``[s, b, V / tp]``) and no rank ever
+holds a full row: :func:`vocab_parallel_loss` all-reduces the row maxima, the sums of exponentials and the
+target logits (from the rank owning each id) over the group, and builds the same log-sum-exp both terms use.
 """
 
 from __future__ import annotations
@@ -13,7 +17,10 @@ import sys
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+
+from llmjp_ds.model.tensor_parallel import TensorParallel, reduce_from
 
 IGNORE_INDEX = -100
 
@@ -39,6 +46,28 @@ def _loss_terms(logits: torch.Tensor, targets: torch.Tensor, z_loss_coeff: float
     return lm_loss + z_loss, lm_loss, z_loss
 
 
+def _vocab_parallel_terms(logits: torch.Tensor, targets: torch.Tensor, z_loss_coeff: float, tp: TensorParallel):
+    """:func:`_loss_terms` over vocabulary-parallel ``logits [s, b, V / tp]`` and ``targets [b, s]``."""
+    local_vocab = logits.shape[-1]
+    logits = logits.float().reshape(-1, local_vocab)
+    targets = targets.t().reshape(-1)  # sequence-first, as the logits
+    keep = targets != IGNORE_INDEX
+    count = keep.sum().clamp(min=1)
+    row_max = logits.detach().max(dim=-1).values  # log-sum-exp does not depend on it: no gradient needed
+    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp.group)
+    log_z = row_max + reduce_from((logits - row_max.unsqueeze(1)).exp().sum(dim=-1), tp).log()
+    local = targets - tp.rank * local_vocab
+    owned = (local >= 0) & (local < local_vocab)
+    mine = logits.gather(1, local.clamp(0, local_vocab - 1).unsqueeze(1)).squeeze(1) * owned
+    target_logit = reduce_from(mine, tp)
+    lm_loss = ((log_z - target_logit) * keep).sum() / count
+    if z_loss_coeff:
+        z_loss = z_loss_coeff * (log_z.pow(2) * keep).sum() / count
+    else:
+        z_loss = torch.zeros((), device=logits.device)
+    return lm_loss + z_loss, lm_loss, z_loss
+
+
 def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor, z_loss_coeff: float = 0.0) -> LossParts:
     """Mean token cross-entropy of ``logits [..., V]`` against already-shifted ``targets [...]``, in fp32 (eager).
 
@@ -51,14 +80,18 @@ class CausalLMLoss:
     """:func:`causal_lm_loss` with a fixed z-loss coefficient; ``fused`` runs it compiled (module docstring).
 
     The compiled function is built on first use and kept by this object. If no compiler works, one line goes to
-    stderr and this object uses the eager formula from then on."""
+    stderr and this object uses the eager formula from then on. With ``tp`` the logits are vocabulary-parallel
+    (:func:`_vocab_parallel_terms`, eager: its collectives sit between the reductions)."""
 
-    def __init__(self, z_loss_coeff: float = 0.0, fused: bool = False):
+    def __init__(self, z_loss_coeff: float = 0.0, fused: bool = False, tp: TensorParallel | None = None):
         self.z_loss_coeff = z_loss_coeff
         self.fused = fused
+        self.tp = tp
         self.compiled = None  # the compiled formula; False once compiling failed
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> LossParts:
+        if self.tp is not None:
+            return LossParts(*_vocab_parallel_terms(logits, targets, self.z_loss_coeff, self.tp))
         if self.fused and self.compiled is not False:
             try:
                 if self.compiled is None:

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from llmjp_ds.model.tensor_parallel import enter_column, mark_sharded
+
 MAIN_GRAD_WEIGHTS = ("weight",)
 
 
@@ -76,14 +78,20 @@ class HeadLinear(torch.nn.Linear):
     MAIN_GRAD_WEIGHTS = MAIN_GRAD_WEIGHTS
     fuse_wgrad_accumulation = False
 
-    def __init__(self, in_features: int, out_features: int, init_std: float, device=None, dtype=None):
-        self.init_std = init_std
-        super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
+    def __init__(self, in_features: int, out_features: int, init_std: float, device=None, dtype=None, tp=None):
+        self.init_std, self.tp = init_std, tp
+        super().__init__(in_features, out_features if tp is None else tp.split(out_features), bias=False,
+                         device=device, dtype=dtype)
+        if tp is not None:
+            mark_sharded(self.weight, 0)
 
     def reset_parameters(self):
         torch.nn.init.normal_(self.weight, std=self.init_std)
 
     def forward(self, x):
+        """Under TP: column-parallel over the vocabulary (``x`` gathered from the sequence shards first)."""
+        if self.tp is not None:
+            x = enter_column(x, self.tp)
         return _LinearMainGrad.apply(x, self.weight) if _fused(self) else F.linear(x, self.weight)
 
 

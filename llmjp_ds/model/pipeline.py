@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from llmjp_ds.model.flops import layer_and_logits_flops_for
-from llmjp_ds.model.llama import DecoderLayer, Embedding, FinalNormHead, head_dim_of, rope_freqs
+from llmjp_ds.model.llama import DecoderLayer, Embedding, FinalNormHead, head_dim_of, rope_freqs, sequence_length
 from llmjp_ds.model.loss import CausalLMLoss
 from llmjp_ds.model.shapes import rope_theta
 
@@ -21,13 +21,13 @@ class EmbeddingPipe(Embedding):
 
 
 class DecoderLayerPipe(DecoderLayer):
-    def __init__(self, config, layer_idx, backend, params_dtype=None):
-        super().__init__(config, layer_idx, backend, params_dtype)
+    def __init__(self, config, layer_idx, backend, params_dtype=None, tp=None, recompute_core=False):
+        super().__init__(config, layer_idx, backend, params_dtype, tp, recompute_core)
         self.head_dim, self.theta = head_dim_of(config), rope_theta(config)
 
     def forward(self, hidden):
-        freqs = rope_freqs(torch.arange(hidden.shape[1], device=hidden.device), self.head_dim, self.theta)
-        return super().forward(hidden, freqs)
+        positions = torch.arange(sequence_length(hidden, self.tp), device=hidden.device)
+        return super().forward(hidden, rope_freqs(positions, self.head_dim, self.theta))
 
 
 class FinalNormHeadPipe(FinalNormHead):
@@ -38,8 +38,8 @@ class PipelineLoss:
     """``loss_fn`` for the last stage: returns the total loss times ``scale`` (1, or NaN in a fault drill), keeps
     the parts of the current step for logging."""
 
-    def __init__(self, z_loss_coeff: float, fused: bool = False):
-        self.loss_fn = CausalLMLoss(z_loss_coeff, fused)
+    def __init__(self, z_loss_coeff: float, fused: bool = False, tp=None):
+        self.loss_fn = CausalLMLoss(z_loss_coeff, fused, tp)
         self.scale = 1.0
         self.reset()
 
@@ -107,10 +107,12 @@ def pipeline_module_class():
     return PrecisionPipelineModule
 
 
-def layer_specs(config, backend: str, params_dtype=None, fp8_head: bool = False) -> list:
+def layer_specs(config, backend: str, params_dtype=None, fp8_head: bool = False, tp=None,
+                recompute_core: bool = False) -> list:
+    """The stages' layers; ``tp``: the tensor-parallel group every layer is split over (None: whole layers)."""
     from deepspeed.pipe import LayerSpec
 
-    return ([LayerSpec(EmbeddingPipe, config, backend, params_dtype)]
-            + [LayerSpec(DecoderLayerPipe, config, i, backend, params_dtype)
+    return ([LayerSpec(EmbeddingPipe, config, backend, params_dtype, tp)]
+            + [LayerSpec(DecoderLayerPipe, config, i, backend, params_dtype, tp, recompute_core)
                for i in range(config.num_hidden_layers)]
-            + [LayerSpec(FinalNormHeadPipe, config, backend, params_dtype, fp8_head=fp8_head)])
+            + [LayerSpec(FinalNormHeadPipe, config, backend, params_dtype, fp8_head=fp8_head, tp=tp)])

@@ -43,41 +43,53 @@ def _device_kwargs(params_dtype):
     return {"params_dtype": params_dtype or torch.get_default_dtype(), "device": "cuda"}
 
 
-def RMSNorm(hidden_size: int, eps: float, params_dtype=None):
-    return te.RMSNorm(hidden_size, eps=eps, **_device_kwargs(params_dtype))
+def _tp_kwargs(tp, parallel_mode=None) -> dict:
+    """TE's own tensor parallelism (no userbuffers overlap: it needs NVLink multicast)."""
+    if tp is None:
+        return {}
+    kwargs = {"tp_group": tp.group, "tp_size": tp.size, "sequence_parallel": tp.sequence_parallel}
+    return kwargs if parallel_mode is None else {**kwargs, "parallel_mode": parallel_mode}
 
 
-def LayerNormLinear(in_features, out_features, eps, init_std, params_dtype=None):
+def RMSNorm(hidden_size: int, eps: float, params_dtype=None, tp=None):
+    sp = {"sequence_parallel": True} if tp is not None and tp.sequence_parallel else {}
+    return te.RMSNorm(hidden_size, eps=eps, **sp, **_device_kwargs(params_dtype))
+
+
+def LayerNormLinear(in_features, out_features, eps, init_std, params_dtype=None, tp=None):
     return _LayerNormLinear(
         in_features, out_features, eps=eps, bias=False, normalization="RMSNorm",
-        init_method=_normal(init_std), **_device_kwargs(params_dtype),
+        init_method=_normal(init_std), **_tp_kwargs(tp, "column"), **_device_kwargs(params_dtype),
     )
 
 
-def Linear(in_features, out_features, init_std, params_dtype=None):
+def Linear(in_features, out_features, init_std, params_dtype=None, tp=None, parallel_mode=None):
     return _Linear(in_features, out_features, bias=False, init_method=_normal(init_std),
-                     **_device_kwargs(params_dtype))
+                   **_tp_kwargs(tp, parallel_mode), **_device_kwargs(params_dtype))
 
 
-def LayerNormMLP(hidden_size, ffn_hidden_size, eps, init_std, output_std, params_dtype=None):
+def LayerNormMLP(hidden_size, ffn_hidden_size, eps, init_std, output_std, params_dtype=None, tp=None):
     return _LayerNormMLP(
         hidden_size, ffn_hidden_size, eps=eps, bias=False, normalization="RMSNorm", activation="swiglu",
-        init_method=_normal(init_std), output_layer_init_method=_normal(output_std), **_device_kwargs(params_dtype),
+        init_method=_normal(init_std), output_layer_init_method=_normal(output_std),
+        # set_parallel_mode: fc1 column- and fc2 row-parallel (without it TE would split fc1 and never reduce)
+        **({} if tp is None else {**_tp_kwargs(tp), "set_parallel_mode": True}), **_device_kwargs(params_dtype),
     )
 
 
-def DotProductAttention(num_attention_heads, head_dim, num_gqa_groups, **_):
+def DotProductAttention(num_attention_heads, head_dim, num_gqa_groups, qkv_format="bshd", **_):
+    """``num_attention_heads`` and ``num_gqa_groups`` are this rank's (the heads are split by the QKV GEMM)."""
     return te.DotProductAttention(
         num_attention_heads, head_dim, num_gqa_groups=num_gqa_groups, attention_dropout=0.0,
-        qkv_format="bshd", attn_mask_type="causal",
+        qkv_format=qkv_format, attn_mask_type="causal",
     )
 
 
-def apply_rope(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+def apply_rope(t: torch.Tensor, freqs: torch.Tensor, qkv_format: str = "bshd") -> torch.Tensor:
     """TE's fused RoPE kernel when every sequence shares positions (training); else the torch formula."""
     if freqs.dim() == 2:
-        return apply_rotary_pos_emb(t, freqs[:, None, None, :], tensor_format="bshd", fused=True)
-    return torch_apply_rope(t, freqs)
+        return apply_rotary_pos_emb(t, freqs[:, None, None, :], tensor_format=qkv_format, fused=True)
+    return torch_apply_rope(t, freqs, qkv_format)
 
 
 def checkpoint(function, *args):

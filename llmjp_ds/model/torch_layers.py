@@ -7,6 +7,11 @@ comes from TE, and used for the emulated-FP8 scaling state on machines without T
 
 Every matrix product goes through :func:`linear`, the one place FP8 emulation hooks in: a module given an
 emulator (``module.fp8_emulator``, see ``llmjp_ds.fp8_emulation``) routes its GEMMs through it.
+
+Tensor parallelism as TE does it (``tp``, ``parallel_mode``): a ``column`` module holds its rows of the weight
+(``[out / tp, in]``) and gathers its input from the sequence shards first (or takes the replicated input); a
+``row`` module holds its columns (``[out, in / tp]``) and reduce-scatters (or all-reduces) its partial output.
+The communication is :mod:`llmjp_ds.model.tensor_parallel`'s.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from llmjp_ds.model.tensor_parallel import TensorParallel, enter_column, leave_row, mark_sharded
 
 
 def linear(module: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -55,69 +62,109 @@ class _ExtraState:
                 self._fp8_emu_state = state.detach().float().cpu().clone()
 
 
+def _local(n: int, tp: TensorParallel | None) -> int:
+    return n if tp is None else tp.split(n)
+
+
+def _weight(out_features: int, in_features: int, std: float, dtype, tp, mode) -> nn.Parameter:
+    """This rank's part of an ``[out, in]`` weight (rows for ``column``, columns for ``row``), ``N(0, std)``."""
+    shape = (_local(out_features, tp) if mode == "column" else out_features,
+             _local(in_features, tp) if mode == "row" else in_features)
+    weight = nn.Parameter(torch.empty(shape, dtype=dtype))
+    nn.init.normal_(weight, std=std)
+    if tp is not None and mode is not None:
+        mark_sharded(weight, 0 if mode == "column" else 1)
+    return weight
+
+
+def _norm_weight(size: int, dtype, tp: TensorParallel | None) -> nn.Parameter:
+    weight = nn.Parameter(torch.ones(size, dtype=dtype))
+    if tp is not None and tp.sequence_parallel:
+        weight.sequence_parallel = True  # applied to a sequence shard: its gradient is partial (TE's attribute)
+    return weight
+
+
 class RMSNorm(_ExtraState, nn.Module):
-    def __init__(self, hidden_size: int, eps: float, params_dtype=None, **_):
+    def __init__(self, hidden_size: int, eps: float, params_dtype=None, tp=None, **_):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype))
+        self.weight = _norm_weight(hidden_size, params_dtype, tp)
 
     def forward(self, x):
         return rms_norm(x, self.weight, self.eps)
 
 
 class LayerNormLinear(_ExtraState, nn.Module):
-    """RMSNorm fused into the following projection (TE: ``layer_norm_weight``, ``weight``)."""
+    """RMSNorm fused into the following projection (TE: ``layer_norm_weight``, ``weight``); column-parallel
+    under tensor parallelism."""
 
-    def __init__(self, in_features: int, out_features: int, eps: float, init_std: float, params_dtype=None, **_):
+    def __init__(self, in_features: int, out_features: int, eps: float, init_std: float, params_dtype=None,
+                 tp=None, **_):
         super().__init__()
-        self.eps = eps
-        self.layer_norm_weight = nn.Parameter(torch.ones(in_features, dtype=params_dtype))
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=params_dtype))
-        nn.init.normal_(self.weight, std=init_std)
+        self.eps, self.tp = eps, tp
+        self.layer_norm_weight = _norm_weight(in_features, params_dtype, tp)
+        self.weight = _weight(out_features, in_features, init_std, params_dtype, tp, "column")
 
     def forward(self, x):
-        return linear(self, rms_norm(x, self.layer_norm_weight, self.eps), self.weight)
+        x = rms_norm(x, self.layer_norm_weight, self.eps)
+        return linear(self, x if self.tp is None else enter_column(x, self.tp), self.weight)
 
 
 class Linear(_ExtraState, nn.Module):
-    def __init__(self, in_features: int, out_features: int, init_std: float, params_dtype=None, **_):
+    def __init__(self, in_features: int, out_features: int, init_std: float, params_dtype=None, tp=None,
+                 parallel_mode=None, **_):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=params_dtype))
-        nn.init.normal_(self.weight, std=init_std)
+        self.tp, self.parallel_mode = tp, parallel_mode if tp is not None else None
+        self.weight = _weight(out_features, in_features, init_std, params_dtype, tp, self.parallel_mode)
 
     def forward(self, x):
-        return linear(self, x, self.weight)
+        if self.parallel_mode == "column":
+            x = enter_column(x, self.tp)
+        out = linear(self, x, self.weight)
+        return leave_row(out, self.tp) if self.parallel_mode == "row" else out
 
 
 class LayerNormMLP(_ExtraState, nn.Module):
-    """RMSNorm + SwiGLU MLP (TE: ``layer_norm_weight``, ``fc1_weight`` = [gate; up], ``fc2_weight``)."""
+    """RMSNorm + SwiGLU MLP (TE: ``layer_norm_weight``, ``fc1_weight`` = [gate; up], ``fc2_weight``). Under
+    tensor parallelism fc1 is column- and fc2 row-parallel; each rank's fc1 is [its gate rows; its up rows]."""
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float, init_std: float, output_std: float,
-                 params_dtype=None, **_):
+                 params_dtype=None, tp=None, **_):
         super().__init__()
-        self.eps = eps
-        self.layer_norm_weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype))
-        self.fc1_weight = nn.Parameter(torch.empty(2 * ffn_hidden_size, hidden_size, dtype=params_dtype))
-        self.fc2_weight = nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, dtype=params_dtype))
-        nn.init.normal_(self.fc1_weight, std=init_std)
-        nn.init.normal_(self.fc2_weight, std=output_std)
+        self.eps, self.tp = eps, tp
+        self.layer_norm_weight = _norm_weight(hidden_size, params_dtype, tp)
+        self.fc1_weight = _weight(2 * ffn_hidden_size, hidden_size, init_std, params_dtype, tp, "column")
+        self.fc2_weight = _weight(hidden_size, ffn_hidden_size, output_std, params_dtype, tp, "row")
 
     def forward(self, x):
-        h = linear(self, rms_norm(x, self.layer_norm_weight, self.eps), self.fc1_weight)
+        x = rms_norm(x, self.layer_norm_weight, self.eps)
+        h = linear(self, x if self.tp is None else enter_column(x, self.tp), self.fc1_weight)
         gate, up = h.chunk(2, dim=-1)
-        return linear(self, F.silu(gate) * up, self.fc2_weight)
+        out = linear(self, F.silu(gate) * up, self.fc2_weight)
+        return out if self.tp is None else leave_row(out, self.tp)
 
 
 class DotProductAttention(_ExtraState, nn.Module):
-    """Causal scaled dot-product attention on ``[batch, seq, heads, head_dim]`` (TE's ``bshd``), GQA-aware."""
+    """Causal scaled dot-product attention on ``bshd`` or (under tensor parallelism) ``sbhd`` tensors, GQA-aware;
+    the heads are this rank's. ``checkpoint_core_attention`` recomputes it in backward (TE's argument)."""
 
-    def __init__(self, num_attention_heads: int, head_dim: int, num_gqa_groups: int, **_):
+    def __init__(self, num_attention_heads: int, head_dim: int, num_gqa_groups: int, qkv_format: str = "bshd",
+                 **_):
         super().__init__()
         self.num_attention_heads = num_attention_heads
         self.num_gqa_groups = num_gqa_groups
+        self.qkv_format = qkv_format
         self.scale = 1.0 / math.sqrt(head_dim)
 
-    def forward(self, q, k, v):
+    def forward(self, q, k, v, checkpoint_core_attention: bool = False):
+        if checkpoint_core_attention:
+            return torch.utils.checkpoint.checkpoint(self._attend, q, k, v, use_reentrant=False)
+        return self._attend(q, k, v)
+
+    def _attend(self, q, k, v):
+        if self.qkv_format == "sbhd":
+            q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+            return sdpa(q, k, v, mask=None, scale=self.scale).transpose(0, 1)
         return sdpa(q, k, v, mask=None, scale=self.scale)
 
 
@@ -137,11 +184,11 @@ def rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rope(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding (non-interleaved halves, as HF Llama and TE). ``t``: ``[b, s, h, d]``;
+def apply_rope(t: torch.Tensor, freqs: torch.Tensor, qkv_format: str = "bshd") -> torch.Tensor:
+    """Rotary embedding (non-interleaved halves, as HF Llama and TE). ``t``: ``[b, s, h, d]`` (or ``sbhd``);
     ``freqs``: angles ``[s, d]`` or ``[b, s, d]`` in fp32; cos/sin are cast to ``t``'s dtype first, as HF does."""
     if freqs.dim() == 2:
-        freqs = freqs.unsqueeze(0)
+        freqs = freqs.unsqueeze(1 if qkv_format == "sbhd" else 0)
     cos = freqs.cos().to(t.dtype).unsqueeze(2)
     sin = freqs.sin().to(t.dtype).unsqueeze(2)
     return t * cos + rotate_half(t) * sin

@@ -77,6 +77,7 @@ class CheckpointMeta:
     seq_len: int
     fp8_lm_head: bool = False
     data_parallel: int | None = None  # None in checkpoints of earlier releases (the files tell)
+    tensor_parallel: int = 1
     step: int | None = None
     tag: str | None = None
 
@@ -87,7 +88,7 @@ class CheckpointMeta:
         return cls(model_config=model_config.to_dict(), zero_stage=cfg.parallel.zero_stage,
                    pipeline_stages=cfg.parallel.pipeline_stages, dtype=cfg.precision.dtype,
                    seq_len=seq_len_of(cfg, model_config), fp8_lm_head=cfg.precision.fp8_lm_head,
-                   data_parallel=data_parallel)
+                   data_parallel=data_parallel, tensor_parallel=cfg.parallel.tensor_parallel)
 
     @classmethod
     def from_dict(cls, data: dict) -> "CheckpointMeta":
@@ -158,6 +159,16 @@ def check_resume(run_dir, model_config: dict, fp8_lm_head: bool = False, layout=
     if diff:
         fail(f"{checkpoint_dir(run_dir) / tag} was saved from another model shape ({', '.join(diff)}): resume with "
              f"the run's own model settings, or set a new run_dir to start afresh")
+    if layout is not None and marker.tensor_parallel != layout.tensor:
+        fail(f"{checkpoint_dir(run_dir) / tag} was saved at parallel.tensor_parallel={marker.tensor_parallel}; this "
+             f"run has {layout.tensor}: resume at tensor_parallel={marker.tensor_parallel} (a resume at another TP "
+             "size is not supported; `llmjp-ds export` merges the shards into one HF checkpoint, which "
+             "model.init_from_hf can start a run from at any TP size)")
+    if layout is not None and layout.tensor > 1 and saved_layout(run_dir, tag, marker) != (layout.pipeline,
+                                                                                          layout.data):
+        pipeline, data = saved_layout(run_dir, tag, marker)
+        fail(f"{checkpoint_dir(run_dir) / tag} was saved on TP{layout.tensor} x PP{pipeline} x DP{data}: under "
+             f"tensor parallelism a run resumes on its own layout only; relaunch on PP{pipeline} x DP{data}")
     if layout is not None and (marker.zero_stage != 1 or zero_stage != 1):
         pipeline, data = saved_layout(run_dir, tag, marker)
         if (pipeline, data) != (layout.pipeline, layout.data):
@@ -288,18 +299,18 @@ def read_model_state(run_dir, tag: str, marker: CheckpointMeta) -> dict[str, tor
     """The model's full state dict (our names) from a ZeRO-0..3 or pipeline checkpoint, on CPU. The directory
     may come from anywhere (a collaborator's bucket, a download): every file is read with weights_only=True
     (llmjp_ds.safe_load), and one that names code is refused before anything of it is unpickled."""
-    from llmjp_ds.model.hf_adapter import pipeline_name_to_ours
+    from llmjp_ds.model.hf_adapter import pipeline_name_to_ours, tp_merge_state_dicts
     from llmjp_ds.safe_load import load_untrusted, vet_files
 
     d = checkpoint_dir(run_dir) / tag
     if marker.pipeline_stages > 1:
         n = marker.model_config["num_hidden_layers"]
-        state = {}
-        for f in sorted(d.glob("layer_*-model_states.pt")):
-            idx = int(f.name.split("_")[1].split("-")[0])
+        shards: list[dict] = [{} for _ in range(marker.tensor_parallel)]
+        for f in sorted(d.glob("layer_*-model_*states.pt")):
+            idx, tp_rank = _pipeline_file_ranks(f.name)
             for name, tensor in load_untrusted(f).items():
-                state[pipeline_name_to_ours(idx, n, name)] = tensor
-        return state
+                shards[tp_rank][pipeline_name_to_ours(idx, n, name)] = tensor
+        return tp_merge_state_dicts(shards)
     if marker.zero_stage == 3:
         # DeepSpeed's reader unpickles with weights_only=False: it sees the tag's files only once all are vetted
         vet_files(d)
@@ -308,9 +319,17 @@ def read_model_state(run_dir, tag: str, marker: CheckpointMeta) -> dict[str, tor
         with contextlib.redirect_stdout(open(os.devnull, "w")):
             return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir(run_dir)), tag=tag)
     files = sorted(d.glob("mp_rank_*_model_states.pt"))
-    if not files:
-        fail(f"{d} has no model states file: the checkpoint is incomplete")
-    return load_untrusted(files[0])["module"]
+    if len(files) < marker.tensor_parallel or not files:
+        fail(f"{d} has {len(files)} model states files for tensor_parallel={marker.tensor_parallel}: the checkpoint "
+             "is incomplete")
+    return tp_merge_state_dicts([load_untrusted(f)["module"] for f in files[:marker.tensor_parallel]])
+
+
+def _pipeline_file_ranks(name: str) -> tuple[int, int]:
+    """(layer index, TP rank) of DeepSpeed's ``layer_XX-model_states.pt`` / ``layer_XX-model_YY-model_states.pt``."""
+    parts = name.split("-")
+    layer = int(parts[0].split("_")[1])
+    return layer, (int(parts[1].split("_")[1]) if len(parts) == 3 else 0)
 
 
 def export(run_dir, output, tag: str | None = None, dtype: str = "bf16", force: bool = False) -> dict:

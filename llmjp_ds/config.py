@@ -31,7 +31,8 @@ class ModelConfig:
     overrides: ShapeOverrides = field(default_factory=ShapeOverrides)  # e.g. {num_layers: 2}
     backend: str = "auto"  # auto | te | torch
     z_loss: float = 1e-4
-    activation_checkpointing: bool = False
+    # activation recompute: none | selective (the attention core, as LLM-jp's 172B run) | full (every decoder layer)
+    recompute: str = "none"
     fused_loss: bool = True  # on CUDA: the loss as one compiled kernel over bf16 logits (see model/loss.py)
     init_from_hf: str | None = None  # start from an HF Llama checkpoint (continued pretraining)
 
@@ -75,6 +76,8 @@ class TrainConfig:
 class ParallelConfig:
     zero_stage: int = 1
     pipeline_stages: int = 1
+    tensor_parallel: int = 1  # TE's tensor parallelism inside each layer; its ranks are adjacent (one node)
+    sequence_parallel: bool | None = None  # default: on when tensor_parallel > 1
     partition_method: str = "flops"  # or DeepSpeed's: type:DecoderLayerPipe | parameters | uniform
     fused_grad_accumulation: bool = True  # one-pass fp32 accumulation (parallel.deepspeed_internals)
     ds_config: str | None = None  # DeepSpeed JSON; default ds_configs/zero{stage}.json or pipeline.json
@@ -187,10 +190,10 @@ def _preset_llmjp3(size: str, lr: float, gbs: int) -> RunConfig:
 
 def _preset_172b() -> RunConfig:
     cfg = _preset_llmjp3("172b", 1e-4, 1728)
-    # 64 x 8 H100 without tensor parallelism: PP32 x DP16, ZeRO-1, full activation recompute; PP16 does not fit
-    # 80 GB (docs/172b-layout.md)
-    cfg.parallel = ParallelConfig(zero_stage=1, pipeline_stages=32)
-    cfg.model.activation_checkpointing = True
+    # 64 x 8 H100 as LLM-jp's Megatron run: TP4 (sequence parallel) x PP16 x DP8, ZeRO-1, selective recompute;
+    # the fastest layout that fits 80 GB (docs/172b-layout.md)
+    cfg.parallel = ParallelConfig(zero_stage=1, pipeline_stages=16, tensor_parallel=4)
+    cfg.model.recompute = "selective"
     # LLM-jp exp1: BF16, then FP8 hybrid delayed scaling from iteration 7000
     cfg.precision.phases = [PhaseConfig(precision="bf16"),
                             PhaseConfig(precision="fp8", start_step=7000, recipe="delayed", fp8_format="hybrid",
@@ -219,7 +222,8 @@ def preset_dict(name: str) -> dict:
 # --- building a config from dicts -----------------------------------------------------------------------
 
 # keys of earlier releases -> their names now
-RENAMED = {"model.preset": "model.shape", "train.inject_nan_steps": None, "train.inject_only_fp8": None}
+RENAMED = {"model.preset": "model.shape", "train.inject_nan_steps": None, "train.inject_only_fp8": None,
+           "model.activation_checkpointing": "model.recompute"}
 
 
 def _type_ok(value: Any, annotation) -> bool:
@@ -251,6 +255,9 @@ def _type_name(annotation) -> str:
 def _renamed(where: str) -> None:
     if where in RENAMED:
         now = RENAMED[where]
+        if where == "model.activation_checkpointing":
+            fail("config key 'model.activation_checkpointing' was replaced by 'model.recompute': use "
+                 "model.recompute=full (was true), none (was false) or selective (the attention core only)")
         fail(f"config key {where!r} was renamed {now!r}: use {now}" if now else
              f"config key {where!r} was removed (fault drills are set by LLMJP_DS_DRILL_*, see docs/errors.md)")
 
@@ -380,3 +387,12 @@ def model_config_of(cfg: RunConfig):
 
 def seq_len_of(cfg: RunConfig, model_config) -> int:
     return cfg.data.seq_len or model_config.max_position_embeddings
+
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def sequence_parallel_of(cfg: RunConfig) -> bool:
+    """Sequence parallelism is on with tensor parallelism unless the config turns it off (and off without it)."""
+    sp = cfg.parallel.sequence_parallel
+    return cfg.parallel.tensor_parallel > 1 and (sp is None or sp)

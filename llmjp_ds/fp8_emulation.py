@@ -76,6 +76,21 @@ class FP8Emulator:
         self.active: tuple | None = None  # (phase, calibrating) inside a region
         self._pending_forward: dict = {}  # module -> [gemms, 2] input/weight amax of the open region
         self._pending_grad: dict = {}  # (module, gemm) -> output-gradient amax of that GEMM's last backward
+        self.amax_group = None  # a process group: every amax is MAX-reduced over it (under tensor parallelism)
+        self.reduces_amax = False
+
+    def reduce_amax_over(self, group) -> None:
+        """Reduce each recorded amax over ``group`` (None: the world), as TE's amax reduction group does."""
+        self.amax_group, self.reduces_amax = group, True
+
+    def _reduced(self, amax: torch.Tensor) -> torch.Tensor:
+        amax = amax.detach().float()
+        if self.reduces_amax:
+            import torch.distributed as dist
+
+            amax = amax.clone()
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.amax_group)
+        return amax.cpu()
 
     @contextlib.contextmanager
     def region(self, phase, calibrating: bool = False):
@@ -126,11 +141,11 @@ class FP8Emulator:
 
     def record_forward(self, module, slot: int, kind: int, amax: torch.Tensor) -> None:
         buf = self._pending_forward.setdefault(module, torch.zeros(module._fp8_emu_state.shape[0], GRAD))
-        buf[slot, kind] = torch.maximum(buf[slot, kind], amax.detach().float().cpu())
+        buf[slot, kind] = torch.maximum(buf[slot, kind], self._reduced(amax))
 
     def record_grad(self, module, slot: int, amax: torch.Tensor) -> None:
         self.commit_grad((module, slot))  # the previous backward's amax, before this one's is recorded
-        self._pending_grad[(module, slot)] = amax.detach().float().cpu()
+        self._pending_grad[(module, slot)] = self._reduced(amax)
 
 
 class _EmulatedFP8Linear(torch.autograd.Function):

@@ -187,12 +187,16 @@ class PrecisionSchedule:
         recompute runs in its forward's FP8 region; else the backend's (TE's restores TE's FP8 context)."""
         return self.emulator.checkpoint if self.emulator is not None else backend_checkpoint
 
-    def attach(self, model, decoder_layers, num_layers: int, amax_reduction_group=None) -> None:
+    def attach(self, model, decoder_layers, num_layers: int, amax_reduction_group=None,
+               tensor_parallel: bool = False) -> None:
         """Hand the model what FP8 phases need, once, before the first step: the weight cache to TE's GEMM
         modules, the emulator to the torch backend's, and BF16 for the first/last ``bf16_*_layers`` decoder
         layers (by global index, so pipeline stages agree). ``amax_reduction_group``: TE's amax reduction
-        group (under pipelines the stage's data-parallel group; None = the world)."""
+        group (under pipelines the stage's data-parallel group, under TP its TP x DP group; None = the world);
+        under TP the emulator reduces its amax values over it too, as TE does, so a TP slice shares scales."""
         self.amax_reduction_group = amax_reduction_group
+        if self.emulator is not None and tensor_parallel:
+            self.emulator.reduce_amax_over(amax_reduction_group)
         exempt = set(range(self.cfg.bf16_first_layers))
         exempt |= set(range(num_layers - self.cfg.bf16_last_layers, num_layers))
         exempt_layers = [layer for layer in decoder_layers if layer.self_attention.layer_idx in exempt]

@@ -79,8 +79,10 @@ class Trainer:
         """Start the process group (once)."""
         from llmjp_ds.parallel.context import ParallelContext
 
+        from llmjp_ds.config import sequence_parallel_of
+
         if self.ctx is None:
-            self.ctx = ParallelContext.start(self.layout)
+            self.ctx = ParallelContext.start(self.layout, sequence_parallel_of(self.cfg))
 
     def build_engine(self, model=None) -> None:
         """Build the model (or take ``model``), DeepSpeed's engine and the step runner (starting the process group
@@ -99,13 +101,14 @@ class Trainer:
         pipeline_loss = None
         if model is None:
             checkpoint_fn = self.precision.checkpoint_function(layers_module(self.backend).checkpoint)
-            model, pipeline_loss = build_model(self.cfg, self.model_config, self.backend, checkpoint_fn)
-        self.engine = initialize(self.cfg, model, self.layout)
+            model, pipeline_loss = build_model(self.cfg, self.model_config, self.backend, checkpoint_fn,
+                                               self.ctx.tp, self.layout)
+        self.engine = initialize(self.cfg, model, self.layout, self.ctx.mpu)
         self.ctx.bind(self.engine)
         self.gas = self.engine.gradient_accumulation_steps()
         layers = [m for m in self.engine.module.modules() if isinstance(m, DecoderLayer)]
         self.precision.attach(self.engine.module, layers, self.model_config.num_hidden_layers,
-                              self.ctx.amax_reduction_group)
+                              self.ctx.amax_reduction_group, tensor_parallel=self.ctx.tp is not None)
         runner = make_runner(self.engine, self.precision, self.ctx, pipeline_loss)
         self.watchdog = Watchdog(self.cfg.parallel.stall_timeout_s, self.ctx.rank)  # armed by fit()
         runner.beat = self.watchdog.beat

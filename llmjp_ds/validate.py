@@ -5,15 +5,17 @@ a :class:`~llmjp_ds.errors.UserError` of one line that names the problem and the
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 
-from llmjp_ds.config import RunConfig
+from llmjp_ds.config import RECOMPUTE_MODES, RunConfig, sequence_parallel_of
 from llmjp_ds.errors import did_you_mean, fail
 from llmjp_ds.parallel.layout import Layout
 
 
-def validate_run(cfg: RunConfig, world_size: int | None = None) -> Layout:
-    """Check ``cfg`` for a job of ``world_size`` ranks (default: ``$WORLD_SIZE``); returns its layout."""
+def validate_run(cfg: RunConfig, world_size: int | None = None, gpus_per_node: int | None = None) -> Layout:
+    """Check ``cfg`` for a job of ``world_size`` ranks (default: ``$WORLD_SIZE``) with ``gpus_per_node`` ranks on
+    each node (default: the launcher's ``$LOCAL_WORLD_SIZE``, if any); returns its layout."""
     from llmjp_ds.model.shapes import get_shape, resolve_shape
 
     shape = get_shape(cfg.model.shape)
@@ -21,6 +23,7 @@ def validate_run(cfg: RunConfig, world_size: int | None = None) -> Layout:
     shape = resolve_shape(shape, cfg.model.overrides)
     layout = Layout.of(cfg, world_size)
     _check_model(cfg, shape)
+    _check_tensor_parallel(cfg, shape, gpus_per_node or gpus_per_node_from_env())
     _check_parallel(cfg, layout, shape.num_layers)
     _check_train(cfg)
     _check_logging(cfg)
@@ -57,6 +60,9 @@ def _check_model(cfg: RunConfig, shape) -> None:
              "it or set model.overrides.seq_len")
     if cfg.precision.dtype not in ("bf16", "fp32"):
         fail(f"precision.dtype must be bf16 or fp32, got {cfg.precision.dtype!r}")
+    if cfg.model.recompute not in RECOMPUTE_MODES:
+        fail(f"model.recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {cfg.model.recompute!r}"
+             f"{did_you_mean(str(cfg.model.recompute), RECOMPUTE_MODES)}")
 
 
 def _check_parallel(cfg: RunConfig, layout: Layout, num_layers: int) -> None:
@@ -82,11 +88,47 @@ def _check_parallel(cfg: RunConfig, layout: Layout, num_layers: int) -> None:
         if getattr(t, name) <= 0:
             fail(f"train.{name} must be positive, got {getattr(t, name)}")
     if not layout.fits():
-        fail(f"world size {layout.world} is not divisible by parallel.pipeline_stages={p.pipeline_stages}: launch a "
-             f"multiple of {p.pipeline_stages} ranks (nodes x GPUs), or change parallel.pipeline_stages")
+        fail(f"world size {layout.world} is not divisible by tensor_parallel x pipeline_stages = {p.tensor_parallel} "
+             f"x {p.pipeline_stages}: launch a multiple of {p.tensor_parallel * p.pipeline_stages} ranks (nodes x "
+             "GPUs), or change parallel.tensor_parallel / pipeline_stages")
     if t.global_batch_size % (t.micro_batch_size * layout.data):
         fail(f"train.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size x data parallel "
              f"= {t.micro_batch_size} x {layout.data}: make it a multiple of {t.micro_batch_size * layout.data}")
+
+
+def gpus_per_node_from_env() -> int | None:
+    """Ranks per node as the launcher says (torchrun: LOCAL_WORLD_SIZE; the deepspeed launcher: LOCAL_SIZE)."""
+    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return None
+
+
+def _check_tensor_parallel(cfg: RunConfig, shape, gpus_per_node: int | None) -> None:
+    tp = cfg.parallel.tensor_parallel
+    if tp < 1:
+        fail(f"parallel.tensor_parallel must be >= 1, got {tp}")
+    if cfg.parallel.sequence_parallel and tp == 1:
+        fail("parallel.sequence_parallel shards the sequence over the tensor-parallel group: set "
+             "parallel.tensor_parallel > 1, or leave sequence_parallel unset")
+    if tp == 1:
+        return
+    for what, n in (("num_attention_heads", shape.num_attention_heads), ("num_key_value_heads",
+                    shape.num_key_value_heads), ("ffn_hidden_size", shape.ffn_hidden_size),
+                    ("vocab_size (padded)", shape.vocab_size)):
+        if n % tp:
+            fail(f"the model's {what} {n} is not divisible by parallel.tensor_parallel={tp}: choose a tensor_parallel "
+                 f"that divides it ({', '.join(str(d) for d in (2, 4, 8) if n % d == 0) or 'none of 2, 4, 8'})")
+    seq = cfg.data.seq_len or shape.seq_len
+    if sequence_parallel_of(cfg) and seq % tp:
+        fail(f"sequence parallelism splits the sequence over the TP group: data.seq_len {seq} is not divisible by "
+             f"parallel.tensor_parallel={tp}; change one, or set parallel.sequence_parallel=false")
+    if gpus_per_node is not None and gpus_per_node % tp:
+        fail(f"parallel.tensor_parallel={tp} does not divide the {gpus_per_node} GPUs (slots) of a node: a TP group "
+             f"would span two nodes (every GEMM communicates over it); use a tensor_parallel that divides "
+             f"{gpus_per_node}")
+    if cfg.parallel.zero_stage == 3:
+        fail("ZeRO-3 is not supported with tensor parallelism: use parallel.zero_stage=1 (or 2 without a pipeline)")
 
 
 def _check_train(cfg: RunConfig) -> None:

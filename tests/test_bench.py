@@ -203,7 +203,7 @@ def test_one_device_layout_and_batch(shape, gas):
     assert layout.gradient_accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size) == gas
     assert cfg.parallel.pipeline_stages == 1  # the 172B preset itself has 32 stages
     assert cfg.parallel.zero_stage == 1
-    assert cfg.model.activation_checkpointing is False  # the 172B preset itself recomputes
+    assert cfg.model.recompute == "none"  # the 172B preset itself recomputes
     assert overrides_dict(cfg.model.overrides) == overrides
     assert cfg.logging.wandb == "disabled"
 

@@ -1,9 +1,12 @@
 """The process groups of a run: starting torch.distributed, and one object the rest asks for ranks and groups.
 
 A :class:`ParallelContext` is made once per process, after the config is validated. Before the engine exists
-it knows the world (rank, device, :class:`~llmjp_ds.parallel.layout.Layout`); :meth:`ParallelContext.bind`
-then takes the data-parallel group from the engine's pipeline grid (DeepSpeed builds the pipe x data topology
-inside ``PipelineModule``), or the world without a pipeline. No process group lives in a module global.
+it knows the world (rank, device, :class:`~llmjp_ds.parallel.layout.Layout`) and, under tensor parallelism,
+DeepSpeed's pipe x data x model topology with its groups: this rank's :class:`TensorParallel` slice (the
+model axis is innermost, so a slice's ranks are adjacent, on one node), its data-parallel group, and its
+pipeline stage's TP x DP group (FP8's amax reduction group). :meth:`ParallelContext.bind` then takes the
+data-parallel group from the engine's pipeline grid (DeepSpeed builds the same topology inside
+``PipelineModule``). No process group lives in a module global.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 import torch
 
 from llmjp_ds.errors import fail
+from llmjp_ds.model.tensor_parallel import TensorParallel
 from llmjp_ds.parallel.layout import Layout
 
 SHARED_TOKEN = ".llmjp_ds_shared"
@@ -48,16 +52,40 @@ class ParallelContext:
     device: torch.device
     dp_rank: int = 0
     dp_size: int = 1
-    dp_group: object | None = None  # None: the world (no pipeline)
+    dp_group: object | None = None  # None: the world (no pipeline, no TP)
+    tp: TensorParallel | None = None  # this rank's tensor-parallel slice (None: no tensor parallelism)
+    mpu: object | None = None  # DeepSpeed's grid of the layout, handed to a ZeRO engine under TP
+    stage_group: object | None = None  # this pipeline stage's ranks (TP x DP) under TP
 
     @classmethod
-    def start(cls, layout: Layout) -> "ParallelContext":
+    def start(cls, layout: Layout, sequence_parallel: bool = False) -> "ParallelContext":
         import torch.distributed as dist
 
         init_distributed()
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        return cls(layout=layout, rank=dist.get_rank(), device=device, dp_rank=dist.get_rank(),
-                   dp_size=dist.get_world_size())
+        ctx = cls(layout=layout, rank=dist.get_rank(), device=device, dp_rank=dist.get_rank(),
+                  dp_size=dist.get_world_size())
+        if layout.tensor > 1:
+            ctx._tensor_groups(sequence_parallel)
+        return ctx
+
+    def _tensor_groups(self, sequence_parallel: bool) -> None:
+        """Every rank makes every group, in the same order (torch.distributed requires it)."""
+        import torch.distributed as dist
+        from deepspeed.runtime.pipe.topology import PipelineParallelGrid
+
+        topo = topology(self.layout)
+        grid = PipelineParallelGrid(topology=topo)
+        self.tp = TensorParallel(grid.get_slice_parallel_group(), self.layout.tensor,
+                                 grid.get_slice_parallel_rank(), sequence_parallel)
+        for stage in range(self.layout.pipeline):
+            group = dist.new_group(ranks=topo.filter_match(pipe=stage))
+            if stage == grid.get_stage_id():
+                self.stage_group = group
+        self.dp_rank, self.dp_size = grid.get_data_parallel_rank(), grid.get_data_parallel_world_size()
+        self.dp_group = grid.get_data_parallel_group()
+        if self.layout.pipeline == 1:
+            self.mpu = grid
 
     def bind(self, engine) -> None:
         """Take the data-parallel rank, size and group from a pipeline engine's grid (a ZeRO engine's data
@@ -70,9 +98,17 @@ class ParallelContext:
 
     @property
     def amax_reduction_group(self):
-        """TE's FP8 amax reduction group: the stage's data-parallel group under a pipeline (the world would
-        hang, as stages hold different modules), else the world (None)."""
+        """TE's FP8 amax reduction group: under TP the stage's TP x DP group (Megatron's choice: the scales of a
+        TP slice must agree, as its ranks exchange FP8 tensors); else the stage's data-parallel group under a
+        pipeline (the world would hang, as stages hold different modules), or the world (None)."""
+        if self.tp is not None:
+            return self.stage_group
         return self.dp_group if self.layout.pipeline > 1 else None
+
+    @property
+    def loss_copies(self) -> int:
+        """How many ranks hold a copy of each loss term summed by :meth:`all_reduce` (data x tensor parallel)."""
+        return self.dp_size * self.layout.tensor
 
     # --- collectives the trainer uses ----------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -115,6 +151,13 @@ class ParallelContext:
         t = torch.tensor([1.0 if flag else 0.0], device=self.device)
         self.all_reduce(t)
         return bool(t.item() > 0)
+
+
+def topology(layout: Layout):
+    """DeepSpeed's pipe x data x model topology (the model axis innermost: a TP slice's ranks are adjacent)."""
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    return PipeModelDataParallelTopology(num_pp=layout.pipeline, num_mp=layout.tensor, num_dp=layout.data)
 
 
 def _read_token(path: Path, expected: str, tries: int = 10) -> str | None:

@@ -48,6 +48,10 @@ def build_ds_config(cfg: RunConfig, layout: Layout) -> dict:
     ds["zero_optimization"] = {**ds.get("zero_optimization", {}), "stage": cfg.parallel.zero_stage}
     if cfg.parallel.pipeline_stages > 1 and bf16:
         ds["data_types"] = {**ds.get("data_types", {}), "grad_accum_dtype": "fp32"}
+    if cfg.parallel.pipeline_stages > 1 and layout.tensor > 1:
+        # DeepSpeed would send 1/TP of each activation and all-gather it over the TP slice, which assumes the
+        # slice's ranks hold the same activation; under sequence parallelism each holds its own shard
+        ds["pipeline"] = {**ds.get("pipeline", {}), "pipe_partitioned": False, "grad_partitioned": False}
     ds.setdefault("steps_per_print", 1 << 30)  # the trainer logs; DeepSpeed stays quiet
     ds.setdefault("wall_clock_breakdown", False)
     # DeepSpeed's throughput timer synchronises the GPU at every micro-batch's forward and step, which keeps the

@@ -1,7 +1,7 @@
 """How the ranks of a run factor into parallel axes: ``world = pipeline x data x tensor``. Pure arithmetic.
 
-Tensor parallelism is an axis of the layout already (``tensor == 1`` until it lands), so every quantity that
-depends on it (data-parallel size, gradient accumulation) is computed in one place.
+Every quantity that depends on the factorisation (data-parallel size, gradient accumulation) is computed here;
+the process groups of the axes are :mod:`llmjp_ds.parallel.context`'s.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ class Layout:
 
     @classmethod
     def of(cls, cfg, world: int | None = None) -> "Layout":
-        return cls(world=world or world_size_from_env(), pipeline=cfg.parallel.pipeline_stages)
+        return cls(world=world or world_size_from_env(), pipeline=cfg.parallel.pipeline_stages,
+                   tensor=cfg.parallel.tensor_parallel)
 
     @property
     def data(self) -> int:
@@ -35,4 +36,5 @@ class Layout:
         return global_batch // (micro_batch * self.data)
 
     def describe(self, zero_stage: int) -> str:
-        return f"PP{self.pipeline} x DP{self.data}, ZeRO-{zero_stage}"
+        tensor = f"TP{self.tensor} x " if self.tensor > 1 else ""
+        return f"{tensor}PP{self.pipeline} x DP{self.data}, ZeRO-{zero_stage}"

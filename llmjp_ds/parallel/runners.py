@@ -63,7 +63,7 @@ class EngineRunner(StepRunner):
             self.engine.step()
             micro = torch.stack([out.lm_loss.detach() * self.loss_scale, out.z_loss.detach()]).float()
             parts = micro if parts is None else parts + micro
-        return self.ctx.all_reduce(parts / len(batches) / self.ctx.dp_size)
+        return self.ctx.all_reduce(parts / len(batches) / self.ctx.loss_copies)
 
     def eval_loss(self, batches) -> torch.Tensor:
         self.engine.eval()
@@ -73,7 +73,7 @@ class EngineRunner(StepRunner):
                 with self.precision.micro_batch():
                     total += self.engine(input_ids=input_ids, shift_labels=targets).lm_loss.float()
         self.engine.train()
-        return self.ctx.all_reduce((total / (len(batches) * self.ctx.dp_size)).reshape(1))
+        return self.ctx.all_reduce((total / (len(batches) * self.ctx.loss_copies)).reshape(1))
 
 
 class PipelineRunner(StepRunner):
@@ -95,7 +95,7 @@ class PipelineRunner(StepRunner):
         if self.engine.is_last_stage():
             parts += torch.stack([torch.as_tensor(self.loss.lm_loss_sum, device=self.ctx.device),
                                   torch.as_tensor(self.loss.z_loss_sum, device=self.ctx.device)]).float()
-            parts /= self.loss.micro_batches * self.ctx.dp_size
+            parts /= self.loss.micro_batches * self.ctx.loss_copies
         return self.ctx.all_reduce(parts)
 
     def eval_loss(self, batches) -> torch.Tensor:
@@ -104,7 +104,7 @@ class PipelineRunner(StepRunner):
             self.loss.reset()
             self.loss.scale = 1.0
             self.engine.eval_batch(data_iter=iter(batches))
-            value = torch.tensor([float(self.loss.lm_loss_sum) / max(1, self.loss.micro_batches) / self.ctx.dp_size
+            value = torch.tensor([float(self.loss.lm_loss_sum) / max(1, self.loss.micro_batches) / self.ctx.loss_copies
                                   if self.engine.is_last_stage() else 0.0], device=self.ctx.device)
         self.engine.train()
         return self.ctx.all_reduce(value)

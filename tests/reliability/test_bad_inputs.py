@@ -101,8 +101,27 @@ CASES = [
     Case("more-stages-than-layers", T("parallel.pipeline_stages=8"),
          ("parallel.pipeline_stages=8 exceeds the model's 4 layers: use at most 4 stages",)),
     Case("world-size-vs-stages", T("parallel.pipeline_stages=2"),
-         ("world size 3 is not divisible by parallel.pipeline_stages=2: launch a multiple of 2 ranks",),
+         ("world size 3 is not divisible by tensor_parallel x pipeline_stages = 1 x 2: launch a multiple of 2 ranks",),
          env={"WORLD_SIZE": "3"}),
+    Case("tp-heads-not-divisible", T("parallel.tensor_parallel=3"),
+         ("the model's num_attention_heads 4 is not divisible by parallel.tensor_parallel=3: choose a "
+          "tensor_parallel that divides it (2, 4)",), env={"WORLD_SIZE": "3"}),
+    Case("tp-spans-nodes", T("parallel.tensor_parallel=2"),
+         ("parallel.tensor_parallel=2 does not divide the 1 GPUs (slots) of a node: a TP group would span two "
+          "nodes",), env={"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1"}),
+    Case("tp-sequence-not-divisible", T("parallel.tensor_parallel=2", "data.seq_len=33"),
+         ("data.seq_len 33 is not divisible by parallel.tensor_parallel=2", "parallel.sequence_parallel=false"),
+         env={"WORLD_SIZE": "2"}),
+    Case("sequence-parallel-without-tp", T("parallel.sequence_parallel=true"),
+         ("parallel.sequence_parallel shards the sequence over the tensor-parallel group: set "
+          "parallel.tensor_parallel > 1",)),
+    Case("zero3-with-tensor-parallel", T("parallel.tensor_parallel=2", "parallel.zero_stage=3"),
+         ("ZeRO-3 is not supported with tensor parallelism: use parallel.zero_stage=1",), env={"WORLD_SIZE": "2"}),
+    Case("recompute-unknown", T("model.recompute=partial"),
+         ("model.recompute must be one of none, selective, full, got 'partial'",)),
+    Case("activation-checkpointing-replaced", T("model.activation_checkpointing=true"),
+         ("config key 'model.activation_checkpointing' was replaced by 'model.recompute': use model.recompute=full "
+          "(was true)",)),
     Case("seq-len-over-max-positions", T("data.seq_len=512"),
          ("data.seq_len=512 exceeds the model's max_position_embeddings 256: lower it or set "
           "model.overrides.seq_len",)),
@@ -181,6 +200,9 @@ CASES = [
     Case("resume-with-another-lm-head", T(*TINY, "precision.fp8_lm_head=true", run="{run}"),
          ("was saved with precision.fp8_lm_head=false: resume with the same setting, or set a new run_dir",),
          trains=True),
+    Case("resume-at-another-tp-size", T(*TINY, "parallel.tensor_parallel=2", run="{run}"),
+         ("was saved at parallel.tensor_parallel=1; this run has 2: resume at tensor_parallel=1",),
+         env={"WORLD_SIZE": "2"}, trains=True),
     Case("run-dir-is-a-file", T(SMALL, run="{tmp}/a_file"), ("is a file, not a directory; choose another run_dir",),
          trains=True),
     # --- export / import ---------------------------------------------------------------------------------
@@ -226,7 +248,8 @@ CASES = [
          ("hosts_dup:2: host node-a is listed twice",)),
     Case("hostfile-world-size", L("preflight", "--hostfile", "hostfiles/h100", "--num-nodes", "3", "--preset",
                                   "llmjp3-172b"),
-         ("world size 24 is not divisible by parallel.pipeline_stages=32: launch a multiple of 32 ranks",)),
+         ("world size 24 is not divisible by tensor_parallel x pipeline_stages = 4 x 16: launch a multiple of 64 "
+          "ranks",)),
 ]
 
 

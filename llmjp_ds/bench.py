@@ -11,7 +11,10 @@ Variants: ``ours-bf16``, ``ours-fp8-delayed`` (DelayedScaling, HYBRID), ``ours-f
 (Float8CurrentScaling), ``ours-fp8-block`` (Float8BlockScaling), ``peer-bf16`` (transformers'
 ``LlamaForCausalLM``, sdpa attention, called as HF users call it, with ``labels``) under the same DeepSpeed
 config and optimizer. ``--set`` changes the run config of the ``ours`` variants (ablations: e.g.
-``--set model.fused_loss=false``).
+``--set model.fused_loss=false``). With ``--set parallel.tensor_parallel=N`` each ``ours`` variant runs as N
+processes on N GPUs (torchrun), one tensor-parallel group: its TFLOP/s per GPU against one GPU running 1/N of
+the work is the TP efficiency (e.g. ``--set "model.overrides={num_layers: 4}"`` at TP2 against the default
+2-layer ``172b-slice`` at TP1).
 TFLOP/s are model FLOPs (:func:`llmjp_ds.model.flops.model_flops_per_token`: Megatron-LM's formula with GQA,
 SwiGLU, the logits layer and the causal attention term halved; no recompute counted) per GPU; MFU is against
 the device's dense BF16 peak (:data:`llmjp_ds.metrics.PEAK_TFLOPS`). ``--profile`` adds profiled steps per
@@ -152,7 +155,7 @@ def bench_config(shape: str, variant: str, gas: int, sets: list[str] = ()):
     data = merge(preset_dict(preset), {
         "model": {"overrides": overrides, "recompute": "none"},
         "train": {"micro_batch_size": micro, "global_batch_size": micro * gas, "steps": 1 << 20},
-        "parallel": {"zero_stage": 1, "pipeline_stages": 1},
+        "parallel": {"zero_stage": 1, "pipeline_stages": 1, "tensor_parallel": 1},
         "precision": {"dtype": "bf16", "phases": phases},
         "logging": {"wandb": "disabled"}})
     for assignment in sets if variant.startswith("ours") else ():
@@ -185,7 +188,7 @@ def _engine_for(cfg, variant: str):
     of our engine code) under the same step runner."""
     from llmjp_ds.trainer import Trainer
 
-    trainer = Trainer(cfg, 1)
+    trainer = Trainer(cfg, cfg.parallel.tensor_parallel)
     if variant.startswith("ours"):
         trainer.build_engine()
         return (lambda i, batches: trainer.train_step(i, batches)[0]), trainer.model_config
@@ -228,7 +231,9 @@ def run_one(shape: str, variant: str, steps: int, warmup: int, gas: int, sets: l
     micro = cfg.train.micro_batch_size
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    ids = torch.randint(0, config.vocab_size, (gas, micro, seq + 1), device=device)
+    # the same ids on every rank of a tensor-parallel group (drawn on the CPU from a fixed seed)
+    ids = torch.randint(0, config.vocab_size, (gas, micro, seq + 1), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
     batches = [(ids[m, :, :-1], ids[m, :, 1:]) for m in range(gas)]
 
     def sync():
@@ -247,13 +252,14 @@ def run_one(shape: str, variant: str, steps: int, warmup: int, gas: int, sets: l
             times.append(took)
         losses.append(float(parts[0]))
     step_s = statistics.median(times)
-    rates = Throughput(flops_per_token_for(config, seq), gas * micro * seq)
+    world = cfg.parallel.tensor_parallel
+    rates = Throughput(flops_per_token_for(config, seq), gas * micro * seq, world)
     stats = torch.cuda.memory_stats() if cuda else {}
     result = {"shape": shape, "variant": variant, "micro_batch": micro, "gas": gas, "seq_len": seq,
               "step_s": step_s, **rates.update(step_s),
               "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
               "alloc_retries": stats.get("num_alloc_retries", 0), "losses": losses, "steps": steps,
-              "sets": list(sets) if variant.startswith("ours") else [],
+              "sets": list(sets) if variant.startswith("ours") else [], "gpus": world,
               "device": torch.cuda.get_device_name() if cuda else "cpu"}
     if profile:
         result["profile"] = _profiled_step(lambda: step(warmup + steps), sync, cuda)
@@ -358,7 +364,8 @@ def cli_main(argv: list[str], verb: str = "bench") -> int:
     a = p.parse_args(argv)
     if a.one:
         result = run_one(*a.one, a.steps, a.warmup, a.gas, a.sets, a.profile)
-        print("RESULT " + json.dumps(result), flush=True)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("RESULT " + json.dumps(result), flush=True)
         return 0
     shapes, variants = a.shapes.split(","), a.variants.split(",")
     for s in shapes:
@@ -372,7 +379,11 @@ def cli_main(argv: list[str], verb: str = "bench") -> int:
     from llmjp_ds.validate import validate_run
 
     for shape in shapes:  # a bad --set fails here, not in every variant's process
-        validate_run(bench_config(shape, "ours-bf16", a.gas, a.sets), 1)
+        cfg = bench_config(shape, "ours-bf16", a.gas, a.sets)
+        validate_run(cfg, cfg.parallel.tensor_parallel)
+        if cfg.parallel.tensor_parallel > 1 and "peer-bf16" in variants:
+            fail("the peer runs on one GPU: drop peer-bf16 from --variants with parallel.tensor_parallel > 1 (its "
+                 "reference is the same bench at tensor_parallel=1 on 1/N of the work)")
     import torch
 
     if not torch.cuda.is_available():
@@ -391,7 +402,9 @@ def cli_main(argv: list[str], verb: str = "bench") -> int:
 
 def measure(shape: str, variant: str, a) -> dict:
     """One variant in a fresh process; a failure becomes a row with its last error line."""
-    cmd = [sys.executable, "-m", "llmjp_ds.bench", "--one", shape, variant, "--steps", str(a.steps),
+    tp = bench_config(shape, variant, a.gas, a.sets).parallel.tensor_parallel
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={tp}"] if tp > 1 else []
+    cmd = [sys.executable, *launcher, "-m", "llmjp_ds.bench", "--one", shape, variant, "--steps", str(a.steps),
            "--warmup", str(a.warmup), "--gas", str(a.gas)] + [f"--set={s}" for s in a.sets]
     if a.profile:
         cmd.append("--profile")

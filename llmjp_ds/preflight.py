@@ -14,6 +14,7 @@ once), takes the world size as the sum of the slots (of the first ``--num-nodes`
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from pathlib import Path
 
@@ -74,7 +75,9 @@ def cli_main(argv: list[str], verb: str = "preflight") -> int:
         from llmjp_ds.validate import validate_run
 
         cfg = load_config(a.config, a.sets, a.preset)
-        layout = validate_run(cfg, world)
+        # the launcher fills each host's slots with consecutive ranks: a TP group stays on one node when it
+        # divides every host's slot count
+        layout = validate_run(cfg, world, gpus_per_node=math.gcd(*hosts.values()))
         gas = layout.gradient_accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size)
         line += f"; config OK: {layout.describe(cfg.parallel.zero_stage)}, gradient accumulation {gas}"
         print(line)
@@ -87,7 +90,7 @@ def memory_line(cfg, layout, gas: int, capacity_gib: float) -> str:
     """The busiest GPU's memory estimate (``parallel.memory``) for a ZeRO-1 run; a note otherwise."""
     if cfg.parallel.zero_stage != 1:
         return f"no memory estimate for ZeRO-{cfg.parallel.zero_stage} (parallel/memory.py models ZeRO-1)"
-    from llmjp_ds.config import model_config_of, seq_len_of
+    from llmjp_ds.config import model_config_of, seq_len_of, sequence_parallel_of
     from llmjp_ds.model.shapes import resolve_shape
     from llmjp_ds.parallel.memory import describe, layout_memory, stage_layers
 
@@ -101,5 +104,6 @@ def memory_line(cfg, layout, gas: int, capacity_gib: float) -> str:
         layers = [model_config.num_hidden_layers]
     stages = layout_memory(resolve_shape(cfg.model.shape, cfg.model.overrides), layers, layout.data,
                            cfg.train.micro_batch_size, seq_len_of(cfg, model_config), gas,
-                           cfg.model.activation_checkpointing)
+                           recompute=cfg.model.recompute, tensor=layout.tensor,
+                           sequence_parallel=sequence_parallel_of(cfg))
     return describe(max(stages, key=lambda s: s.total), capacity_gib)

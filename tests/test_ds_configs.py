@@ -148,7 +148,8 @@ def test_deepspeed_parses_filled_config(name, bf16, ds_config):
 
 
 def test_172b_batch_arithmetic_as_deepspeed_checks_it(ds_config):
-    """docs/172b-layout.md: PP32 x DP16 on 512 GPUs, micro 1, GBS 1728 -> GAS 108."""
+    """docs/172b-layout.md's layout without tensor parallelism: PP32 x DP16 on 512 GPUs, micro 1, GBS 1728 -> GAS
+    108 (with TP4 x PP16, DP8 -> GAS 216)."""
     c = ds_config(fill(load("pipeline"), micro=1, gas=108, dp=16, clip=1.0, bf16=True), dp=16)
     assert (c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps) == (1728, 1, 108)
     bad = fill(load("pipeline"), micro=1, gas=54, dp=16, clip=1.0, bf16=True)  # 864 = 1 x 54 x 16 ...

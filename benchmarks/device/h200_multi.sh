@@ -120,7 +120,7 @@ elif [ "$MODE" = failures ]; then
     2>&1 | tee -a "$S"
   tar czf "$OUT/metrics-$MODE.tgz" -C "$R" zero1-dp$NGPU/metrics.jsonl reshape-dp1/metrics.jsonl
 elif [ "$MODE" = slice ]; then
-  COMMON=(--preset llmjp3-172b --set model.backend=te --set model.activation_checkpointing=false
+  COMMON=(--preset llmjp3-172b --set model.backend=te --set model.recompute=none --set parallel.tensor_parallel=1
           --set logging.wandb=disabled --set train.micro_batch_size=1 --set train.steps=8 --set optim.warmup_steps=2
           --set optim.decay_steps=8 --set train.eval_interval=0 --set checkpoint.interval=0
           --set checkpoint.save_at_end=false --set parallel.zero_stage=1

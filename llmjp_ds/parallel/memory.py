@@ -2,13 +2,29 @@
 
 For bf16 with ZeRO-1 and fp32 gradient accumulation (DeepSpeed's ``BF16_Optimizer``; fp32 with ZeRO-1 keeps the
 same byte counts): every stage keeps its parameters' bf16 weights, bf16 gradients and fp32 accumulation buffer
-unsharded (8 bytes per parameter) and its fp32 master weights and Adam moments sharded over the data-parallel
-group (12 / DP). Activations follow Korthikanti et al. (2022) per micro-batch: ``34 sbh`` per layer without
-full recompute (TE's fused attention never stores the s^2 scores) and ``2 sbh`` (the layer's input) with it, plus
-the stage's output ``2 sbh``; under 1F1B stage *i* holds ``min(PP - i, GAS)`` micro-batches. The last stage
-also holds one micro-batch's logits (bf16, their fp32 copy, fp32 and bf16 gradients: 12 bytes per logit), and
-every GPU an allowance for transient memory (one recomputed layer, the fp32 all-reduce bucket, CUDA context and
-NCCL).
+unsharded over data parallelism (8 bytes per parameter) and its fp32 master weights and Adam moments sharded
+over the data-parallel group (12 / DP).
+
+Tensor parallelism ``t`` (TE's column/row-parallel layers; the embedding and the LM head vocab-parallel) divides
+every weight matrix by ``t``: QKV, the attention output projection, fc1, fc2, the embedding's and the head's
+rows. The RMSNorm weights (two per layer and the final one, ``h`` each) stay whole on every TP rank. A GPU's
+parameters, and so all of its per-parameter bytes, are its TP shard of its stage's.
+
+Activations per layer per micro-batch follow Korthikanti et al. (2022), bf16, in bytes of ``sbh``:
+
+- ``none`` and ``selective``: ``34 sbh / t`` with sequence parallelism (``(10 + 24 / t) sbh`` without it). TE's
+  fused (flash) attention never stores the ``5 a s^2 b`` scores that selective recompute exists to drop, and
+  recomputing the attention core frees only what flash attention keeps (Q, K, V feed the core's checkpoint
+  anyway; its softmax statistics are ``a s b`` fp32, about 1/60 of ``sbh`` here): selective keeps the same 34.
+- ``full``: ``2 sbh / t`` (the layer's input, a sequence shard under SP), plus one layer recomputed in backward
+  as a transient.
+
+Each stage also holds its output ``2 sbh / t`` (sequence-sharded under SP) per micro-batch; under 1F1B stage *i*
+holds ``min(PP - i, GAS)`` micro-batches. The last stage also holds one micro-batch's logits (bf16, their fp32
+copy, fp32 and bf16 gradients: 12 bytes per logit), ``V / t`` of the vocabulary per TP rank. Every GPU gets an
+allowance for transient memory: the layer recomputed in backward (full), the recomputed attention output
+(selective), the all-gathered ``[s, b, h]`` input of a column-parallel GEMM (SP), the fp32 all-reduce bucket,
+CUDA context and NCCL.
 """
 
 from __future__ import annotations
@@ -21,55 +37,86 @@ CONTEXT_GIB = 1.5  # CUDA context and NCCL
 UNSHARDED_BYTES = 8  # bf16 weights 2 + bf16 gradients 2 + fp32 accumulation 4
 SHARDED_BYTES = 12  # fp32 master weights 4 + Adam m 4 + v 4
 LOGIT_BYTES = 12  # bf16 logits 2 + fp32 copy 4 + fp32 gradient 4 + bf16 gradient 2
+RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
 class StageMemory:
     stage: int
     layers: int
-    params: int
+    params: int  # this GPU's: its TP shard of the stage's parameters
     in_flight: int
     weights_grads_accum: float  # GiB
     optimizer: float
     activations: float
     logits: float
     transient: float  # the layer recomputed in backward, the all-reduce bucket, CUDA context and NCCL
+    tensor: int = 1
+    recompute: str = "full"
 
     @property
     def total(self) -> float:
         return self.weights_grads_accum + self.optimizer + self.activations + self.logits + self.transient
 
 
-def layer_params(shape) -> int:
-    """Parameters of one decoder layer of a :class:`~llmjp_ds.model.shapes.ModelShape`."""
+def _split(n: int, tensor: int) -> int:
+    """One TP rank's share of ``n`` (rounded up where ``tensor`` does not divide it)."""
+    return -(-n // tensor)
+
+
+def layer_params(shape, tensor: int = 1) -> int:
+    """Parameters of one decoder layer of a :class:`~llmjp_ds.model.shapes.ModelShape` on one TP rank (all of
+    them for ``tensor == 1``): its share of the four projections and the MLP, and both RMSNorm weights whole."""
     h, d = shape.hidden_size, shape.hidden_size // shape.num_attention_heads
     attention = 2 * h * (shape.num_attention_heads * d) + 2 * h * (shape.num_key_value_heads * d)
-    return attention + 3 * h * shape.ffn_hidden_size + 2 * h
+    return _split(attention + 3 * h * shape.ffn_hidden_size, tensor) + 2 * h
+
+
+def _activation_tensors(recompute: str, tensor: int, sequence_parallel: bool) -> tuple[float, float, float]:
+    """Per layer kept for backward, the stage output, and the backward transient, in bf16 ``[s, b, h]``
+    tensors (1 = ``2 sbh`` bytes): Korthikanti et al.'s 34 (selective, or no recompute with flash attention)."""
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute {recompute!r}: one of {', '.join(RECOMPUTE_MODES)}")
+    t = tensor
+    layer = 17 / t if sequence_parallel or t == 1 else 5 + 12 / t  # 34 sbh / t, or (10 + 24 / t) sbh without SP
+    shard = 1 / t if sequence_parallel else 1  # the layer input and the stage output: sequence-sharded under SP
+    gathered = 1 if sequence_parallel and t > 1 else 0  # SP's all-gathered input of a column-parallel GEMM
+    if recompute == "full":
+        return shard, shard, layer + gathered
+    if recompute == "selective":
+        return layer, shard, 1 / t + gathered  # the attention output [s, b, h / t], recomputed in backward
+    return layer, shard, gathered
 
 
 def stage_memory(shape, stage: int, layers: int, pipeline: int, data: int, micro_batch: int, seq_len: int,
-                 gas: int, full_recompute: bool) -> StageMemory:
-    """Memory of pipeline stage ``stage`` (of ``pipeline``) holding ``layers`` decoder layers; stage 0 also holds
-    the embedding, the last stage the final norm and the LM head."""
+                 gas: int, recompute: str = "none", tensor: int = 1,
+                 sequence_parallel: bool = True) -> StageMemory:
+    """Memory of one GPU of pipeline stage ``stage`` (of ``pipeline``) holding ``layers`` decoder layers, with
+    tensor parallelism ``tensor`` (sequence-parallel unless ``sequence_parallel`` is false); stage 0 also holds
+    the embedding, the last stage the final norm and the LM head (both vocab-parallel)."""
     h, vocab = shape.hidden_size, shape.vocab_size
     last = stage == pipeline - 1
-    params = layers * layer_params(shape) + (vocab * h if stage == 0 else 0) + ((vocab + 1) * h if last else 0)
+    embedding = _split(vocab * h, tensor)
+    params = layers * layer_params(shape, tensor) + (embedding if stage == 0 else 0) + (
+        embedding + h if last else 0)
     sbh = seq_len * micro_batch * h * 2  # bytes of one bf16 [s, b, h] tensor
-    per_layer = 1 if full_recompute else 17  # 2 sbh or 34 sbh, in bf16 [s, b, h] tensors
+    per_layer, output, transient = _activation_tensors(recompute, tensor, sequence_parallel)
     in_flight = min(pipeline - stage, gas)
-    activations = in_flight * (layers * per_layer + 1) * sbh
-    logits = LOGIT_BYTES * seq_len * micro_batch * vocab if last else 0
-    recomputed = 17 * sbh if full_recompute else 0
+    activations = in_flight * (layers * per_layer + output) * sbh
+    logits = LOGIT_BYTES * seq_len * micro_batch * _split(vocab, tensor) if last else 0
     return StageMemory(stage=stage, layers=layers, params=params, in_flight=in_flight,
                        weights_grads_accum=UNSHARDED_BYTES * params / GIB,
                        optimizer=SHARDED_BYTES * params / data / GIB, activations=activations / GIB,
-                       logits=logits / GIB, transient=(recomputed + ALLREDUCE_BUCKET_BYTES) / GIB + CONTEXT_GIB)
+                       logits=logits / GIB,
+                       transient=(transient * sbh + ALLREDUCE_BUCKET_BYTES) / GIB + CONTEXT_GIB,
+                       tensor=tensor, recompute=recompute)
 
 
 def layout_memory(shape, stage_layers: list[int], data: int, micro_batch: int, seq_len: int, gas: int,
-                  full_recompute: bool) -> list[StageMemory]:
-    """Every stage's memory, for the decoder layers per stage in ``stage_layers``."""
-    return [stage_memory(shape, i, n, len(stage_layers), data, micro_batch, seq_len, gas, full_recompute)
+                  recompute: str = "none", tensor: int = 1, sequence_parallel: bool = True) -> list[StageMemory]:
+    """Every stage's memory (one GPU of each), for the decoder layers per stage in ``stage_layers``."""
+    return [stage_memory(shape, i, n, len(stage_layers), data, micro_batch, seq_len, gas, recompute, tensor,
+                         sequence_parallel)
             for i, n in enumerate(stage_layers)]
 
 
@@ -81,9 +128,11 @@ def stage_layers(bounds: list[int], num_layers: int) -> list[int]:
 
 def describe(stage: StageMemory, capacity_gib: float | None = None) -> str:
     """One line for preflight: the busiest stage's estimate and what it is made of."""
+    shard = f", TP{stage.tensor} shard" if stage.tensor > 1 else ""
     parts = (f"weights+grads+fp32 accum {stage.weights_grads_accum:.1f} + master+Adam {stage.optimizer:.1f} + "
-             f"activations {stage.activations:.1f} ({stage.in_flight} micro-batches in flight) + "
+             f"activations {stage.activations:.1f} ({stage.in_flight} micro-batches in flight, "
+             f"recompute {stage.recompute}) + "
              + (f"logits {stage.logits:.1f} + " if stage.logits else "") + f"transient {stage.transient:.1f}")
     fits = "" if capacity_gib is None else (
         f"; fits {capacity_gib:.1f} GiB" if stage.total <= capacity_gib else f"; does NOT fit {capacity_gib:.1f} GiB")
-    return f"busiest GPU: stage {stage.stage} ({stage.layers} layers), ~{stage.total:.1f} GiB = {parts}{fits}"
+    return f"busiest GPU: stage {stage.stage} ({stage.layers} layers{shard}), ~{stage.total:.1f} GiB = {parts}{fits}"

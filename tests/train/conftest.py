@@ -53,6 +53,10 @@ LAYOUTS = {
     "zero3": (2, ("parallel.zero_stage=3",)),
     "pp2": (2, ("parallel.zero_stage=1", "parallel.pipeline_stages=2")),
     "pp2-dp2": (4, ("parallel.zero_stage=1", "parallel.pipeline_stages=2")),  # the 172B layout's shape, small
+    # tensor parallelism (sequence parallel by default), alone and with each other axis
+    "tp2": (2, ("parallel.zero_stage=1", "parallel.tensor_parallel=2")),
+    "tp2-pp2": (4, ("parallel.zero_stage=1", "parallel.tensor_parallel=2", "parallel.pipeline_stages=2")),
+    "tp2-dp2": (4, ("parallel.zero_stage=1", "parallel.tensor_parallel=2")),
 }
 
 _WARM_UP = """

@@ -131,13 +131,17 @@ SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_laye
               "num_key_value_heads")
 
 
-def saved_layout(run_dir, tag: str, marker: CheckpointMeta) -> tuple[int, int]:
-    """(pipeline stages, data-parallel size) of the run that wrote checkpoint ``tag``."""
+def saved_layout(run_dir, tag: str, marker: CheckpointMeta) -> tuple[int, int, int]:
+    """(pipeline stages, data-parallel size, tensor-parallel size) of the run that wrote checkpoint ``tag``."""
     if marker.data_parallel is not None:
-        return marker.pipeline_stages, marker.data_parallel
+        return marker.pipeline_stages, marker.data_parallel, marker.tensor_parallel
     from llmjp_ds.parallel.reshape import saved_layout as from_files
 
-    return from_files(checkpoint_dir(run_dir) / tag)
+    return (*from_files(checkpoint_dir(run_dir) / tag), 1)
+
+
+def describe_layout(pipeline: int, data: int, tensor: int) -> str:
+    return f"{f'TP{tensor} x ' if tensor > 1 else ''}PP{pipeline} x DP{data}"
 
 
 def check_resume(run_dir, model_config: dict, fp8_lm_head: bool = False, layout=None,
@@ -159,22 +163,12 @@ def check_resume(run_dir, model_config: dict, fp8_lm_head: bool = False, layout=
     if diff:
         fail(f"{checkpoint_dir(run_dir) / tag} was saved from another model shape ({', '.join(diff)}): resume with "
              f"the run's own model settings, or set a new run_dir to start afresh")
-    if layout is not None and marker.tensor_parallel != layout.tensor:
-        fail(f"{checkpoint_dir(run_dir) / tag} was saved at parallel.tensor_parallel={marker.tensor_parallel}; this "
-             f"run has {layout.tensor}: resume at tensor_parallel={marker.tensor_parallel} (a resume at another TP "
-             "size is not supported; `llmjp-ds export` merges the shards into one HF checkpoint, which "
-             "model.init_from_hf can start a run from at any TP size)")
-    if layout is not None and layout.tensor > 1 and saved_layout(run_dir, tag, marker) != (layout.pipeline,
-                                                                                          layout.data):
-        pipeline, data = saved_layout(run_dir, tag, marker)
-        fail(f"{checkpoint_dir(run_dir) / tag} was saved on TP{layout.tensor} x PP{pipeline} x DP{data}: under "
-             f"tensor parallelism a run resumes on its own layout only; relaunch on PP{pipeline} x DP{data}")
     if layout is not None and (marker.zero_stage != 1 or zero_stage != 1):
-        pipeline, data = saved_layout(run_dir, tag, marker)
-        if (pipeline, data) != (layout.pipeline, layout.data):
-            fail(f"{checkpoint_dir(run_dir) / tag} was saved on PP{pipeline} x DP{data} with ZeRO-{marker.zero_stage}; "
-                 f"resuming it on PP{layout.pipeline} x DP{layout.data} (ZeRO-{zero_stage}) works with ZeRO-1 on "
-                 f"both sides only: relaunch on PP{pipeline} x DP{data}")
+        saved = saved_layout(run_dir, tag, marker)
+        if saved != (layout.pipeline, layout.data, layout.tensor):
+            fail(f"{checkpoint_dir(run_dir) / tag} was saved on {describe_layout(*saved)} with ZeRO-{marker.zero_stage}; "
+                 f"resuming it on {describe_layout(layout.pipeline, layout.data, layout.tensor)} (ZeRO-{zero_stage}) "
+                 f"works with ZeRO-1 on both sides only: relaunch on {describe_layout(*saved)}")
     return tag
 
 

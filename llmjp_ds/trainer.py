@@ -142,8 +142,8 @@ class Trainer:
         tag = checkpoint.latest_tag(self.run_dir)
         if tag:
             saved = checkpoint.saved_layout(self.run_dir, tag, checkpoint.read_marker(self.run_dir, tag))
-            if saved != (self.layout.pipeline, self.layout.data):
-                client, reshaped = self._reshape(tag), saved
+            if saved != (self.layout.pipeline, self.layout.data, self.layout.tensor):
+                client, reshaped = self._reshape(tag, saved), saved
             else:
                 client = self._load(tag)
         self.logger = MetricsLogger(self.run_dir, wandb_mode=cfg.logging.wandb, project=cfg.logging.project,
@@ -153,8 +153,9 @@ class Trainer:
         if tag:
             self.logger.event(self.state.step, "resume", tag=tag)
         if reshaped:
-            self.logger.event(self.state.step, "reshape", tag=tag, saved=f"PP{reshaped[0]} x DP{reshaped[1]}",
-                              now=f"PP{self.layout.pipeline} x DP{self.layout.data}",
+            self.logger.event(self.state.step, "reshape", tag=tag, saved=checkpoint.describe_layout(*reshaped),
+                              now=checkpoint.describe_layout(self.layout.pipeline, self.layout.data,
+                                                             self.layout.tensor),
                               gradient_accumulation=self.gas)
         self.stop = StopRequest(cfg.checkpoint.grace_seconds)
         self.throughput = Throughput(flops_per_token_for(self.model_config, self.seq_len), self.tokens_per_step,
@@ -262,7 +263,7 @@ class Trainer:
         self.guard.load_state_dict(client.get("guard", {}))
         self.penalty.load_state_dict(client.get("penalty", {}))
 
-    def _reshape(self, tag: str) -> dict:
+    def _reshape(self, tag: str, saved: tuple[int, int, int]) -> dict:
         """Resume checkpoint ``tag`` of another layout: rank 0 converts it once (``parallel.reshape``), every
         rank reads its parameters from the conversion."""
         from llmjp_ds import checkpoint
@@ -274,10 +275,10 @@ class Trainer:
             return {k: v for k, v in state.items() if k.endswith("_extra_state")}
 
         if self.ctx.rank == 0:
-            convert(checkpoint.checkpoint_dir(self.run_dir) / tag, n, extra_states)
+            convert(checkpoint.checkpoint_dir(self.run_dir) / tag, n, extra_states, saved)
         self.ctx.barrier()
         with checkpoint.trusted_te_extra_state():  # TE's pickled FP8 state of this run's own checkpoint
-            load_converted(self.engine, checkpoint.checkpoint_dir(self.run_dir) / tag / CONVERTED, n)
+            load_converted(self.engine, checkpoint.checkpoint_dir(self.run_dir) / tag / CONVERTED, n, self.ctx.tp)
         self.precision.weights_changed()
         client = checkpoint.read_client_state(self.run_dir, tag)
         self.state = TrainState(**client["train_state"])

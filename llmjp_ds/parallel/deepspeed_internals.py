@@ -103,7 +103,8 @@ _OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_sta
 
 
 def zero_checkpoint_ranks(tag_dir) -> list[tuple[int, int]]:
-    """(data-parallel rank, pipeline rank) of every ZeRO optimizer file in a checkpoint directory."""
+    """(data-parallel rank, model-parallel rank) of every ZeRO optimizer file in a checkpoint directory (the
+    model-parallel rank is the pipeline stage without tensor parallelism)."""
     found = [_OPTIM_FILE.match(f.name) for f in Path(tag_dir).iterdir()]
     return [(int(m.group(1)), int(m.group(2))) for m in found if m]
 
@@ -118,27 +119,34 @@ def zero_checkpoint_step(tag_dir) -> torch.Tensor:
     return _optim_state(path)["base_optimizer_state"]["state"][0]["step"]
 
 
-def zero_checkpoint_params(tag_dir, stages: int, data: int):
-    """Yield ``(name, {"fp32", "exp_avg", "exp_avg_sq"} full tensors)`` of every parameter of a ZeRO-1
-    checkpoint written by ``stages`` x ``data`` ranks (names as the writing engine's module called them)."""
+def zero_checkpoint_params(tag_dir, stages: int, data: int, tensor: int = 1):
+    """Yield ``(name, [{"fp32", "exp_avg", "exp_avg_sq"} tensors of each TP rank])`` of every parameter of a
+    ZeRO-1 checkpoint written by ``stages`` x ``data`` x ``tensor`` ranks (names as the writing engine's module
+    called them). DeepSpeed names a rank's files by its model-parallel rank, ``stage * tensor + tp_rank``."""
     tag_dir = Path(tag_dir)
     for pp in range(stages):
-        shapes = torch.load(tag_dir / f"mp_rank_{pp:02d}_model_states.pt", map_location="cpu",
-                            weights_only=False)["param_shapes"]
-        parts: dict[str, dict[str, list]] = {}
-        for dp in range(data):
-            osd = _optim_state(next(tag_dir.glob(f"*zero_pp_rank_{dp}_mp_rank_{pp:02d}_optim_states.pt")))
-            for g, mapping in enumerate(osd["param_slice_mappings"]):
-                adam = osd["base_optimizer_state"]["state"][g]
-                flat = {"fp32": osd["single_partition_of_fp32_groups"][g], "exp_avg": adam["exp_avg"],
-                        "exp_avg_sq": adam["exp_avg_sq"]}
-                for name, where in mapping.items():
-                    slot = parts.setdefault(name, {k: [] for k in flat})
-                    for key, tensor in flat.items():
-                        slot[key].append(tensor.narrow(0, where.start, where.numel))
-        for group in shapes:
-            for name, shape in group.items():
-                yield name, {k: torch.cat(v).reshape(shape).clone() for k, v in parts.pop(name).items()}
+        per_tp = [_rank_params(tag_dir, pp * tensor + t, data) for t in range(tensor)]
+        for name in per_tp[0]:
+            yield name, [ranks[name] for ranks in per_tp]
+
+
+def _rank_params(tag_dir: Path, mp: int, data: int) -> dict[str, dict[str, torch.Tensor]]:
+    """One model-parallel rank's parameters, their slices gathered from the ``data`` ZeRO-1 partitions."""
+    shapes = torch.load(tag_dir / f"mp_rank_{mp:02d}_model_states.pt", map_location="cpu",
+                        weights_only=False)["param_shapes"]
+    parts: dict[str, dict[str, list]] = {}
+    for dp in range(data):
+        osd = _optim_state(next(tag_dir.glob(f"*zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt")))
+        for g, mapping in enumerate(osd["param_slice_mappings"]):
+            adam = osd["base_optimizer_state"]["state"][g]
+            flat = {"fp32": osd["single_partition_of_fp32_groups"][g], "exp_avg": adam["exp_avg"],
+                    "exp_avg_sq": adam["exp_avg_sq"]}
+            for name, where in mapping.items():
+                slot = parts.setdefault(name, {k: [] for k in flat})
+                for key, tensor in flat.items():
+                    slot[key].append(tensor.narrow(0, where.start, where.numel))
+    return {name: {k: torch.cat(v).reshape(shape).clone() for k, v in parts.pop(name).items()}
+            for group in shapes for name, shape in group.items()}
 
 
 def seed_optimizer_state(optimizer, step: torch.Tensor) -> None:

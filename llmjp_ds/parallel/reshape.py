@@ -1,11 +1,13 @@
-"""Resuming a checkpoint on another layout: another data-parallel size or pipeline depth, with ZeRO-1.
+"""Resuming a checkpoint on another layout: another data-parallel size, pipeline depth or tensor-parallel size,
+with ZeRO-1.
 
-DeepSpeed's ZeRO-1 checkpoint is cut by the layout that wrote it: one optimizer file per (data, pipeline) rank,
-each holding a flat slice of every parameter group, and pipeline weights named by layer index. A relaunch on
-another layout converts it once into a layout-free form beside it, ``<tag>/layout-free/``: one file per
-parameter under our names (``hf_adapter``) with its fp32 master weights and Adam moments, plus the modules'
-``_extra_state`` (FP8 amax histories and scales) and the optimizer step. Each rank of the new layout then
-reads the files of its own parameters into its engine. The global batch is the run's, so the gradient
+DeepSpeed's ZeRO-1 checkpoint is cut by the layout that wrote it: one optimizer file per (data, model-parallel)
+rank, each holding a flat slice of every parameter group, pipeline weights named by layer index, and under TP
+each rank's shard of the split weights. A relaunch on another layout converts it once into a layout-free form
+beside it, ``<tag>/layout-free/``: one file per parameter under our names (``hf_adapter``) with its whole fp32
+master weights and Adam moments (TP shards merged: the moments split as the weights do), plus the modules'
+``_extra_state`` (FP8 amax histories and scales; a TP slice shares them) and the optimizer step. Each rank of the
+new layout then reads the files of its own parameters, its TP shard of each, into its engine. The global batch is the run's, so the gradient
 accumulation follows the new data-parallel size and the samples of every step stay the same.
 
 The DeepSpeed checkpoint format and optimizer internals this needs live in ``parallel/deepspeed_internals.py``.
@@ -28,7 +30,8 @@ DONE = "complete"
 
 
 def saved_layout(tag_dir) -> tuple[int, int]:
-    """(pipeline stages, data-parallel size) that wrote the checkpoint, from its optimizer files' names."""
+    """(pipeline stages, data-parallel size) that wrote a checkpoint of an earlier release (no TP), from its
+    optimizer files' names."""
     ranks = zero_checkpoint_ranks(tag_dir)
     if not ranks:
         fail(f"{tag_dir} has no ZeRO optimizer files: it cannot be resumed on another layout (ZeRO-1 only)")
@@ -44,19 +47,23 @@ def _ours(name: str, pipeline: bool, num_layers: int) -> str:
     return pipeline_name_to_ours(int(index), num_layers, rest)
 
 
-def convert(tag_dir, num_layers: int, read_extra_states) -> Path:
-    """Write ``<tag>/layout-free/`` from the checkpoint in ``tag_dir`` (once: a finished conversion is kept);
-    ``read_extra_states()`` returns its modules' ``_extra_state`` entries under our names."""
+def convert(tag_dir, num_layers: int, read_extra_states, saved) -> Path:
+    """Write ``<tag>/layout-free/`` from the checkpoint in ``tag_dir`` (once: a finished conversion is kept),
+    written on ``saved`` = (pipeline stages, data-parallel size, tensor-parallel size); ``read_extra_states()``
+    returns its modules' ``_extra_state`` entries under our names."""
+    from llmjp_ds.model.hf_adapter import tp_merge
+
     tag_dir = Path(tag_dir)
     out = tag_dir / CONVERTED
     if (out / DONE).is_file():
         return out
-    stages, data = saved_layout(tag_dir)
+    stages, data, tensor = saved
     pipeline = stages > 1
-    for name, full in zero_checkpoint_params(tag_dir, stages, data):
-        _save(out / f"{_ours(name, pipeline, num_layers)}.pt", full)
+    for name, shards in zero_checkpoint_params(tag_dir, stages, data, tensor):
+        ours = _ours(name, pipeline, num_layers)
+        _save(out / f"{ours}.pt", {key: tp_merge(ours, [s[key] for s in shards]) for key in shards[0]})
     _save(out / "_extra_state.pt", {"step": zero_checkpoint_step(tag_dir), "extra": read_extra_states()})
-    write_bytes_atomic(out / DONE, f"{stages} {data}\n".encode())
+    write_bytes_atomic(out / DONE, f"{stages} {data} {tensor}\n".encode())
     return out
 
 
@@ -66,18 +73,22 @@ def _save(path: Path, obj) -> None:
     write_bytes_atomic(path, buffer.getvalue())
 
 
-def load_converted(engine, converted: Path, num_layers: int) -> None:
+def load_converted(engine, converted: Path, num_layers: int, tp=None) -> None:
     """Set this rank's engine (weights, fp32 master weights, Adam moments and step, FP8 state) from a
-    conversion."""
+    conversion; ``tp``: this rank's tensor-parallel slice, whose shard of each parameter it takes."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    from llmjp_ds.model.hf_adapter import tp_shard
 
     pipeline = hasattr(engine, "grid") and engine.is_pipe_parallel
     meta = torch.load(converted / "_extra_state.pt", map_location="cpu", weights_only=False)
     seed_optimizer_state(engine.optimizer, meta["step"])
     module = engine.module
     for name, param in module.named_parameters():
-        full = torch.load(converted / f"{_ours(name, pipeline, num_layers)}.pt", map_location="cpu",
-                          weights_only=False)
+        ours = _ours(name, pipeline, num_layers)
+        full = torch.load(converted / f"{ours}.pt", map_location="cpu", weights_only=False)
+        if tp is not None:
+            full = {key: tp_shard(ours, value, tp.rank, tp.size).contiguous() for key, value in full.items()}
         with torch.no_grad():
             param.copy_(full["fp32"].to(param.device, param.dtype))
         safe_set_full_fp32_param(param, full["fp32"].to(param.device))

@@ -200,9 +200,6 @@ CASES = [
     Case("resume-with-another-lm-head", T(*TINY, "precision.fp8_lm_head=true", run="{run}"),
          ("was saved with precision.fp8_lm_head=false: resume with the same setting, or set a new run_dir",),
          trains=True),
-    Case("resume-at-another-tp-size", T(*TINY, "parallel.tensor_parallel=2", run="{run}"),
-         ("was saved at parallel.tensor_parallel=1; this run has 2: resume at tensor_parallel=1",),
-         env={"WORLD_SIZE": "2"}, trains=True),
     Case("run-dir-is-a-file", T(SMALL, run="{tmp}/a_file"), ("is a file, not a directory; choose another run_dir",),
          trains=True),
     # --- export / import ---------------------------------------------------------------------------------

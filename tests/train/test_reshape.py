@@ -1,5 +1,6 @@
-"""Resume on another layout: a checkpoint written at one data-parallel size and pipeline depth continues at
-another (DP2 -> DP1, DP1 -> DP2, PP2 -> PP1, PP1 -> PP2, ZeRO-1), the user only relaunching with the new layout.
+"""Resume on another layout: a checkpoint written at one data-parallel size, pipeline depth and tensor-parallel
+size continues at another (DP2 -> DP1, DP1 -> DP2, PP2 -> PP1, PP1 -> PP2, TP2 -> TP1, TP1 -> TP2,
+TP2 x PP2 -> TP2 x DP2; ZeRO-1), the user only relaunching with the new layout.
 
 The first N steps run on one layout, the next N on another, from the same run directory; the trail must be the
 uninterrupted one-process run's within the equivalence tolerances (the layouts differ only in fp32 summation
@@ -21,7 +22,9 @@ from .test_equivalence import GRAD_NORM_RTOL, LOSS_RTOL
 
 pytestmark = pytest.mark.slow
 
-SWITCHES = [("zero1", "single"), ("single", "zero1"), ("pp2", "single"), ("single", "pp2")]
+SWITCHES = [("zero1", "single"), ("single", "zero1"), ("pp2", "single"), ("single", "pp2"),
+            # tensor parallelism: the conversion merges the TP shards, the new layout takes its own
+            ("tp2", "single"), ("single", "tp2"), ("tp2-pp2", "tp2-dp2")]
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +58,8 @@ def _assert_continues(run_dir, reference, saved: str, now: str) -> None:
     assert [(e["step"], e["saved"], e["now"]) for e in events] == [(N, saved, now)]
 
 
-NAMES = {"single": "PP1 x DP1", "zero1": "PP1 x DP2", "pp2": "PP2 x DP1"}
+NAMES = {"single": "PP1 x DP1", "zero1": "PP1 x DP2", "pp2": "PP2 x DP1", "tp2": "TP2 x PP1 x DP1",
+         "tp2-pp2": "TP2 x PP2 x DP1", "tp2-dp2": "TP2 x PP1 x DP2"}
 
 
 @pytest.mark.timeout(900)

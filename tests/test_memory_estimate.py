@@ -1,12 +1,20 @@
 """``parallel.memory``: the per-stage memory of a layout, pinned to the tables of docs/172b-layout.md (llmjp3-172b,
-micro batch 1, seq 4096, global batch 1728 on 512 GPUs, bf16 + ZeRO-1; TP with sequence parallelism)."""
+micro batch 1, seq 4096, global batch 1728 on 512 GPUs, bf16 + ZeRO-1; TP with sequence parallelism), and to one
+recorded measurement: the TP2 slice on two H200s (run Q, docs/172b-layout.md §9)."""
 
 from __future__ import annotations
 
 import pytest
 
-from llmjp_ds.model.shapes import get_shape
-from llmjp_ds.parallel.memory import GIB, layer_params, layout_memory, stage_layers
+from llmjp_ds.model.shapes import get_shape, resolve_shape
+from llmjp_ds.parallel.memory import (
+    ALLREDUCE_BUCKET_BYTES,
+    CONTEXT_GIB,
+    GIB,
+    layer_params,
+    layout_memory,
+    stage_layers,
+)
 
 SHAPE = get_shape("llmjp3-172b")
 H = 12288
@@ -101,8 +109,8 @@ def test_tensor_parallel_logits_are_vocab_parallel():
 
 
 # §4: the candidate layouts without TP: the busiest GPU (stage 0) and its parts, GiB
-@pytest.mark.parametrize("pp,unsharded,sharded,total", [(8, 167.4, 3.9, 186.0), (16, 88.3, 4.1, 107.9),
-                                                        (32, 48.7, 4.6, 70.2), (64, 35.5, 6.7, 65.1)])
+@pytest.mark.parametrize("pp,unsharded,sharded,total", [(8, 125.6, 3.9, 144.2), (16, 66.2, 4.1, 85.8),
+                                                        (32, 36.5, 4.6, 58.1), (64, 26.6, 6.7, 56.3)])
 def test_busiest_gpu_of_each_candidate(pp, unsharded, sharded, total):
     stage = busiest(layout(pp))
     assert stage.stage == 0
@@ -113,10 +121,10 @@ def test_busiest_gpu_of_each_candidate(pp, unsharded, sharded, total):
 # §4: TP x PP on 512 GPUs: the busiest GPU with selective and with full recompute, and the
 # projected seconds per step of the fastest recompute mode that fits 79.6 GiB (None: neither fits)
 @pytest.mark.parametrize("tp,pp,selective,full,seconds", [
-    (1, 8, 328.5, 186.0, None), (1, 16, 250.4, 107.9, None), (1, 32, 212.7, 70.2, 61.3),
-    (2, 8, 168.0, 96.8, None), (2, 16, 129.0, 57.8, 56.0), (2, 32, 110.4, 39.2, 56.2),
-    (4, 8, 87.7, 52.1, 55.6), (4, 16, 68.3, 32.7, 42.5), (4, 32, 59.2, 23.6, 42.6),
-    (8, 8, 47.5, 29.7, 45.5), (8, 16, 38.0, 20.1, 45.6), (8, 32, 33.6, 15.8, 45.7),
+    (1, 8, 286.7, 144.2, None), (1, 16, 228.3, 85.8, None), (1, 32, 200.6, 58.1, 61.3),
+    (2, 8, 147.1, 75.8, 55.6), (2, 16, 118.0, 46.7, 56.0), (2, 32, 104.3, 33.1, 56.2),
+    (4, 8, 77.2, 41.6, 42.3), (4, 16, 62.8, 27.2, 42.5), (4, 32, 56.2, 20.6, 42.6),
+    (8, 8, 42.3, 24.5, 45.5), (8, 16, 35.2, 17.4, 45.6), (8, 32, 32.1, 14.3, 45.7),
 ])
 def test_tensor_and_pipeline_candidates(tp, pp, selective, full, seconds):
     sel, ful = busiest(layout(pp, "selective", tp)), busiest(layout(pp, "full", tp))
@@ -129,22 +137,44 @@ def test_tensor_and_pipeline_candidates(tp, pp, selective, full, seconds):
 
 
 def test_the_previous_layout_stage_by_stage():
-    """§5: PP 32 x DP 16: stage 0 70.2 GiB, stage 1 59.9 GiB, the last stage (with the logits) 63.2 GiB."""
+    """§5: PP 32 x DP 16: stage 0 58.1 GiB, stage 1 50.0 GiB, the last stage (with the logits) 51.0 GiB."""
     stages = layout(32)
-    assert [round(stages[i].total, 1) for i in (0, 1, 31)] == [70.2, 59.9, 63.2]
+    assert [round(stages[i].total, 1) for i in (0, 1, 31)] == [58.1, 50.0, 51.0]
     assert round(stages[31].logits, 1) == 4.6 and stages[31].in_flight == 1 and stages[0].in_flight == 32
 
 
 def test_the_recommended_layout_stage_by_stage():
-    """§5: TP4 x PP16 x DP8, selective: stage 0 68.3 GiB, stage 1 63.2 GiB, the last stage 33.2 GiB."""
+    """§5: TP4 x PP16 x DP8, selective: stage 0 62.8 GiB, stage 1 58.2 GiB, the last stage 27.7 GiB."""
     stages = layout(16, "selective", 4)
     first = stages[0]
     assert (round(first.weights_grads_accum, 1), round(first.optimizer, 1), round(first.activations, 1),
-            round(first.transient, 1), round(first.total, 1)) == (22.1, 4.1, 38.6, 3.5, 68.3)
-    assert [round(stages[i].total, 1) for i in (0, 1, 15)] == [68.3, 63.2, 33.2]
+            round(first.transient, 1), round(first.total, 1)) == (16.6, 4.1, 38.6, 3.5, 62.8)
+    assert [round(stages[i].total, 1) for i in (0, 1, 15)] == [62.8, 58.2, 27.7]
     assert stages[0].in_flight == 16 and stages[15].in_flight == 1
-    # LLM-jp's Megatron layout, the same split: 2 + 4 + 12 / 8 bytes per parameter (distributed optimizer)
+    # LLM-jp's Megatron layout, the same split: 2 + 4 + 12 / 8 bytes per parameter (distributed optimizer): the
+    # same bytes as ours; ours is the fp32 all-reduce bucket (1.9 GiB) more: 60.9 GiB against 62.8
     assert round(first.params * (2 + 4 + 12 / 8) / GIB, 1) == 20.7
+    assert round(first.total - ALLREDUCE_BUCKET_BYTES / GIB, 1) == 60.9
+    # §5: 79.6 GiB leaves 16.8 GiB; the FP8 weight cache (up to 2 B per parameter) fits in it
+    assert round(79.6 - first.total, 1) == 16.8 and round(2 * first.params / GIB, 1) == 5.5
+    # §4: TP4 x PP8 fits on paper but leaves 2.4 GiB, less than its FP8 weight cache (10.5 GiB)
+    pp8 = layout(8, "selective", 4)[0]
+    assert round(79.6 - pp8.total, 1) == 2.4 and round(2 * pp8.params / GIB, 1) == 10.5
+
+
+def test_bytes_per_parameter():
+    """§2: 6 unsharded bytes per parameter (bf16 weights + fp32 accumulation; fused fp32 accumulation leaves no
+    resident bf16 gradient), 8 for the RMSNorm weights (bf16 gradient kept), 12 / DP for master weights + Adam."""
+    stage = layout(16, "selective", 4)[1]  # 6 layers, no embedding or head
+    norms = 6 * 2 * H
+    assert stage.weights_grads_accum * GIB == 6 * (stage.params - norms) + 8 * norms
+    assert stage.optimizer * GIB == pytest.approx(12 * stage.params / 8)
+
+
+def test_the_allreduce_bucket_counts_only_with_data_parallelism():
+    """DeepSpeed buckets only a data-parallel all-reduce: with DP = 1 the fp32 bucket is never allocated."""
+    one, two = (layout_memory(SHAPE, [6, 6], dp, 1, 4096, 8, "selective", 4)[0] for dp in (1, 2))
+    assert (two.transient - one.transient) * GIB == pytest.approx(ALLREDUCE_BUCKET_BYTES)
 
 
 def test_recompute_modes_are_checked():
@@ -157,10 +187,11 @@ def test_recompute_modes_are_checked():
     ([], "gradient accumulation", "busiest GPU: stage "),
     (["parallel.tensor_parallel=1", "parallel.pipeline_stages=32", "model.recompute=full"],
      "PP32 x DP16, ZeRO-1, gradient accumulation 108",
-     "busiest GPU: stage 0 (3 layers), ~70.2 GiB = weights+grads+fp32 accum 48.7 + "),
+     ("busiest GPU: stage 0 (3 layers), ~58.1 GiB = weights+fp32 grad accum 36.5 + master+Adam 4.6 + "
+      "activations 12.0 (32 micro-batches in flight, recompute full) + transient 5.0")),
     (["parallel.tensor_parallel=4", "parallel.pipeline_stages=16", "model.recompute=selective"],
      "DP8, ZeRO-1, gradient accumulation 216",
-     ("busiest GPU: stage 0 (6 layers, TP4 shard), ~68.3 GiB = weights+grads+fp32 accum 22.1 + master+Adam 4.1 + "
+     ("busiest GPU: stage 0 (6 layers, TP4 shard), ~62.8 GiB = weights+fp32 grad accum 16.6 + master+Adam 4.1 + "
       "activations 38.6 (16 micro-batches in flight, recompute selective) + transient 3.5")),
 ])
 def test_preflight_prints_the_busiest_gpu_of_the_configured_layout(sets, config, memory):
@@ -177,3 +208,35 @@ def test_preflight_prints_the_busiest_gpu_of_the_configured_layout(sets, config,
     assert config in lines[0]
     assert lines[1].startswith(memory)
     assert lines[1].endswith("; fits 79.6 GiB")
+
+
+# Run Q (docs/172b-layout.md §9; raw: docs/perf-raw/run-q/summary-tp-memory.txt and slice-tp2-memory.log):
+# `bash benchmarks/device/h200_tp.sh memory` on two H200s, the llmjp3-172b preset with 3 layers and a 49,920-row
+# vocabulary at TP2 x PP1 x DP1, selective recompute, micro batch 1, global batch 2, ds_configs/pipeline.json,
+# BF16: torch.cuda.max_memory_allocated peaked at 59.147 GiB (steps 2-3). The CUDA context and NCCL are not in
+# that figure; the estimate allows CONTEXT_GIB (1.5) for them.
+RUN_Q_MAX_ALLOCATED_GIB = 59.147
+
+
+def slice_estimate():
+    shape = resolve_shape("llmjp3-172b", {"num_layers": 3, "vocab_size": 49920})
+    (stage,) = layout_memory(shape, [3], 1, 1, 4096, 2, "selective", 2)
+    return stage
+
+
+def test_the_tp2_slice_estimate_against_run_q():
+    """The estimate of the measured slice must cover the measured allocation and stay within 10 % above the
+    measured allocation + the context allowance (8 B per parameter and an always-counted bucket gave 68.0 GiB:
+    outside the band)."""
+    stage = slice_estimate()
+    assert stage.params == 3_268_890_624 and stage.in_flight == 1
+    assert (round(stage.weights_grads_accum, 1), round(stage.optimizer, 1), round(stage.activations, 1),
+            round(stage.logits, 1), round(stage.transient, 1), round(stage.total, 1)) == \
+        (18.3, 36.5, 2.4, 1.1, 1.6, 60.0)
+    assert RUN_Q_MAX_ALLOCATED_GIB <= stage.total <= 1.10 * (RUN_Q_MAX_ALLOCATED_GIB + CONTEXT_GIB)
+    # the old model, for the record: 2 more bytes per (non-norm) parameter and the bucket at DP 1
+    norms = 3 * 2 * H + H
+    old = stage.total + (2 * (stage.params - norms) + ALLREDUCE_BUCKET_BYTES) / GIB
+    assert round(old, 1) == 68.0 and old > 1.10 * (RUN_Q_MAX_ALLOCATED_GIB + CONTEXT_GIB)
+    # DeepSpeed's report after building BF16_Optimizer: MA 30.48 (GiB) = 10 B per parameter, no bf16 gradients
+    assert round(10 * stage.params / GIB, 1) == 30.4

@@ -1,9 +1,20 @@
 """Per-GPU memory of a layout, stage by stage: the arithmetic of docs/172b-layout.md as code (pure).
 
 For bf16 with ZeRO-1 and fp32 gradient accumulation (DeepSpeed's ``BF16_Optimizer``; fp32 with ZeRO-1 keeps the
-same byte counts): every stage keeps its parameters' bf16 weights, bf16 gradients and fp32 accumulation buffer
-unsharded over data parallelism (8 bytes per parameter) and its fp32 master weights and Adam moments sharded
+same byte counts): every stage keeps its parameters' bf16 weights and fp32 gradient-accumulation buffer
+unsharded over data parallelism (6 bytes per parameter) and its fp32 master weights and Adam moments sharded
 over the data-parallel group (12 / DP).
+
+Fused fp32 accumulation: no resident bf16 gradients. With the trainer's default
+``parallel.fused_grad_accumulation`` and ``"bf16": {"immediate_grad_update": true}`` (``ds_configs/zero1.json``
+and ``pipeline.json``), TE's GEMM weights, the embedding and the LM head accumulate their weight gradient
+straight into the fp32 buffer (``main_grad``: ``parallel.deepspeed_internals.fuse_grad_accumulation``,
+``model/main_grad.py``); their bf16 ``.grad`` is a placeholder that DeepSpeed's hook drops. Only the RMSNorm
+weights (replicated on every TP rank, ``h`` each: tiny) are charged a bf16 gradient as well, 8 bytes. The reason
+is a measurement: one TP2 slice of the 172B stage on two H200s (docs/172b-layout.md, "Measured: one TP2 slice
+on two H200s (run Q)"; docs/perf-raw/run-q/) allocated at most 59.1 GiB (``max_memory_allocated``, without the
+CUDA context) where 8 bytes per parameter and a bucket at DP = 1 predicted 68.0 GiB; this model predicts 60.0 GiB
+including the 1.5 GiB context allowance.
 
 Tensor parallelism ``t`` (TE's column/row-parallel layers; the embedding and the LM head vocab-parallel) divides
 every weight matrix by ``t``: QKV, the attention output projection, fc1, fc2, the embedding's and the head's
@@ -23,8 +34,9 @@ Each stage also holds its output ``2 sbh / t`` (sequence-sharded under SP) per m
 holds ``min(PP - i, GAS)`` micro-batches. The last stage also holds one micro-batch's logits (bf16, their fp32
 copy, fp32 and bf16 gradients: 12 bytes per logit), ``V / t`` of the vocabulary per TP rank. Every GPU gets an
 allowance for transient memory: the layer recomputed in backward (full), the recomputed attention output
-(selective), the all-gathered ``[s, b, h]`` input of a column-parallel GEMM (SP), the fp32 all-reduce bucket,
-CUDA context and NCCL.
+(selective), the all-gathered ``[s, b, h]`` input of a column-parallel GEMM (SP), the fp32 all-reduce bucket
+(only with data parallelism: DeepSpeed buckets only for a data-parallel all-reduce, so with DP = 1 it is never
+allocated), CUDA context and NCCL.
 """
 
 from __future__ import annotations
@@ -34,7 +46,8 @@ from dataclasses import dataclass
 GIB = 2**30
 ALLREDUCE_BUCKET_BYTES = 500_000_000 * 4  # the pipeline engine's fp32 all-reduce bucket (MEMORY_OPT_ALLREDUCE_SIZE)
 CONTEXT_GIB = 1.5  # CUDA context and NCCL
-UNSHARDED_BYTES = 8  # bf16 weights 2 + bf16 gradients 2 + fp32 accumulation 4
+UNSHARDED_BYTES = 6  # bf16 weights 2 + fp32 accumulation 4 (fused fp32 accumulation: no resident bf16 gradients)
+NORM_UNSHARDED_BYTES = 8  # the RMSNorm weights: bf16 weights 2 + bf16 gradients 2 + fp32 accumulation 4
 SHARDED_BYTES = 12  # fp32 master weights 4 + Adam m 4 + v 4
 LOGIT_BYTES = 12  # bf16 logits 2 + fp32 copy 4 + fp32 gradient 4 + bf16 gradient 2
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -46,11 +59,11 @@ class StageMemory:
     layers: int
     params: int  # this GPU's: its TP shard of the stage's parameters
     in_flight: int
-    weights_grads_accum: float  # GiB
+    weights_grads_accum: float  # GiB: bf16 weights + fp32 gradient accumulation (+ the norms' bf16 gradients)
     optimizer: float
     activations: float
     logits: float
-    transient: float  # the layer recomputed in backward, the all-reduce bucket, CUDA context and NCCL
+    transient: float  # the layer recomputed in backward, the all-reduce bucket (DP > 1), CUDA context and NCCL
     tensor: int = 1
     recompute: str = "full"
 
@@ -99,16 +112,19 @@ def stage_memory(shape, stage: int, layers: int, pipeline: int, data: int, micro
     embedding = _split(vocab * h, tensor)
     params = layers * layer_params(shape, tensor) + (embedding if stage == 0 else 0) + (
         embedding + h if last else 0)
+    norms = layers * 2 * h + (h if last else 0)  # RMSNorm weights: whole on every TP rank, with a bf16 gradient
     sbh = seq_len * micro_batch * h * 2  # bytes of one bf16 [s, b, h] tensor
     per_layer, output, transient = _activation_tensors(recompute, tensor, sequence_parallel)
     in_flight = min(pipeline - stage, gas)
     activations = in_flight * (layers * per_layer + output) * sbh
     logits = LOGIT_BYTES * seq_len * micro_batch * _split(vocab, tensor) if last else 0
+    bucket = ALLREDUCE_BUCKET_BYTES if data > 1 else 0  # DeepSpeed buckets only a data-parallel all-reduce
     return StageMemory(stage=stage, layers=layers, params=params, in_flight=in_flight,
-                       weights_grads_accum=UNSHARDED_BYTES * params / GIB,
+                       weights_grads_accum=(UNSHARDED_BYTES * (params - norms)
+                                            + NORM_UNSHARDED_BYTES * norms) / GIB,
                        optimizer=SHARDED_BYTES * params / data / GIB, activations=activations / GIB,
                        logits=logits / GIB,
-                       transient=(transient * sbh + ALLREDUCE_BUCKET_BYTES) / GIB + CONTEXT_GIB,
+                       transient=(transient * sbh + bucket) / GIB + CONTEXT_GIB,
                        tensor=tensor, recompute=recompute)
 
 
@@ -129,7 +145,7 @@ def stage_layers(bounds: list[int], num_layers: int) -> list[int]:
 def describe(stage: StageMemory, capacity_gib: float | None = None) -> str:
     """One line for preflight: the busiest stage's estimate and what it is made of."""
     shard = f", TP{stage.tensor} shard" if stage.tensor > 1 else ""
-    parts = (f"weights+grads+fp32 accum {stage.weights_grads_accum:.1f} + master+Adam {stage.optimizer:.1f} + "
+    parts = (f"weights+fp32 grad accum {stage.weights_grads_accum:.1f} + master+Adam {stage.optimizer:.1f} + "
              f"activations {stage.activations:.1f} ({stage.in_flight} micro-batches in flight, "
              f"recompute {stage.recompute}) + "
              + (f"logits {stage.logits:.1f} + " if stage.logits else "") + f"transient {stage.transient:.1f}")

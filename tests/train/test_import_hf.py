@@ -1,5 +1,6 @@
 """``llmjp-ds import-hf`` starts training from an HF Llama checkpoint: the first logged loss (computed before
-any update) is transformers' own loss of the same samples, with and without pipeline parallelism."""
+any update) is transformers' own loss of the same samples, with and without pipeline parallelism, and split
+over a tensor-parallel group of 2 (each rank loads its shard of every weight)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from tests.train.conftest import COMMON_SETS, cli, free_port, run_command, subpr
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-@pytest.mark.parametrize("pipeline", [1, 2])
-def test_first_loss_after_import_is_transformers_loss(train_env, tmp_path, pipeline):
+@pytest.mark.parametrize("pipeline,tensor", [(1, 1), (2, 1), (1, 2)], ids=["single", "pp2", "tp2"])
+def test_first_loss_after_import_is_transformers_loss(train_env, tmp_path, pipeline, tensor):
     from llmjp_ds.config import load_config, model_config_of
     from llmjp_ds.data.prepare import resolve_data
     from llmjp_ds.model.shapes import model_config
@@ -28,8 +29,9 @@ def test_first_loss_after_import_is_transformers_loss(train_env, tmp_path, pipel
     hf.save_pretrained(tmp_path / "hf")
     run = tmp_path / "run"
     cli(["import-hf", "--model", str(tmp_path / "hf"), "--run", str(run), "--preset", "demo"], tmp_path / "import")
-    sets = [*COMMON_SETS, "train.steps=1", f"parallel.pipeline_stages={pipeline}"]
-    if pipeline == 1:
+    sets = [*COMMON_SETS, "train.steps=1", f"parallel.pipeline_stages={pipeline}",
+            f"parallel.tensor_parallel={tensor}"]
+    if pipeline * tensor == 1:
         cmd, env = [sys.executable, "-m", "llmjp_ds.train"], subprocess_env(MASTER_PORT=str(free_port()))
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",

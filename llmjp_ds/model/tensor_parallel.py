@@ -47,10 +47,9 @@ def all_gather_dim0(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
 
 
 def reduce_scatter_dim0(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    if _gloo(tp.group):  # gloo has no reduce_scatter: the sum (into a copy), then this rank's chunk
+        return _all_reduce(x, tp).chunk(tp.size, dim=0)[tp.rank].contiguous()
     x = x.contiguous()
-    if _gloo(tp.group):  # gloo has no reduce_scatter: the sum, then this rank's chunk
-        dist.all_reduce(x, group=tp.group)
-        return x.chunk(tp.size, dim=0)[tp.rank].contiguous()
     out = x.new_empty((x.shape[0] // tp.size, *x.shape[1:]))
     dist.reduce_scatter_tensor(out, x, group=tp.group)
     return out

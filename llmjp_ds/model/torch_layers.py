@@ -189,6 +189,8 @@ def apply_rope(t: torch.Tensor, freqs: torch.Tensor, qkv_format: str = "bshd") -
     ``freqs``: angles ``[s, d]`` or ``[b, s, d]`` in fp32; cos/sin are cast to ``t``'s dtype first, as HF does."""
     if freqs.dim() == 2:
         freqs = freqs.unsqueeze(1 if qkv_format == "sbhd" else 0)
+    elif qkv_format == "sbhd":
+        freqs = freqs.transpose(0, 1)  # [b, s, d] -> [s, b, d], as t
     cos = freqs.cos().to(t.dtype).unsqueeze(2)
     sin = freqs.sin().to(t.dtype).unsqueeze(2)
     return t * cos + rotate_half(t) * sin

@@ -16,10 +16,12 @@
 #   `llmjp-ds preflight`'s estimate of the same run (this run has a head as well, and one micro-batch in flight
 #   rather than 1F1B's 16: the estimate's per-micro-batch activation term is what 1F1B multiplies). It runs
 #   the pipeline's DeepSpeed JSON (BF16_Optimizer: fp32 gradient accumulation), which the estimate models.
+# reshape: the train mode's TP2 run to step 16 with a checkpoint at step 12 (after the flip), and that checkpoint
+#   resumed on one GPU (TP2 -> TP1: the shards merged by the conversion) against the uninterrupted TP2 run.
 # profile: `llmjp-ds bench --profile` of the whole llmjp3-1.8b at TP2 (BF16): where a small model's step goes
 #   under tensor parallelism.
 set -uo pipefail
-MODE=${1:?usage: h200_tp.sh bench|train|memory|profile}
+MODE=${1:?usage: h200_tp.sh bench|train|reshape|memory|profile}
 TP=${TP:-2}
 SUMMARY=tp$TP-$MODE source benchmarks/device/lib.sh
 
@@ -46,7 +48,7 @@ for a in one:
     print(f"| {a['variant']} | {a['tflops_per_gpu']:.0f} | {b['tflops_per_gpu']:.0f} | "
           f"{100 * b['tflops_per_gpu'] / a['tflops_per_gpu']:.1f}% | {a['peak_mem_gib']:.1f} / {b['peak_mem_gib']:.1f} |")
 EOF
-elif [ "$MODE" = train ]; then
+elif [ "$MODE" = train ] || [ "$MODE" = reshape ]; then
   FLIP=8
   COMMON=(--preset llmjp3-1.8b --set "model.overrides={num_layers: 8}" --set model.backend=te
           --set logging.wandb=disabled --set train.global_batch_size=16 --set train.micro_batch_size=2
@@ -54,6 +56,14 @@ elif [ "$MODE" = train ]; then
           --set checkpoint.interval=0 --set checkpoint.keep_last=1 --set checkpoint.save_at_end=false
           --set precision.log_amax=true
           --set "precision.phases=[{precision: bf16}, {precision: fp8, start_step: $FLIP, recipe: delayed, fp8_format: hybrid, amax_history_len: 16, calibration_steps: 2}]")
+  if [ "$MODE" = reshape ]; then
+    train tp2 2 200 --set parallel.tensor_parallel=2 --set checkpoint.interval=12
+    fork tp1-reshaped tp2 12 && train tp1-reshaped 1 200
+    grep -h '"event": "reshape"' "$R/tp1-reshaped/metrics.jsonl" | tee -a "$S"
+    python benchmarks/device/multi_summary.py $FLIP "$R/tp2" "$R/tp1-reshaped:1" --resumed "$R/tp2:$R/tp1-reshaped:12" \
+      2>&1 | tee -a "$S"
+    exit 0
+  fi
   train single 1 200
   train tp2 2 200 --set parallel.tensor_parallel=2 --set checkpoint.interval=12
   fork tp2-resumed tp2 12 && export_run tp2-resumed

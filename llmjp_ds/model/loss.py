@@ -31,19 +31,23 @@ class LossParts(NamedTuple):
     z_loss: torch.Tensor
 
 
-def _loss_terms(logits: torch.Tensor, targets: torch.Tensor, z_loss_coeff: float):
-    logits = logits.float().reshape(-1, logits.shape[-1])
-    targets = targets.reshape(-1)
-    keep = targets != IGNORE_INDEX
+def _mean_terms(log_z: torch.Tensor, target_logit: torch.Tensor, keep: torch.Tensor, z_loss_coeff: float):
+    """(loss, lm_loss, z_loss): the means over kept positions of ``log_z - target_logit`` and ``log_z^2``."""
     count = keep.sum().clamp(min=1)
-    log_z = torch.logsumexp(logits, dim=-1)
-    target_logit = logits.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1)
     lm_loss = ((log_z - target_logit) * keep).sum() / count
     if z_loss_coeff:
         z_loss = z_loss_coeff * (log_z.pow(2) * keep).sum() / count
     else:
-        z_loss = torch.zeros((), device=logits.device)
+        z_loss = torch.zeros((), device=log_z.device)
     return lm_loss + z_loss, lm_loss, z_loss
+
+
+def _loss_terms(logits: torch.Tensor, targets: torch.Tensor, z_loss_coeff: float):
+    logits = logits.float().reshape(-1, logits.shape[-1])
+    targets = targets.reshape(-1)
+    log_z = torch.logsumexp(logits, dim=-1)
+    target_logit = logits.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1)
+    return _mean_terms(log_z, target_logit, targets != IGNORE_INDEX, z_loss_coeff)
 
 
 def _vocab_parallel_terms(logits: torch.Tensor, targets: torch.Tensor, z_loss_coeff: float, tp: TensorParallel):
@@ -51,21 +55,13 @@ def _vocab_parallel_terms(logits: torch.Tensor, targets: torch.Tensor, z_loss_co
     local_vocab = logits.shape[-1]
     logits = logits.float().reshape(-1, local_vocab)
     targets = targets.t().reshape(-1)  # sequence-first, as the logits
-    keep = targets != IGNORE_INDEX
-    count = keep.sum().clamp(min=1)
     row_max = logits.detach().max(dim=-1).values  # log-sum-exp does not depend on it: no gradient needed
     dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp.group)
     log_z = row_max + reduce_from((logits - row_max.unsqueeze(1)).exp().sum(dim=-1), tp).log()
     local = targets - tp.rank * local_vocab
     owned = (local >= 0) & (local < local_vocab)
     mine = logits.gather(1, local.clamp(0, local_vocab - 1).unsqueeze(1)).squeeze(1) * owned
-    target_logit = reduce_from(mine, tp)
-    lm_loss = ((log_z - target_logit) * keep).sum() / count
-    if z_loss_coeff:
-        z_loss = z_loss_coeff * (log_z.pow(2) * keep).sum() / count
-    else:
-        z_loss = torch.zeros((), device=logits.device)
-    return lm_loss + z_loss, lm_loss, z_loss
+    return _mean_terms(log_z, reduce_from(mine, tp), targets != IGNORE_INDEX, z_loss_coeff)
 
 
 def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor, z_loss_coeff: float = 0.0) -> LossParts:

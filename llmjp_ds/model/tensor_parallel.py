@@ -61,47 +61,30 @@ def _all_reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return x
 
 
-class _CopyTo(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return x
+def _operator(forward, backward) -> type:
+    """An autograd operator over a TP group: ``forward(x, tp)`` and its adjoint ``backward(grad, tp)``."""
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.tp), None
+    class Operator(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, tp):
+            ctx.tp = tp
+            return forward(x, tp)
 
+        @staticmethod
+        def backward(ctx, grad):
+            return backward(grad, ctx.tp), None
 
-class _ReduceFrom(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        return _all_reduce(x, tp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+    return Operator
 
 
-class _GatherSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return all_gather_dim0(x, tp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_dim0(grad, ctx.tp), None
+def _identity(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return x
 
 
-class _ReduceScatterSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return reduce_scatter_dim0(x, tp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_dim0(grad, ctx.tp), None
+_CopyTo = _operator(_identity, _all_reduce)
+_ReduceFrom = _operator(_all_reduce, _identity)
+_GatherSequence = _operator(all_gather_dim0, reduce_scatter_dim0)
+_ReduceScatterSequence = _operator(reduce_scatter_dim0, all_gather_dim0)
 
 
 def copy_to(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:

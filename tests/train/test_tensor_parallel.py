@@ -1,12 +1,11 @@
 """Tensor parallelism (with sequence parallelism, the default) on CPU over gloo, against one process.
 
 TP2, TP2 x PP2 and TP2 x DP2 (ZeRO-1) train the tiny fp32 model of ``conftest`` with the same seed, data and
-global batch as the one-process run. Every TP size starts from the same weights (each layer is built whole from
-its seed and split, ``hf_adapter.tp_shard``), so the trails differ only by the order of fp32 sums: the split
-GEMMs' partial sums, the vocabulary-parallel log-sum-exp. Tolerances are ``test_equivalence``'s; measured
-max rel diffs: loss 1.1e-7 for all three, grad norm 1.7e-7 (TP2, TP2 x PP2) and 9.5e-8 (TP2 x DP2).
+global batch as the one-process run; ``test_equivalence`` compares their trails. Every TP size starts from the
+same weights (each layer is built whole from its seed and split, ``hf_adapter.tp_shard``), so the trails differ
+only by the order of fp32 sums: the split GEMMs' partial sums, the vocabulary-parallel log-sum-exp.
 
-What each comparison would catch:
+What the comparisons catch (there and here):
 
 * the grad norm counts every parameter once: the sharded ones on every TP rank, the replicated RMSNorm weights
   once (DeepSpeed's ``tensor_model_parallel`` attribute). Counting the norms twice, or the shards once, moves
@@ -31,7 +30,6 @@ import torch
 from llmjp_ds import checkpoint
 
 from .conftest import FLIP, FLIP_AT, N, STEPS, max_rel_diff, run_train, trail
-from .test_equivalence import GRAD_NORM_RTOL, LOSS_RTOL
 from .test_export import LOGITS_RTOL, _probe_logits
 
 pytestmark = pytest.mark.slow
@@ -39,20 +37,6 @@ pytestmark = pytest.mark.slow
 TP2 = ("parallel.tensor_parallel=2",)
 FIRST_FP8_RTOL = 1e-6
 FP8_RTOL = 1e-4
-
-
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("layout", ["tp2", "tp2-pp2", "tp2-dp2"])
-def test_tensor_parallel_trains_as_one_process(layout, runs):
-    ref, got = trail(runs.full("single")), trail(runs.full(layout))
-    assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(1, STEPS + 1))
-    assert [r["consumed_samples"] for r in got] == [r["consumed_samples"] for r in ref]
-    loss = max_rel_diff([r["loss"] for r in got], [r["loss"] for r in ref])
-    gnorm = max_rel_diff([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref])
-    print(f"\n{layout}: max rel diff vs 1 process: loss {loss:.2e}, grad norm {gnorm:.2e}")
-    assert loss <= LOSS_RTOL, f"{layout}: loss trail differs from the 1-process run by {loss:.2e} (relative)"
-    assert gnorm <= GRAD_NORM_RTOL, f"{layout}: grad norm differs from the 1-process run by {gnorm:.2e}"
-    assert ref[-1]["loss"] < ref[0]["loss"] - 0.1
 
 
 @pytest.mark.timeout(900)

@@ -7,7 +7,7 @@ cast happens in registers inside one reduction kernel (and one pointwise backwar
 gradient directly), so no fp32 logits ever exist in memory. Same math, same result to fp32 rounding.
 
 Under tensor parallelism the logits are vocabulary-parallel (each rank holds ``[s, b, V / tp]``) and no rank ever
-holds a full row: :func:`vocab_parallel_loss` all-reduces the row maxima, the sums of exponentials and the
+holds a full row: :func:`_vocab_parallel_terms` all-reduces the row maxima, the sums of exponentials and the
 target logits (from the rank owning each id) over the group, and builds the same log-sum-exp both terms use.
 """
 

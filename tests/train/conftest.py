@@ -57,6 +57,7 @@ LAYOUTS = {
     "tp2": (2, ("parallel.zero_stage=1", "parallel.tensor_parallel=2")),
     "tp2-pp2": (4, ("parallel.zero_stage=1", "parallel.tensor_parallel=2", "parallel.pipeline_stages=2")),
     "tp2-dp2": (4, ("parallel.zero_stage=1", "parallel.tensor_parallel=2")),
+    "tp2-dp2-zero2": (4, ("parallel.zero_stage=2", "parallel.tensor_parallel=2")),
 }
 
 _WARM_UP = """

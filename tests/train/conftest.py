@@ -9,7 +9,7 @@
   subprocess's stderr tail on a non-zero exit or a timeout (every process it started is killed then).
 * ``runs`` (session): the uninterrupted ``2N``-step run and the ``N`` + resume-to-``2N`` run of each parallel
   layout, each launched at most once per session and shared by the resume, equivalence and export tests
-  (6 uninterrupted runs + 3 resumed pairs: 8 two-process launches, 1 four-process launch and 3 one-process
+  (10 uninterrupted runs + 3 resumed pairs: 9 two-process launches, 4 four-process launches and 3 one-process
   launches in all).
 """
 

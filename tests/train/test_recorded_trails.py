@@ -1,8 +1,9 @@
 """The CPU trails of every layout the suite trains, against trails recorded from an earlier build.
 
 ``recorded_trails.json`` holds, per run, each step's loss, z-loss, grad norm, lr, consumed samples and
-precision: the uninterrupted runs of every layout in ``LAYOUTS`` (one process, ZeRO-1/2/3, PP2, PP2 x DP2), the
-resumed runs of ``test_resume``, and the emulated FP8 flip (one process, PP2, PP2 resumed after the flip). A
+precision: the uninterrupted runs of every layout in ``LAYOUTS`` (one process, ZeRO-1/2/3, PP2, PP2 x DP2, and
+TP2, TP2 x PP2, TP2 x DP2 with ZeRO-1 and ZeRO-2, recorded when tensor parallelism landed), the resumed runs of
+``test_resume``, and the emulated FP8 flip (one process, PP2, PP2 resumed after the flip). A
 refactor of the trainer must not change a single bit of them: on a CPU of the kind that recorded the file
 (same torch version and CPU capability) the values must be equal; elsewhere fp32 kernels may sum in another
 order, and the trails must agree within ``FOREIGN_RTOL``.

@@ -28,6 +28,7 @@ import torch
 
 from llmjp_ds.errors import fail
 from llmjp_ds.io_utils import atomic_file
+from llmjp_ds.parallel.layout import Layout
 
 MARKER = "llmjp_ds.json"
 LATEST = "latest"
@@ -131,17 +132,15 @@ SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_laye
               "num_key_value_heads")
 
 
-def saved_layout(run_dir, tag: str, marker: CheckpointMeta) -> tuple[int, int, int]:
-    """(pipeline stages, data-parallel size, tensor-parallel size) of the run that wrote checkpoint ``tag``."""
+def saved_layout(run_dir, tag: str, marker: CheckpointMeta) -> Layout:
+    """The layout of the run that wrote checkpoint ``tag``."""
     if marker.data_parallel is not None:
-        return marker.pipeline_stages, marker.data_parallel, marker.tensor_parallel
-    from llmjp_ds.parallel.reshape import saved_layout as from_files
+        pipeline, data, tensor = marker.pipeline_stages, marker.data_parallel, marker.tensor_parallel
+    else:
+        from llmjp_ds.parallel.reshape import saved_layout as from_files
 
-    return (*from_files(checkpoint_dir(run_dir) / tag), 1)
-
-
-def describe_layout(pipeline: int, data: int, tensor: int) -> str:
-    return f"{f'TP{tensor} x ' if tensor > 1 else ''}PP{pipeline} x DP{data}"
+        (pipeline, data), tensor = from_files(checkpoint_dir(run_dir) / tag), 1
+    return Layout(world=pipeline * data * tensor, pipeline=pipeline, tensor=tensor)
 
 
 def check_resume(run_dir, model_config: dict, fp8_lm_head: bool = False, layout=None,
@@ -165,10 +164,10 @@ def check_resume(run_dir, model_config: dict, fp8_lm_head: bool = False, layout=
              f"the run's own model settings, or set a new run_dir to start afresh")
     if layout is not None and (marker.zero_stage != 1 or zero_stage != 1):
         saved = saved_layout(run_dir, tag, marker)
-        if saved != (layout.pipeline, layout.data, layout.tensor):
-            fail(f"{checkpoint_dir(run_dir) / tag} was saved on {describe_layout(*saved)} with ZeRO-{marker.zero_stage}; "
-                 f"resuming it on {describe_layout(layout.pipeline, layout.data, layout.tensor)} (ZeRO-{zero_stage}) "
-                 f"works with ZeRO-1 on both sides only: relaunch on {describe_layout(*saved)}")
+        if saved != layout:
+            fail(f"{checkpoint_dir(run_dir) / tag} was saved on {saved.name} with ZeRO-{marker.zero_stage}; resuming it "
+                 f"on {layout.name} (ZeRO-{zero_stage}) works with ZeRO-1 on both sides only: relaunch on "
+                 f"{saved.name}")
     return tag
 
 

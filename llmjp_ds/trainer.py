@@ -142,7 +142,7 @@ class Trainer:
         tag = checkpoint.latest_tag(self.run_dir)
         if tag:
             saved = checkpoint.saved_layout(self.run_dir, tag, checkpoint.read_marker(self.run_dir, tag))
-            if saved != (self.layout.pipeline, self.layout.data, self.layout.tensor):
+            if saved != self.layout:
                 client, reshaped = self._reshape(tag, saved), saved
             else:
                 client = self._load(tag)
@@ -153,9 +153,7 @@ class Trainer:
         if tag:
             self.logger.event(self.state.step, "resume", tag=tag)
         if reshaped:
-            self.logger.event(self.state.step, "reshape", tag=tag, saved=checkpoint.describe_layout(*reshaped),
-                              now=checkpoint.describe_layout(self.layout.pipeline, self.layout.data,
-                                                             self.layout.tensor),
+            self.logger.event(self.state.step, "reshape", tag=tag, saved=reshaped.name, now=self.layout.name,
                               gradient_accumulation=self.gas)
         self.stop = StopRequest(cfg.checkpoint.grace_seconds)
         self.throughput = Throughput(flops_per_token_for(self.model_config, self.seq_len), self.tokens_per_step,
@@ -263,7 +261,7 @@ class Trainer:
         self.guard.load_state_dict(client.get("guard", {}))
         self.penalty.load_state_dict(client.get("penalty", {}))
 
-    def _reshape(self, tag: str, saved: tuple[int, int, int]) -> dict:
+    def _reshape(self, tag: str, saved) -> dict:
         """Resume checkpoint ``tag`` of another layout: rank 0 converts it once (``parallel.reshape``), every
         rank reads its parameters from the conversion."""
         from llmjp_ds import checkpoint

@@ -35,6 +35,11 @@ class Layout:
     def gradient_accumulation_steps(self, global_batch: int, micro_batch: int) -> int:
         return global_batch // (micro_batch * self.data)
 
-    def describe(self, zero_stage: int) -> str:
+    @property
+    def name(self) -> str:
+        """``TP4 x PP16 x DP8`` (``PP2 x DP1`` without tensor parallelism)."""
         tensor = f"TP{self.tensor} x " if self.tensor > 1 else ""
-        return f"{tensor}PP{self.pipeline} x DP{self.data}, ZeRO-{zero_stage}"
+        return f"{tensor}PP{self.pipeline} x DP{self.data}"
+
+    def describe(self, zero_stage: int) -> str:
+        return f"{self.name}, ZeRO-{zero_stage}"

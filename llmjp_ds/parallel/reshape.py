@@ -24,6 +24,7 @@ from llmjp_ds.errors import fail
 from llmjp_ds.io_utils import write_bytes_atomic
 from llmjp_ds.parallel.deepspeed_internals import (seed_optimizer_state, zero_checkpoint_params, zero_checkpoint_ranks,
                                                    zero_checkpoint_step)
+from llmjp_ds.parallel.layout import Layout
 
 CONVERTED = "layout-free"
 DONE = "complete"
@@ -47,17 +48,17 @@ def _ours(name: str, pipeline: bool, num_layers: int) -> str:
     return pipeline_name_to_ours(int(index), num_layers, rest)
 
 
-def convert(tag_dir, num_layers: int, read_extra_states, saved) -> Path:
+def convert(tag_dir, num_layers: int, read_extra_states, saved: Layout) -> Path:
     """Write ``<tag>/layout-free/`` from the checkpoint in ``tag_dir`` (once: a finished conversion is kept),
-    written on ``saved`` = (pipeline stages, data-parallel size, tensor-parallel size); ``read_extra_states()``
-    returns its modules' ``_extra_state`` entries under our names."""
+    written on the layout ``saved``; ``read_extra_states()`` returns its modules' ``_extra_state`` entries under
+    our names."""
     from llmjp_ds.model.hf_adapter import tp_merge
 
     tag_dir = Path(tag_dir)
     out = tag_dir / CONVERTED
     if (out / DONE).is_file():
         return out
-    stages, data, tensor = saved
+    stages, data, tensor = saved.pipeline, saved.data, saved.tensor
     pipeline = stages > 1
     for name, shards in zero_checkpoint_params(tag_dir, stages, data, tensor):
         ours = _ours(name, pipeline, num_layers)

@@ -116,10 +116,14 @@ def mark_sharded(param: torch.nn.Parameter, dim: int) -> None:
     param.partition_stride = 1
 
 
-def sum_sequence_parallel_grads(param: torch.nn.Parameter, tp: TensorParallel) -> None:
-    """A weight applied to this rank's sequence shard only (an RMSNorm under SP) gets a partial gradient; sum it
-    over the group as autograd produces it, before DeepSpeed's own hooks accumulate or reduce it. The one place
-    of the gradient work sequence parallelism adds (Megatron does it in ``finalize_model_grads``; DeepSpeed
-    reduces gradients inside its engine, so it has to happen before)."""
-    param.sequence_parallel = True
-    param.register_hook(lambda grad: _all_reduce(grad, tp))
+def sum_sequence_parallel_grads(module: torch.nn.Module, tp: TensorParallel | None) -> None:
+    """A weight applied to this rank's sequence shard only (an RMSNorm under SP: TE, and the torch twin, mark it
+    ``sequence_parallel``) gets a partial gradient; each such weight of ``module`` sums it over the group as
+    autograd produces it, before DeepSpeed's own hooks accumulate or reduce it. The one place of the gradient
+    work sequence parallelism adds (Megatron does it in ``finalize_model_grads``; DeepSpeed reduces gradients
+    inside its engine, so it has to happen before)."""
+    if tp is None or not tp.sequence_parallel:
+        return
+    for param in module.parameters():
+        if getattr(param, "sequence_parallel", False):
+            param.register_hook(lambda grad: _all_reduce(grad, tp))

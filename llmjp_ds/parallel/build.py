@@ -10,6 +10,7 @@ import torch
 
 from llmjp_ds.config import RunConfig, seq_len_of
 from llmjp_ds.model.hf_adapter import pipeline_name_to_ours
+from llmjp_ds.model.tensor_parallel import sum_sequence_parallel_grads
 from llmjp_ds.parallel.context import topology
 from llmjp_ds.parallel.layout import Layout
 
@@ -64,15 +65,17 @@ def build_model(cfg: RunConfig, model_config, backend: str, checkpoint_fn=None, 
     return module, loss
 
 
-def sum_sequence_parallel_grads(model, tp) -> None:
-    """Every weight TE (or the torch twin) marks ``sequence_parallel`` sums its gradient over the TP group."""
-    from llmjp_ds.model.tensor_parallel import sum_sequence_parallel_grads as install
+def _share(name: str, tensor: torch.Tensor, tp) -> torch.Tensor:
+    """This rank's TP shard of the whole ``tensor`` of our ``name`` (all of it without tensor parallelism)."""
+    from llmjp_ds.model.hf_adapter import tp_shard
 
-    if tp is None or not tp.sequence_parallel:
-        return
-    for param in model.parameters():
-        if getattr(param, "sequence_parallel", False):
-            install(param, tp)
+    return tensor if tp is None else tp_shard(name, tensor, tp.rank, tp.size)
+
+
+def _our_names(index: int, num_layers: int, layer_state: dict) -> dict[str, str]:
+    """Pipeline layer ``index``'s weight names (its FP8 state left out) -> ours."""
+    return {name: pipeline_name_to_ours(index, num_layers, name) for name in layer_state
+            if not name.endswith("_extra_state")}
 
 
 def _layer_seed(seed: int, layer_index: int) -> int:
@@ -87,7 +90,6 @@ def seeded_layer_specs(model_config, backend: str, seed: int, fp8_head: bool = F
     and this rank keeps its shard (``hf_adapter.tp_shard``): every TP size starts from the same weights."""
     from deepspeed.pipe import LayerSpec
 
-    from llmjp_ds.model.hf_adapter import tp_shard
     from llmjp_ds.model.pipeline import layer_specs
 
     n = model_config.num_hidden_layers
@@ -101,11 +103,10 @@ def seeded_layer_specs(model_config, backend: str, seed: int, fp8_head: bool = F
             torch.manual_seed(_layer_seed(seed, self.index))
             if tp is None:
                 return super().build(log)
-            state = {name: tp_shard(pipeline_name_to_ours(self.index, n, name), tensor, tp.rank, tp.size)
-                     for name, tensor in self.whole.build().state_dict().items()
-                     if not name.endswith("_extra_state")}
+            whole = self.whole.build().state_dict()
             layer = super().build(log)
-            layer.load_state_dict(state, strict=False)
+            layer.load_state_dict({name: _share(ours, whole[name], tp)
+                                   for name, ours in _our_names(self.index, n, whole).items()}, strict=False)
             return layer
 
     specs = layer_specs(model_config, backend, fp8_head=fp8_head, tp=tp, recompute_core=recompute_core)
@@ -127,36 +128,25 @@ class _NormHead(torch.nn.Module):
 def init_like_pipeline(model, model_config, backend: str, seed: int, fp8_head: bool = False, tp=None) -> None:
     """Give the single-model layout the weights any pipeline layout builds from the same seed (layer by layer,
     see :func:`seeded_layer_specs`), so runs on different layouts start from the same model."""
-    from llmjp_ds.model.hf_adapter import tp_shard
-
     n = model_config.num_hidden_layers
     for idx, spec in enumerate(seeded_layer_specs(model_config, backend, seed, fp8_head)):
-        layer = spec.build()
-        state = {}
-        for name, tensor in layer.state_dict().items():
-            if not name.endswith("_extra_state"):
-                ours = pipeline_name_to_ours(idx, n, name)
-                state[ours] = tensor if tp is None else tp_shard(ours, tensor, tp.rank, tp.size)
-        result = model.load_state_dict(state, strict=False)
+        state = spec.build().state_dict()
+        result = model.load_state_dict({ours: _share(ours, state[name], tp)
+                                        for name, ours in _our_names(idx, n, state).items()}, strict=False)
         if result.unexpected_keys:
             raise RuntimeError(f"pipeline layer {idx} does not map onto the model: {result.unexpected_keys[:3]}")
-        del layer
 
 
 def load_hf_into_layers(layers, hf_dir: str, model_config, tp=None) -> None:
     """HF weights into ``layers`` (pairs of pipeline layer index and module), this rank's TP shard of each."""
-    from llmjp_ds.model.hf_adapter import from_hf_state_dict, tp_shard
+    from llmjp_ds.model.hf_adapter import from_hf_state_dict
     from llmjp_ds.model.hf_io import read_hf_tensors
 
-    ours = from_hf_state_dict(read_hf_tensors(Path(hf_dir)), model_config)
+    whole = from_hf_state_dict(read_hf_tensors(Path(hf_dir)), model_config)
     n = model_config.num_hidden_layers
     for idx, layer in layers:
-        state = {}
-        for name in layer.state_dict():
-            if not name.endswith("_extra_state"):
-                full = pipeline_name_to_ours(idx, n, name)
-                state[name] = ours[full] if tp is None else tp_shard(full, ours[full], tp.rank, tp.size)
-        layer.load_state_dict(state, strict=False)
+        layer.load_state_dict({name: _share(ours, whole[ours], tp)
+                               for name, ours in _our_names(idx, n, layer.state_dict()).items()}, strict=False)
 
 
 def initialize(cfg: RunConfig, model, layout: Layout, mpu=None):

@@ -43,6 +43,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmjp_ds.config import RECOMPUTE_MODES
+
 GIB = 2**30
 ALLREDUCE_BUCKET_BYTES = 500_000_000 * 4  # the pipeline engine's fp32 all-reduce bucket (MEMORY_OPT_ALLREDUCE_SIZE)
 CONTEXT_GIB = 1.5  # CUDA context and NCCL
@@ -50,7 +52,6 @@ UNSHARDED_BYTES = 6  # bf16 weights 2 + fp32 accumulation 4 (fused fp32 accumula
 NORM_UNSHARDED_BYTES = 8  # the RMSNorm weights: bf16 weights 2 + bf16 gradients 2 + fp32 accumulation 4
 SHARDED_BYTES = 12  # fp32 master weights 4 + Adam m 4 + v 4
 LOGIT_BYTES = 12  # bf16 logits 2 + fp32 copy 4 + fp32 gradient 4 + bf16 gradient 2
-RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)

@@ -46,16 +46,18 @@ def our_tracebacks(stderr: str) -> list[str]:
 
 
 @pytest.mark.timeout(240)
-def test_one_rank_failing_after_init_ends_every_rank_with_one_line(bundled, tmp_path):
+@pytest.mark.parametrize("layout", [(), ("parallel.tensor_parallel=2",)], ids=["dp2", "tp2"])
+def test_one_rank_failing_after_init_ends_every_rank_with_one_line(bundled, tmp_path, layout):
     """wandb missing on the rank that logs (the H200 image has none): rank 0 fails after the process group
-    exists, while rank 1 goes on to its first collective. Before, rank 0 waited in an exit barrier and rank 1
-    in the step's all-reduce until the job was killed."""
+    exists, while rank 1 goes on to its first collective (under TP2 one inside the forward). Before, rank 0
+    waited in an exit barrier and rank 1 in the step's all-reduce until the job was killed."""
     hidden = tmp_path / "no-wandb" / "wandb"
     hidden.mkdir(parents=True)
     (hidden / "__init__.py").write_text("raise ImportError('No module named wandb')\n")
     env = subprocess_env(PYTHONPATH=f"{hidden.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     t0 = time.monotonic()
-    result = run(torchrun(2, tmp_path / "run", "train.steps=50", "logging.wandb=offline"), env=env, timeout=180)
+    result = run(torchrun(2, tmp_path / "run", "train.steps=50", "logging.wandb=offline", *layout), env=env,
+                 timeout=180)
     took = time.monotonic() - t0
     assert result.returncode != 0
     assert took < ENDS_WITHIN, f"the job took {took:.0f} s to end"

@@ -17,11 +17,12 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+from tests.reliability import cases_checkpoint, cases_config, cases_data
+from tests.reliability.cases import FP8, SMALL, Case, L, T
 from tests.reliability.conftest import (
     DEEPSPEED_STARTED, REPO, TINY, assert_latest_complete, check_ok, latest_of, run, subprocess_env, train_argv,
 )
@@ -31,38 +32,6 @@ WORKERS = int(os.environ.get("LLMJP_DS_TEST_WORKERS", "2"))
 SECONDS = 30  # "within seconds": ~1-4 s here, generous for a loaded 2-core CI box
 
 
-@dataclass
-class Case:
-    id: str
-    argv: object  # (ctx) -> list of arguments after the interpreter
-    expect: tuple  # fragments the error line must contain
-    env: dict = field(default_factory=dict)
-    trains: bool = False  # a training start: must fail before DeepSpeed/process groups
-
-
-def sub(text, c) -> str:
-    """``{tmp}``, ``{tok}``, ``{run}`` -> the catalogue's directories."""
-    return str(text).replace("{tmp}", str(c.tmp)).replace("{tok}", str(c.tok)).replace("{run}", str(c.run))
-
-
-def T(*sets, run="{tmp}/run-new"):
-    """``python -m llmjp_ds.train`` with these --set values (by default a fresh run_dir that must stay absent)."""
-    def argv(c):
-        out = ["-m", "llmjp_ds.train", "--set", f"run_dir={sub(run, c)}"]
-        for s in sets:
-            out += ["--set", sub(s, c)]
-        return out
-    return argv
-
-
-def L(*args):
-    """``llmjp-ds <verb> ...`` (python -m llmjp_ds.cli, the console script's module)."""
-    return lambda c: ["-m", "llmjp_ds.cli", *[sub(a, c) for a in args]]
-
-
-FP8 = "precision.phases=[{precision: bf16}, {precision: fp8, start_step: 5}]"
-SMALL = "model.overrides={hidden_size: 64, num_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, " \
-        "ffn_hidden_size: 128}"
 
 CASES = [
     # --- command line and config files -------------------------------------------------------------------
@@ -249,6 +218,9 @@ CASES = [
           "ranks",)),
 ]
 
+TOPICS = (cases_data, cases_config, cases_checkpoint)
+ALL_CASES = CASES + [case for topic in TOPICS for case in topic.CASES]
+
 
 class Ctx:
     """Inputs of the catalogue, made once: corpora good and broken, config files, HF dirs, hostfiles."""
@@ -302,6 +274,8 @@ class Ctx:
         dangling = tmp / "dangling"
         shutil.copytree(run, dangling, ignore=shutil.ignore_patterns("step00000030"))
         self.dangling = dangling
+        for topic in TOPICS:
+            topic.prepare(self)
 
 
 @pytest.fixture(scope="module")
@@ -359,7 +333,7 @@ def test_catalogue_of_bad_inputs(ctx, tmp_path):
             failures.append(f"{case.id}: {exc}")
 
     # a GPU machine with TE runs FP8: there the sm89 check is what fails (unit-tested in tests/precision)
-    cases = [c for c in CASES if not (c.id == "fp8-without-te" and cuda)]
+    cases = [c for c in ALL_CASES if not (c.id == "fp8-without-te" and cuda)]
     # two at a time: each case is mostly interpreter start-up and imports, single-threaded
     with concurrent.futures.ThreadPoolExecutor(WORKERS) as pool:
         list(pool.map(one, cases))
@@ -373,12 +347,14 @@ def test_catalogue_of_bad_inputs(ctx, tmp_path):
     assert not changed, f"existing files changed or removed: {changed}"
     assert not (ctx.tmp / "run-new").exists() and not (ctx.tmp / "imported").exists() and \
         not (ctx.tmp / "hf").exists() and not list(ctx.tmp.glob("new_text_document*"))
-    assert len(CASES) >= 30
+    assert len(ALL_CASES) >= 100
 
 
 def test_every_case_has_a_row_in_docs():
     text = DOCS.read_text()
-    missing = [c.id for c in CASES if f"`{c.id}`" not in text]
+    ids = [c.id for c in ALL_CASES]
+    assert len(ids) == len(set(ids)), "case ids repeat"
+    missing = [c.id for c in ALL_CASES if f"`{c.id}`" not in text]
     assert not missing, f"docs/errors.md lacks rows for {missing}"
 
 

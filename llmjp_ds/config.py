@@ -3,6 +3,8 @@
 A run preset (:data:`RUN_PRESETS`) is a whole :class:`RunConfig`; its ``model.shape`` names a model shape of
 :mod:`llmjp_ds.model.shapes`. A file and ``--set`` overrides are merged over the preset and the result is built
 by one typed loader (:func:`build`) that rejects unknown keys and wrong types by the dataclasses' annotations.
+Every numeric field declares its valid range (:class:`Valid`) and every path field what it must be
+(:class:`PathRule`) in its field metadata; :mod:`llmjp_ds.validate` checks them all by one walk of the tree.
 Everything that must agree across sections is checked by :func:`llmjp_ds.validate.validate_run` before any
 process group or GPU memory exists. DeepSpeed's own JSON (``ds_configs/``) stays DeepSpeed's;
 :mod:`llmjp_ds.parallel.ds_config` fills its batch, clipping and dtype keys from this config.
@@ -19,71 +21,167 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from llmjp_ds.errors import did_you_mean, fail
+from llmjp_ds.errors import UserError, did_you_mean, fail
 from llmjp_ds.model.shapes import ShapeOverrides, overrides_dict
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+# --- what a field may hold: declared beside it (field metadata), checked by validate.check_values --------
+
+@dataclass(frozen=True)
+class Valid:
+    """The values a numeric field (or each number of a list field) may take; NaN and infinity never.
+
+    The message reads ``<key> must be <rule> (<why>), got <value>``; ``says`` words the rule where bounds read
+    worse ("positive"; ``{type}`` is the field's type), ``message`` (``str.format`` of ``where``, ``value`` and
+    ``section``) replaces it where one check covers two fields. On a field holding a dataclass it is the rule of
+    every field of that dataclass that declares none (``model.overrides``: the fields of a model shape)."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False  # lo itself excluded
+    hi_open: bool = False
+    choices: tuple = ()
+    why: str = ""
+    says: str = ""
+    message: str = ""
+
+    def admits(self, value) -> bool:
+        if self.choices:
+            return value in self.choices
+        return ((self.lo is None or (value > self.lo if self.lo_open else value >= self.lo)) and
+                (self.hi is None or (value < self.hi if self.hi_open else value <= self.hi)))
+
+    def text(self) -> str:
+        if self.says:
+            return self.says
+        if self.choices:
+            return ", ".join(map(str, self.choices[:-1])) + f" or {self.choices[-1]}"
+        if self.lo is not None and self.hi is not None:
+            return f"in {'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
+        if self.lo is not None:
+            return f"{'>' if self.lo_open else '>='} {self.lo}"
+        if self.hi is not None:
+            return f"{'<' if self.hi_open else '<='} {self.hi}"
+        return "a finite number"
+
+
+def at_least(lo, why: str = "", **kw) -> dict:
+    return {"valid": Valid(lo=lo, why=why, **kw)}
+
+
+def above(lo, why: str = "", **kw) -> dict:
+    return {"valid": Valid(lo=lo, lo_open=True, why=why, **kw)}
+
+
+def within(lo, hi, why: str = "", **kw) -> dict:
+    return {"valid": Valid(lo=lo, hi=hi, why=why, **kw)}
+
+
+def one_of(*choices, why: str = "") -> dict:
+    return {"valid": Valid(choices=choices, why=why)}
+
+
+@dataclass(frozen=True)
+class PathRule:
+    """A path field. ``input``: must exist (an input directory must hold ``inside``), else ``fix``; ``output``:
+    it, or its nearest existing parent, must be a writable directory; ``own``: the run's own directory (not /, the
+    home, the repository or the current directory, nor one that holds them)."""
+
+    kind: str  # input | output
+    fix: str = ""
+    inside: str = ""
+    own: bool = False
+
+
+def input_path(fix: str, inside: str = "") -> dict:
+    return {"path": PathRule("input", fix, inside)}
+
+
+def output_path(own: bool = False) -> dict:
+    return {"path": PathRule("output", own=own)}
+
+
+# one check of both fields, worded as before the field rules
+LR_MESSAGE = ("optim.lr must be > 0 and optim.min_lr_ratio in [0, 1], got lr={section.lr}, "
+              "min_lr_ratio={section.min_lr_ratio}")
+
+PENALTY_MESSAGE = ("precision.guard.max_penalty must be > 0 and penalty_patience >= 1, got {section.max_penalty} "
+                   "and {section.penalty_patience}")
+SEED = within(0, 2**32 - 1, why="numpy seeds are 32-bit")
+
+
 @dataclass
 class ModelConfig:
     shape: str = "tiny"  # a name in llmjp_ds.model.shapes.MODEL_SHAPES
-    overrides: ShapeOverrides = field(default_factory=ShapeOverrides)  # e.g. {num_layers: 2}
+    # e.g. {num_layers: 2}; every field of a shape is a positive number
+    overrides: ShapeOverrides = field(default_factory=ShapeOverrides, metadata=above(0, says="a positive {type}"))
     backend: str = "auto"  # auto | te | torch
-    z_loss: float = 1e-4
+    z_loss: float = field(default=1e-4, metadata=at_least(0, "the z-loss coefficient; 0 = off"))
     # activation recompute: none | selective (the attention core, as LLM-jp's 172B run) | full (every decoder layer)
     recompute: str = "none"
     fused_loss: bool = True  # on CUDA: the loss as one compiled kernel over bf16 logits (see model/loss.py)
-    init_from_hf: str | None = None  # start from an HF Llama checkpoint (continued pretraining)
+    # start from an HF Llama checkpoint (continued pretraining)
+    init_from_hf: str | None = field(default=None, metadata=input_path(
+        "pass the directory save_pretrained wrote (config.json and safetensors)", inside="config.json"))
 
 
 @dataclass
 class DataConfig:
     # Megatron-style blend "w1 prefix1 w2 prefix2 ..." (or one prefix); empty = the bundled demo corpus
-    blend: list[float | str] = field(default_factory=list)
-    tokenizer: str | None = None  # .model file or HF tokenizer dir; exported with the model
-    seq_len: int | None = None  # default: the model's max_position_embeddings
-    split: list[float] = field(default_factory=lambda: [0.99, 0.01])  # train / valid, by documents
-    seed: int = 1234
-    cache_dir: str | None = None
+    blend: list[float | str] = field(default_factory=list, metadata=at_least(0, "a corpus weight"))
+    # .model file or HF tokenizer dir; exported with the model
+    tokenizer: str | None = field(default=None, metadata=input_path(
+        "pass a SentencePiece .model or an HF tokenizer dir"))
+    seq_len: int | None = field(default=None, metadata=at_least(1))  # default: the model's max_position_embeddings
+    split: list[float] = field(default_factory=lambda: [0.99, 0.01],  # train / valid, by documents
+                               metadata=at_least(0, "a share of the documents"))
+    seed: int = field(default=1234, metadata=SEED)
+    cache_dir: str | None = field(default=None, metadata=output_path())
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-4
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 2000
-    decay_steps: int | None = None  # default: train.steps
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1  # not on norm weights
-    clip_grad: float = 1.0
+    lr: float = field(default=3e-4, metadata=above(0, message=LR_MESSAGE))
+    # cosine decays to lr * min_lr_ratio
+    min_lr_ratio: float = field(default=0.1, metadata=within(0, 1, message=LR_MESSAGE))
+    warmup_steps: int = field(default=2000, metadata=at_least(0))
+    decay_steps: int | None = field(default=None, metadata=at_least(1))  # default: train.steps
+    beta1: float = field(default=0.9, metadata=within(0, 1, "AdamW's moment decay", hi_open=True))
+    beta2: float = field(default=0.95, metadata=within(0, 1, "AdamW's moment decay", hi_open=True))
+    eps: float = field(default=1e-8, metadata=above(0, "AdamW's denominator term"))
+    weight_decay: float = field(default=0.1, metadata=at_least(0))  # not on norm weights
+    clip_grad: float = field(default=1.0, metadata=at_least(0, "the gradient-norm clip; 0 = off"))
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 1000
-    global_batch_size: int = 1024
-    micro_batch_size: int = 1
-    seed: int = 42
-    eval_interval: int = 0  # 0 = no validation
-    eval_batches: int = 4
-    max_nonfinite_steps: int = 5  # consecutive skipped steps before the run stops
+    steps: int = field(default=1000, metadata=at_least(1, says="positive"))
+    global_batch_size: int = field(default=1024, metadata=at_least(1, says="positive"))
+    micro_batch_size: int = field(default=1, metadata=at_least(1, says="positive"))
+    seed: int = field(default=42, metadata=SEED)
+    eval_interval: int = field(default=0, metadata=at_least(0, "0 = no validation"))
+    eval_batches: int = field(default=4, metadata=at_least(0))
+    max_nonfinite_steps: int = field(default=5, metadata=at_least(
+        1, "consecutive skipped steps before the run stops"))
 
 
 @dataclass
 class ParallelConfig:
-    zero_stage: int = 1
-    pipeline_stages: int = 1
-    tensor_parallel: int = 1  # TE's tensor parallelism inside each layer; its ranks are adjacent (one node)
+    zero_stage: int = field(default=1, metadata=one_of(0, 1, 2, 3))
+    pipeline_stages: int = field(default=1, metadata=at_least(1))
+    # TE's tensor parallelism inside each layer; its ranks are adjacent (one node)
+    tensor_parallel: int = field(default=1, metadata=at_least(1))
     sequence_parallel: bool | None = None  # default: on when tensor_parallel > 1
     partition_method: str = "flops"  # or DeepSpeed's: type:DecoderLayerPipe | parameters | uniform
     fused_grad_accumulation: bool = True  # one-pass fp32 accumulation (parallel.deepspeed_internals)
-    ds_config: str | None = None  # DeepSpeed JSON; default ds_configs/zero{stage}.json or pipeline.json
+    # DeepSpeed JSON; default ds_configs/zero{stage}.json or pipeline.json
+    ds_config: str | None = field(default=None, metadata=input_path("pass an existing file as parallel.ds_config"))
     # a rank that makes no progress in a step phase for this long ends the job (parallel/failure.py); longer than
     # any phase of a 172B step, including a checkpoint save of its ~2.6 TB of state
-    stall_timeout_s: float = 1200.0
+    stall_timeout_s: float = field(default=1200.0, metadata=above(
+        0, "seconds without progress before a stalled job ends"))
 
 
 @dataclass
@@ -91,27 +189,32 @@ class PhaseConfig:
     """One precision phase, starting at ``start_step`` (or at ``start_tokens`` consumed, whichever is given)."""
 
     precision: str = "bf16"  # bf16 | fp8
-    start_step: int = 0
-    start_tokens: int | None = None
+    start_step: int = field(default=0, metadata=at_least(0))
+    start_tokens: int | None = field(default=None, metadata=at_least(0))
     recipe: str = "delayed"  # delayed | current | block | auto (chosen at the flip by measured penalty)
     candidates: list[str] = field(default_factory=lambda: ["delayed", "current", "block"])  # for recipe: auto
     fallback: list[str] = field(default_factory=list)  # e.g. [current, block, bf16]: guard.penalty_action=fallback
     fp8_format: str = "hybrid"  # hybrid | e4m3
-    amax_history_len: int = 1024
+    amax_history_len: int = field(default=1024, metadata=at_least(1))
     amax_compute_algo: str = "max"  # max | most_recent
-    margin: int = 0
-    calibration_steps: int = 1  # delayed scaling: BF16 steps that record amax before the flip
+    margin: int = field(default=0, metadata=at_least(0, "the FP8 scale's margin, in powers of 2"))
+    # delayed scaling: BF16 steps that record amax before the flip
+    calibration_steps: int = field(default=1, metadata=at_least(0))
 
 
 @dataclass
 class GuardConfig:
     enabled: bool = True
-    window: int = 20  # running mean over this many steps before the flip
-    factor: float = 1.5  # loss above factor x running mean ...
-    patience: int = 3  # ... for this many consecutive steps -> roll back
-    # FP8's loss penalty, valid_loss / valid_loss_bf16 - 1, measured at every validation in an FP8 phase
-    max_penalty: float = 0.02  # above this for penalty_patience validations in a row -> penalty_action
-    penalty_patience: int = 2
+    # running mean over this many steps before the flip
+    window: int = field(default=20, metadata=at_least(1))
+    # loss above factor x running mean ...
+    factor: float = field(default=1.5, metadata=above(1, "a loss above factor x its running mean is diverging"))
+    # ... for this many consecutive steps -> roll back
+    patience: int = field(default=3, metadata=at_least(1))
+    # FP8's loss penalty, valid_loss / valid_loss_bf16 - 1, measured at every validation in an FP8 phase; above
+    # max_penalty for penalty_patience validations in a row -> penalty_action
+    max_penalty: float = field(default=0.02, metadata=above(0, message=PENALTY_MESSAGE))
+    penalty_patience: int = field(default=2, metadata=at_least(1, message=PENALTY_MESSAGE))
     penalty_action: str = "warn"  # warn | fallback (the phase's fallback chain) | bf16
 
 
@@ -119,8 +222,9 @@ class GuardConfig:
 class PrecisionConfig:
     dtype: str = "bf16"  # parameter / compute dtype outside FP8 GEMMs: bf16 | fp32
     phases: list[PhaseConfig] = field(default_factory=lambda: [PhaseConfig()])
-    bf16_first_layers: int = 0  # keep the first N decoder layers in BF16 during FP8 phases
-    bf16_last_layers: int = 0  # ... and the last N
+    # keep the first N decoder layers in BF16 during FP8 phases, and the last N
+    bf16_first_layers: int = field(default=0, metadata=at_least(0))
+    bf16_last_layers: int = field(default=0, metadata=at_least(0))
     fp8_lm_head: bool = False  # FP8 phases: the LM head's GEMMs in FP8 too (LLM-jp and Megatron-LM keep it BF16)
     emulate_fp8: bool = False  # allow emulated FP8 where TE FP8 cannot run (CPU, GPUs before sm89)
     log_amax: bool = False
@@ -133,21 +237,21 @@ class LoggingConfig:
     wandb: str = "offline"  # online | offline | disabled
     project: str = "llmjp-ds"
     run_name: str | None = None
-    interval: int = 1
+    interval: int = field(default=1, metadata=at_least(1, "log every N steps"))
     progress: bool = True
 
 
 @dataclass
 class CheckpointConfig:
-    interval: int = 1000  # steps; 0 = only on signal and at the end
-    keep_last: int = 3
-    grace_seconds: float = 600.0  # SIGTERM: time allowed for the final save
+    interval: int = field(default=1000, metadata=at_least(0, "steps; 0 = only on signal and at the end"))
+    keep_last: int = field(default=3, metadata=at_least(1))
+    grace_seconds: float = field(default=600.0, metadata=above(0, "time allowed for the save after SIGTERM"))
     save_at_end: bool = True  # false for throughput experiments that need no final checkpoint
 
 
 @dataclass
 class RunConfig:
-    run_dir: str = "runs/default"
+    run_dir: str = field(default="runs/default", metadata=output_path(own=True))
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -210,10 +314,12 @@ RUN_PRESETS: dict[str, Callable[[], RunConfig]] = {
 }
 
 
-def preset_dict(name: str) -> dict:
-    """The run preset ``name`` as a plain dict (the base that files and ``--set`` are merged over)."""
+def preset_dict(name: str, source: str = "") -> dict:
+    """The run preset ``name`` as a plain dict (the base that files and ``--set`` are merged over); ``source``
+    says where the name was given, for the message."""
     if name not in RUN_PRESETS:
-        fail(f"unknown run preset {name!r}{did_you_mean(name, RUN_PRESETS)}: choose one of {', '.join(RUN_PRESETS)}")
+        fail(f"unknown run preset {name!r}{source}{did_you_mean(name, RUN_PRESETS)}: choose one of "
+             f"{', '.join(RUN_PRESETS)}")
     data = RUN_PRESETS[name]().to_dict()
     data["model"]["overrides"] = overrides_dict(data["model"]["overrides"])
     return data
@@ -272,6 +378,11 @@ def _build_value(value: Any, annotation, where: str):
             if not isinstance(value, list) or not value:
                 fail(f"{where} must be a non-empty list of {item.__name__} mappings")
             return [build(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+        if isinstance(value, list):  # name the item that is wrong
+            for i, v in enumerate(value):
+                if not _type_ok(v, item):
+                    fail(f"config key '{where}[{i}]' must be {_type_name(item)} (an item of {where}, a "
+                         f"{_type_name(annotation)}), got {v!r}")
     if not _type_ok(value, annotation):
         fail(f"config key {where!r} must be {_type_name(annotation)}, got {value!r}")
     return value
@@ -285,6 +396,9 @@ def build(cls, data: dict, path: str = ""):
     names = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in data.items():
+        if not isinstance(key, str):  # a YAML key such as 1, true or null
+            fail(f"config key {key!r} {'in ' + path if path else 'at the top level'} is not a name (it is "
+                 f"{type(key).__name__}): config keys are names such as optim or lr")
         where = f"{path}.{key}" if path else key
         if key not in names:
             _renamed(where)
@@ -306,6 +420,8 @@ def merge(base: dict, update: dict) -> dict:
 def parse_value(text: str) -> Any:
     import yaml
 
+    if not text.strip():
+        return text  # `key=` sets an empty string (YAML would read null); `key=null` unsets
     try:
         value = yaml.safe_load(text)
     except yaml.YAMLError:
@@ -320,9 +436,12 @@ def apply_set(data: dict, assignment: str) -> dict:
     if "=" not in assignment:
         fail(f"--set {assignment!r} must look like key=value, e.g. optim.lr=1e-4")
     key, _, raw = assignment.partition("=")
+    parts = [part.strip() for part in key.split(".")]
+    if not all(parts):
+        fail(f"--set {assignment!r}: the key {key.strip()!r} has an empty name between its dots: write it as "
+             "section.name=value, e.g. optim.lr=1e-4")
     update: dict = {}
     node = update
-    parts = key.strip().split(".")
     for part in parts[:-1]:
         node = node.setdefault(part, {})
     node[parts[-1]] = parse_value(raw)
@@ -334,18 +453,27 @@ def load_file(path: str | Path) -> dict:
     if not path.is_file():
         fail(f"config file {path} does not exist: pass the path of a YAML or JSON run config (or use --preset)")
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         fail(f"cannot read config file {path} ({exc}): pass a UTF-8 YAML or JSON file")
+    if text.startswith("\ufeff"):
+        fail(f"config file {path} starts with a byte-order mark (BOM): save it as UTF-8 without a BOM")
     try:
         if path.suffix == ".json":
-            data = json.loads(text)
+            data = json.loads(text) if text.strip() else None
+            if data is not None:
+                _check_json_keys(text, path)
         else:
-            import yaml
-
-            data = yaml.safe_load(text) or {}
+            data = _load_yaml(text, path)
+    except UserError:
+        raise
     except Exception as exc:  # yaml / json syntax errors
         mark = getattr(exc, "problem_mark", None)  # yaml: where; json: msg + lineno/colno
+        tag = re.search(r"constructor for the tag '([^']*)'", str(getattr(exc, "problem", "")))
+        if tag and mark is not None:
+            fail(f"config file {path}: the YAML tag {tag[1].replace('tag:yaml.org,2002:', '!!')} at line "
+                 f"{mark.line + 1} is not allowed: a run config holds plain values (numbers, strings, lists, "
+                 "mappings); remove the tag")
         if mark is not None:
             where = f"{getattr(exc, 'problem', None) or str(exc).splitlines()[0]} at line {mark.line + 1}, column " \
                     f"{mark.column + 1}"
@@ -354,17 +482,98 @@ def load_file(path: str | Path) -> dict:
         else:
             where = str(exc).splitlines()[0]
         fail(f"cannot parse config file {path}: {where}; fix the syntax there")
+    if data is None:
+        fail(f"config file {path} is empty (no settings, only blank lines or comments): put the run's settings in "
+             "it (see the presets in llmjp_ds/config.py), or leave out --config")
     if not isinstance(data, dict):
         fail(f"config file {path} holds a {type(data).__name__}, not a mapping of sections (run_dir, model, data, "
              "optim, train, ...): see the presets in llmjp_ds/config.py")
     return data
 
 
+def _duplicate_key(path: Path, where: str, first: int, second: int) -> None:
+    fail(f"config file {path}: key {where!r} is given twice, at lines {first} and {second} (the last would "
+         "silently win): keep one")
+
+
+def _load_yaml(text: str, path: Path):
+    """``yaml.safe_load``, refusing a key given twice in one mapping and keys that are not strings."""
+    import yaml
+
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_yaml_keys(node, path, "", set())
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _check_yaml_keys(node, path: Path, where: str, visited: set) -> None:
+    import yaml
+
+    if id(node) in visited:  # an alias: checked where its anchor is
+        return
+    visited.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _check_yaml_keys(item, path, f"{where}[{i}]", visited)
+    elif isinstance(node, yaml.MappingNode):
+        lines: dict[str, int] = {}
+        for key, value in node.value:
+            if key.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: keys beside it override, as YAML means
+                continue
+            line = key.start_mark.line + 1
+            if not (isinstance(key, yaml.ScalarNode) and key.tag == "tag:yaml.org,2002:str"):
+                kind = key.tag.rsplit(":", 1)[-1]
+                shown = key.value if isinstance(key, yaml.ScalarNode) else f"<a {kind}>"
+                fail(f"config file {path}, line {line}: the key {shown} {'in ' + where if where else 'at the top'} "
+                     f"is a YAML {kind}, not a name: config keys are names such as optim or lr")
+            name = f"{where}.{key.value}" if where else key.value
+            if key.value in lines:
+                _duplicate_key(path, name, lines[key.value], line)
+            lines[key.value] = line
+            _check_yaml_keys(value, path, name, visited)
+
+
+_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[{}\[\]:,]|[^\s{}\[\]:,"]+')
+
+
+def _check_json_keys(text: str, path: Path) -> None:
+    """A key given twice in one object of (valid) JSON, with both lines; ``json.loads`` would keep the last."""
+    stack: list[dict] = []  # open objects and arrays: where they are and what they hold so far
+    line, last = 1, 0
+    for m in _JSON_TOKEN.finditer(text):
+        line, last = line + text.count("\n", last, m.start()), m.start()
+        tok, top = m.group(), stack[-1] if stack else None
+        if tok in "{[":
+            inner = "" if top is None else (f"{top['where']}[{top['index']}]" if top["kind"] == "[" else
+                                            (f"{top['where']}.{top['key']}" if top["where"] else top["key"]))
+            stack.append({"kind": tok, "where": inner, "index": 0, "seen": {}, "key": None, "expect_key": True})
+        elif tok in "}]":
+            stack.pop()
+        elif tok == ":" and top:
+            top["expect_key"] = False
+        elif tok == "," and top:
+            top["expect_key"], top["index"] = True, top["index"] + 1
+        elif tok.startswith('"') and top and top["kind"] == "{" and top["expect_key"]:
+            key = json.loads(tok)
+            if key in top["seen"]:
+                _duplicate_key(path, f"{top['where']}.{key}" if top["where"] else key, top["seen"][key], line)
+            top["seen"][key], top["key"] = line, key
+
+
 def load_config(path: str | Path | None = None, sets: list[str] = (), preset: str | None = None) -> RunConfig:
     """Preset (from ``preset``, the file's ``preset:`` key, or ``demo``) <- file <- ``--set`` overrides."""
     data = load_file(path) if path else {}
-    name = preset or data.pop("preset", None) or "demo"
-    data = merge(preset_dict(name), data)
+    named = data.pop("preset", None)
+    if named is not None and not (isinstance(named, str) and named.strip()):
+        fail(f"config file {path}: preset must name a run preset ({', '.join(RUN_PRESETS)}), got {named!r}")
+    if preset and named and preset != named:
+        fail(f"--preset {preset} and the preset: {named} of config file {path} disagree: keep one")
+    data = merge(preset_dict(preset or named or "demo", "" if preset or not named else f" named in {path}"), data)
     for assignment in sets:
         data = apply_set(data, assignment)
     return build(RunConfig, data)

@@ -5,8 +5,10 @@ a :class:`~llmjp_ds.errors.UserError` of one line that names the problem and the
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import typing
+from pathlib import Path
 
 from llmjp_ds.config import RECOMPUTE_MODES, RunConfig, sequence_parallel_of
 from llmjp_ds.errors import did_you_mean, fail
@@ -18,14 +20,14 @@ def validate_run(cfg: RunConfig, world_size: int | None = None, gpus_per_node: i
     each node (default: the launcher's ``$LOCAL_WORLD_SIZE``, if any); returns its layout."""
     from llmjp_ds.model.shapes import get_shape, resolve_shape
 
-    shape = get_shape(cfg.model.shape)
-    _check_overrides(cfg)
-    shape = resolve_shape(shape, cfg.model.overrides)
+    check_values(cfg)
+    check_paths(cfg)
+    shape = resolve_shape(get_shape(cfg.model.shape), cfg.model.overrides)
     layout = Layout.of(cfg, world_size)
     _check_model(cfg, shape)
     _check_tensor_parallel(cfg, shape, gpus_per_node or gpus_per_node_from_env())
     _check_parallel(cfg, layout, shape.num_layers)
-    _check_train(cfg)
+    _check_data(cfg)
     _check_logging(cfg)
     from llmjp_ds.precision import AUTO, validate_phases
 
@@ -39,15 +41,104 @@ def validate_run(cfg: RunConfig, world_size: int | None = None, gpus_per_node: i
     return layout
 
 
-def _check_overrides(cfg: RunConfig) -> None:
-    hints = typing.get_type_hints(type(cfg.model.overrides))
-    for key, value in dataclasses.asdict(cfg.model.overrides).items():
-        if value is not None and value <= 0:
-            fail(f"model.overrides.{key} must be a positive {_plain_type(hints[key])}, got {value!r}")
+# --- every field by the rule declared beside it (config.Valid, config.PathRule) ---------------------------
+
+def fields_of(obj, where: str = "", inherited=None):
+    """(dotted key, value, rule metadata, type annotation, section) of every leaf field of the config tree;
+    a rule declared on a field holding a dataclass is inherited by that dataclass's fields that declare none."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        key = f"{where}.{f.name}" if where else f.name
+        value, meta = getattr(obj, f.name), f.metadata or inherited or {}
+        if dataclasses.is_dataclass(value):
+            yield from fields_of(value, key, f.metadata or None)
+        elif isinstance(value, list) and value and all(dataclasses.is_dataclass(v) for v in value):
+            for i, item in enumerate(value):
+                yield from fields_of(item, f"{key}[{i}]")
+        else:
+            yield key, value, meta, hints[f.name], obj
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_values(cfg: RunConfig) -> None:
+    """Every number of the config (a list's numbers one by one) finite and within its field's :class:`Valid`."""
+    for key, value, meta, annotation, section in fields_of(cfg):
+        valid = meta.get("valid")
+        items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
+        for i, v in items:
+            if not _is_number(v):
+                continue
+            where = key if i is None else f"{key}[{i}]"
+            if not math.isfinite(v):
+                bounds = f" {valid.text()}" if valid is not None and not valid.says else ""
+                fail(f"{where} must be a finite number, got {v}: NaN and infinity are not settings; set a "
+                     f"number{bounds}")
+            if valid is None or valid.admits(v):
+                continue
+            if valid.message:
+                fail(valid.message.format(where=where, value=v, section=section))
+            why = f" ({valid.why})" if valid.why else ""
+            fail(f"{where} must be {valid.text().format(type=_plain_type(annotation))}{why}, got {v!r}")
 
 
 def _plain_type(annotation) -> str:
-    return next(a.__name__ for a in typing.get_args(annotation) if a is not type(None))
+    """int for ``int | None``, float for ``list[float]``."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+    return _plain_type(args[0]) if typing.get_args(args[0]) else getattr(args[0], "__name__", str(args[0]))
+
+
+def check_paths(cfg: RunConfig) -> None:
+    """Every path field by its :class:`~llmjp_ds.config.PathRule`: an input exists, an output can be made."""
+    for key, value, meta, _, _ in fields_of(cfg):
+        rule = meta.get("path")
+        if rule is None or value is None:
+            continue
+        if not value.strip():
+            fix = "give the run a directory of its own, e.g. runs/my-run" if rule.own else \
+                "set a path, or leave it unset (null)"
+            fail(f"{key} is empty ({value!r}): {fix}")
+        path = Path(value)
+        if rule.kind == "input":
+            if not path.exists():
+                fail(f"{key} {path} does not exist: {rule.fix}")
+            if rule.inside and not (path / rule.inside).is_file():
+                fail(f"{key} {path} has no {rule.inside}: {rule.fix}")
+            continue
+        if rule.own:
+            _check_own_directory(key, path)
+        existing = path
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            fail(f"{key} {path}: {existing} is a file, not a directory; choose another {key}")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            fail(f"{key} {path} is not writable ({existing} is read-only for this user): choose another {key} "
+                 "or fix its permissions or mount")
+
+
+def _check_own_directory(key: str, path: Path) -> None:
+    """A run writes checkpoints/, metrics.jsonl, config.yaml and tokenizer/ into its run_dir, and resumes from
+    whatever ``checkpoints/latest`` there names: it must not be a directory that holds other things."""
+    from llmjp_ds.config import REPO_ROOT
+
+    here = path.resolve()
+    try:
+        home = Path.home().resolve()
+    except RuntimeError:  # no $HOME and no passwd entry
+        home = None
+    for name, place in (("the filesystem root", Path(here.anchor)), ("your home directory", home),
+                        ("the current directory", Path.cwd().resolve()), ("the repository", REPO_ROOT)):
+        if place is None:
+            continue
+        if here == place:
+            fail(f"{key} {path} is {name}: a run writes checkpoints/, metrics.jsonl and tokenizer/ into its "
+                 f"{key}; give it a directory of its own, e.g. runs/my-run")
+        if here in place.parents:
+            fail(f"{key} {path} holds {name} ({place}): a run writes checkpoints/, metrics.jsonl and tokenizer/ "
+                 f"into its {key}; give it a directory of its own, e.g. runs/my-run")
 
 
 def _check_model(cfg: RunConfig, shape) -> None:
@@ -67,10 +158,6 @@ def _check_model(cfg: RunConfig, shape) -> None:
 
 def _check_parallel(cfg: RunConfig, layout: Layout, num_layers: int) -> None:
     p, t = cfg.parallel, cfg.train
-    if p.zero_stage not in (0, 1, 2, 3):
-        fail(f"parallel.zero_stage must be 0, 1, 2 or 3, got {p.zero_stage}")
-    if p.pipeline_stages < 1:
-        fail(f"parallel.pipeline_stages must be >= 1, got {p.pipeline_stages}")
     if p.pipeline_stages > 1 and p.zero_stage > 1:
         fail(f"ZeRO-{p.zero_stage} cannot be combined with pipeline parallelism (DeepSpeed shards gradients "
              "across micro-batches): use parallel.zero_stage=1 with pipeline_stages > 1")
@@ -81,12 +168,6 @@ def _check_parallel(cfg: RunConfig, layout: Layout, num_layers: int) -> None:
     if p.pipeline_stages > num_layers:
         fail(f"parallel.pipeline_stages={p.pipeline_stages} exceeds the model's {num_layers} layers: use at most "
              f"{num_layers} stages")
-    if not p.stall_timeout_s > 0:
-        fail(f"parallel.stall_timeout_s must be > 0 (seconds without progress before a stalled job ends), got "
-             f"{p.stall_timeout_s}")
-    for name in ("steps", "global_batch_size", "micro_batch_size"):
-        if getattr(t, name) <= 0:
-            fail(f"train.{name} must be positive, got {getattr(t, name)}")
     if not layout.fits():
         fail(f"world size {layout.world} is not divisible by tensor_parallel x pipeline_stages = {p.tensor_parallel} "
              f"x {p.pipeline_stages}: launch a multiple of {p.tensor_parallel * p.pipeline_stages} ranks (nodes x "
@@ -106,8 +187,6 @@ def gpus_per_node_from_env() -> int | None:
 
 def _check_tensor_parallel(cfg: RunConfig, shape, gpus_per_node: int | None) -> None:
     tp = cfg.parallel.tensor_parallel
-    if tp < 1:
-        fail(f"parallel.tensor_parallel must be >= 1, got {tp}")
     if cfg.parallel.sequence_parallel and tp == 1:
         fail("parallel.sequence_parallel shards the sequence over the tensor-parallel group: set "
              "parallel.tensor_parallel > 1, or leave sequence_parallel unset")
@@ -131,25 +210,13 @@ def _check_tensor_parallel(cfg: RunConfig, shape, gpus_per_node: int | None) -> 
         fail("ZeRO-3 is not supported with tensor parallelism: use parallel.zero_stage=1 (or 2 without a pipeline)")
 
 
-def _check_train(cfg: RunConfig) -> None:
-    t, o = cfg.train, cfg.optim
-    if not 0 <= o.min_lr_ratio <= 1 or o.lr <= 0:
-        fail(f"optim.lr must be > 0 and optim.min_lr_ratio in [0, 1], got lr={o.lr}, min_lr_ratio={o.min_lr_ratio}")
-    if o.warmup_steps < 0:
-        fail(f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
-    if len(cfg.data.split) != 2 or any(x < 0 for x in cfg.data.split) or cfg.data.split[0] <= 0:
-        fail(f"data.split must be [train, valid] fractions, got {cfg.data.split}")
-    if cfg.checkpoint.interval < 0 or t.eval_interval < 0:
-        fail(f"checkpoint.interval and train.eval_interval must be >= 0 (0 = off), got {cfg.checkpoint.interval} "
-             f"and {t.eval_interval}")
-    if not cfg.checkpoint.grace_seconds > 0:
-        fail(f"checkpoint.grace_seconds must be > 0 (time allowed for the save after SIGTERM), got "
-             f"{cfg.checkpoint.grace_seconds}")
-    if t.max_nonfinite_steps < 1:
-        fail(f"train.max_nonfinite_steps must be >= 1 (consecutive skipped steps before the run stops), got "
-             f"{t.max_nonfinite_steps}")
-    if cfg.checkpoint.keep_last < 1:
-        fail(f"checkpoint.keep_last must be >= 1, got {cfg.checkpoint.keep_last}")
+def _check_data(cfg: RunConfig) -> None:
+    d = cfg.data
+    if len(d.split) != 2 or d.split[0] <= 0:
+        fail(f"data.split must be [train, valid] fractions, got {d.split}")
+    if d.tokenizer is not None and not d.blend:
+        fail(f"data.tokenizer {d.tokenizer} is set but data.blend is empty: the bundled demo corpus is read with "
+             "its own tokenizer; set data.blend to corpora preprocessed with this tokenizer, or unset data.tokenizer")
 
 
 def _check_logging(cfg: RunConfig) -> None:
@@ -158,5 +225,3 @@ def _check_logging(cfg: RunConfig) -> None:
     if cfg.logging.wandb not in WANDB_MODES:
         fail(f"logging.wandb must be online, offline or disabled, got {cfg.logging.wandb!r}"
              f"{did_you_mean(cfg.logging.wandb, WANDB_MODES)}")
-    if cfg.logging.interval < 1:
-        fail(f"logging.interval must be >= 1 (log every N steps), got {cfg.logging.interval}")

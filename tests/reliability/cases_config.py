@@ -2,10 +2,107 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from tests.reliability.cases import Case, L, T  # noqa: F401
 
-CASES: list[Case] = []
+# a setting validate_run refuses later than run_dir: should the run_dir check ever let one of these through, the
+# case fails on the other message instead of training into /, the home or the repository
+LATER = ("train.global_batch_size=7", "train.micro_batch_size=2")
+
+
+def F(name: str, *sets: str, preset: str | None = None):
+    """``python -m llmjp_ds.train --config {tmp}/config/<name>`` (after T's fresh run_dir and ``sets``)."""
+    def argv(c):
+        return [*T(*sets)(c), "--config", str(c.tmp / "config" / name), *(["--preset", preset] if preset else [])]
+    return argv
+
+
+CASES: list[Case] = [
+    # --- numbers: each field's declared range, and no NaN / infinity -------------------------------------
+    Case("optim-beta-out-of-range", T("optim.beta1=1.5"),
+         ("optim.beta1 must be in [0, 1) (AdamW's moment decay), got 1.5",)),
+    Case("optim-eps-negative", T("optim.eps=-1"), ("optim.eps must be > 0 (AdamW's denominator term), got -1",)),
+    Case("lr-nan-in-file", F("nan_lr.yaml"),
+         ("optim.lr must be a finite number, got nan: NaN and infinity are not settings; set a number > 0",)),
+    Case("lr-infinity-in-json", F("inf_lr.json"), ("optim.lr must be a finite number, got inf",)),
+    Case("split-nan", T("data.split=[.nan, 0.01]"), ("data.split[0] must be a finite number, got nan",)),
+    Case("decay-steps-zero", T("optim.decay_steps=0"), ("optim.decay_steps must be >= 1, got 0",)),
+    Case("train-seed-negative", T("train.seed=-1"),
+         ("train.seed must be in [0, 4294967295] (numpy seeds are 32-bit), got -1",)),
+    Case("guard-factor-not-above-one", T("precision.guard.factor=0.5"),
+         ("precision.guard.factor must be > 1 (a loss above factor x its running mean is diverging), got 0.5",)),
+    Case("phase-margin-negative", T("precision.phases=[{margin: -1}]"),
+         ("precision.phases[0].margin must be >= 0",)),
+    Case("model-override-float-not-positive", T("model.overrides={rope_theta: -1.0}"),
+         ("model.overrides.rope_theta must be a positive float, got -1.0",)),
+    Case("blend-weight-negative", T("data.blend=[-1, {tmp}/good_text_document]"),
+         ("data.blend[0] must be >= 0 (a corpus weight), got -1",)),
+    # --- run_dir: a directory of its own -----------------------------------------------------------------
+    Case("run-dir-empty", T(*LATER, run=""), ("run_dir is empty (''): give the run a directory of its own",)),
+    Case("run-dir-root", T(*LATER, run="/"), ("run_dir / is the filesystem root", "give it a directory of its own")),
+    Case("run-dir-home", T(*LATER, run=str(Path.home())), ("is your home directory", "give it a directory of its "
+                                                           "own, e.g. runs/my-run")),
+    Case("run-dir-current-directory", T(*LATER, run="."),
+         ("run_dir . is the current directory", "give it a directory of its own")),
+    Case("run-dir-holds-current-directory", T(*LATER, run=".."),
+         ("run_dir .. holds the current directory", "give it a directory of its own")),
+    # --- path fields ---------------------------------------------------------------------------------------
+    Case("tokenizer-missing-without-blend", T("data.tokenizer={tmp}/config/no_tokenizer"),
+         ("no_tokenizer does not exist: pass a SentencePiece .model or an HF tokenizer dir",)),
+    Case("tokenizer-without-blend", T("data.tokenizer={tok}"),
+         ("is set but data.blend is empty", "or unset data.tokenizer")),
+    Case("init-from-hf-missing", T("model.init_from_hf={tmp}/config/no_hf"),
+         ("no_hf does not exist: pass the directory save_pretrained wrote",)),
+    Case("init-from-hf-not-a-model-dir", T("model.init_from_hf={tmp}/config"),
+         ("has no config.json: pass the directory save_pretrained wrote",)),
+    Case("cache-dir-under-a-file", T("data.cache_dir={tmp}/config/a_file/cache"),
+         ("a_file is a file, not a directory; choose another data.cache_dir",)),
+    Case("ds-config-empty-path", T("parallel.ds_config="),
+         ("parallel.ds_config is empty (''): set a path, or leave it unset (null)",)),
+    # --- config files ------------------------------------------------------------------------------------
+    Case("duplicate-key-yaml", F("dup_key.yaml"),
+         ("dup_key.yaml: key 'optim.lr' is given twice, at lines 2 and 4", "keep one")),
+    Case("duplicate-key-in-phase", F("dup_phase.yaml"),
+         ("key 'precision.phases[1].start_step' is given twice, at lines 5 and 7",)),
+    Case("duplicate-key-json", F("dup_key.json"), ("dup_key.json: key 'optim.lr' is given twice, at lines 1 and 3",)),
+    Case("config-file-empty", F("empty.yaml"), ("empty.yaml is empty (no settings, only blank lines or comments)",)),
+    Case("config-file-bom", F("bom.yaml"), ("bom.yaml starts with a byte-order mark (BOM): save it as UTF-8 without "
+                                            "a BOM",)),
+    Case("config-file-python-tag", F("python_tag.yaml"),
+         ("the YAML tag !!python/object/apply:os.system at line 1 is not allowed", "remove the tag")),
+    Case("config-key-not-a-string", F("int_key.yaml"), ("line 2: the key 1 in train is a YAML int, not a name",)),
+    Case("unknown-preset-in-file", F("bad_preset.yaml"),
+         ("unknown run preset 'llmjp3-7b' named in", "bad_preset.yaml (did you mean 'llmjp3-3.7b'?)")),
+    Case("preset-in-file-not-a-name", F("list_preset.yaml"), ("preset must name a run preset", "got ['demo']")),
+    Case("preset-disagrees-with-file", F("demo_preset.yaml", preset="llmjp3-1.8b"),
+         ("--preset llmjp3-1.8b and the preset: demo of config file", "disagree: keep one")),
+    Case("set-key-empty-segment", T("optim..lr=1"),
+         ("--set 'optim..lr=1': the key 'optim..lr' has an empty name between its dots",)),
+    Case("set-list-item-wrong-type", T("data.split=[a, b]"), ("config key 'data.split[0]' must be float",)),
+    Case("set-phase-list-item-wrong-type", T("precision.phases=[{candidates: [delayed, 2]}]"),
+         ("config key 'precision.phases[0].candidates[1]' must be str",)),
+    Case("set-mapping-key-not-a-string", T("model.overrides={1: 2}"),
+         ("config key 1 in model.overrides is not a name (it is int)",)),
+]
 
 
 def prepare(ctx) -> None:
     """Write this topic's inputs under ``ctx.tmp``."""
+    d = ctx.tmp / "config"
+    d.mkdir()
+    (d / "nan_lr.yaml").write_text("optim:\n  lr: .nan\n")
+    (d / "inf_lr.json").write_text('{"optim": {"lr": Infinity}}\n')
+    (d / "dup_key.yaml").write_text("optim:\n  lr: 1.0e-4\n  beta1: 0.9\n  lr: 3.0e-4\n")
+    (d / "dup_phase.yaml").write_text("precision:\n  phases:\n    - precision: bf16\n    - precision: fp8\n"
+                                      "      start_step: 10\n      recipe: delayed\n      start_step: 20\n")
+    (d / "dup_key.json").write_text('{"optim": {"lr": 1e-4,\n  "beta1": 0.9,\n  "lr": 3e-4}}\n')
+    (d / "empty.yaml").write_text("")
+    (d / "bom.yaml").write_bytes(b"\xef\xbb\xbftrain:\n  steps: 3\n")
+    (d / "python_tag.yaml").write_text("run_name: !!python/object/apply:os.system [echo hi]\n")
+    (d / "int_key.yaml").write_text("train:\n  1: 3\n")
+    (d / "bad_preset.yaml").write_text("preset: llmjp3-7b\n")
+    (d / "list_preset.yaml").write_text("preset: [demo]\n")
+    (d / "demo_preset.yaml").write_text(json.dumps({"preset": "demo"}))
+    (d / "a_file").write_text("not a directory")

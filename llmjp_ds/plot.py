@@ -3,17 +3,26 @@
 Precision phases (the ``phase`` metric, e.g. BF16 then FP8) are shaded and their changes marked; events
 (``rollback``, ``resume`` ...) are vertical lines. Drawn with matplotlib's Agg canvas (no display, no pyplot
 state) and written atomically, so a plot refreshed while the run is going never shows a half-written PNG.
+
+The metrics file is read leniently: a line torn by a kill, bytes that are not UTF-8, a record that is not an object
+with an integer step, a value that is not a finite number are each skipped, and the plot is drawn from what is
+left; only when nothing usable is left does ``plot`` stop, with one line.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import math
 import os
+import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 from llmjp_ds.errors import fail
-from llmjp_ds.metrics import METRICS_FILE, read_metrics
+from llmjp_ds.metrics import METRICS_FILE
 
 __all__ = ["plot_run", "cli_main"]
 
@@ -21,8 +30,44 @@ _PHASE_COLORS = ("tab:orange", "tab:green", "tab:purple", "tab:brown")
 _EVENT_COLORS = {"rollback": "tab:red", "resume": "tab:gray", "precision_flip": "tab:orange"}
 
 
+_LARGEST = 1e30  # beyond any loss, lr or throughput; matplotlib's axis arithmetic overflows near 1e308
+
+
 def _numeric(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    # inf would make matplotlib refuse the axis limits; NaN draws nothing anyway
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and \
+        abs(value) <= _LARGEST
+
+
+def _step_of(record) -> bool:
+    step = record.get("step")
+    return isinstance(step, int) and not isinstance(step, bool) and abs(step) < 2**53
+
+
+def read_records(path: Path) -> tuple[list[dict], int]:
+    """(the usable records of a metrics.jsonl in file order, how many non-blank lines were skipped)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        fail(f"cannot read {path} ({exc.strerror}): check its permissions and the disk")
+    records, skipped = [], 0
+    for raw in data.split(b"\n"):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError):  # torn by a kill, or garbled on disk
+            skipped += 1
+            continue
+        if not isinstance(record, dict) or not _step_of(record) or \
+                ("event" in record and not isinstance(record["event"], str)):
+            skipped += 1
+            continue
+        if "phase" in record and not isinstance(record["phase"], str):
+            record.pop("phase")
+        records.append(record)
+    return records, skipped
 
 
 def _by_step(records: list[dict]) -> tuple[dict[int, dict], list[dict]]:
@@ -59,7 +104,7 @@ def _phase_spans(steps: dict[int, dict]) -> list[tuple[str, int, int]]:
     return [tuple(s) for s in spans]
 
 
-def _draw(steps: dict[int, dict], events: list[dict], title: str):
+def _draw(steps: dict[int, dict], events: list[dict], title: str, where: str = "the metrics"):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -77,7 +122,7 @@ def _draw(steps: dict[int, dict], events: list[dict], title: str):
     elif _series(steps, "tokens_per_s")[0]:
         panels.append(("tokens/s", [("tokens_per_s", "tokens/s", "-")], None))
     if not panels:
-        fail("the metrics hold no loss, lr or throughput to plot")
+        fail(f"{where} holds no loss, lr or throughput to plot: nothing to draw yet")
 
     fig = Figure(figsize=(10, 2.8 * len(panels) + 0.6), layout="constrained")
     FigureCanvasAgg(fig)
@@ -137,30 +182,50 @@ def _draw(steps: dict[int, dict], events: list[dict], title: str):
 def plot_run(run_dir: str | os.PathLike, output: str | os.PathLike | None = None) -> Path:
     """Draw ``<run_dir>/metrics.jsonl`` to ``output`` (default ``<run_dir>/metrics.png``); return its path."""
     run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        fail(f"run directory {run_dir} is a file: pass the run_dir of a training run (it holds {METRICS_FILE})")
     if not run_dir.is_dir():
-        fail(f"run directory {run_dir} does not exist")
-    if not (run_dir / METRICS_FILE).is_file():
+        fail(f"run directory {run_dir} does not exist")  # the path is the whole story
+    metrics = run_dir / METRICS_FILE
+    if metrics.is_dir() or not metrics.exists():
         fail(f"no {METRICS_FILE} in {run_dir}: has the run logged a step yet?")
     output = Path(output) if output is not None else run_dir / "metrics.png"
+    if output.is_dir():
+        fail(f"cannot write {output}: it is a directory; pass a file name with --output")
     if not output.parent.is_dir():
         fail(f"cannot write {output}: directory {output.parent} does not exist")
-    steps, events = _by_step(read_metrics(run_dir))
+    records, skipped = read_records(metrics)
+    steps, events = _by_step(records)
+    unreadable = f" ({skipped} unreadable lines skipped: torn, not UTF-8 or not JSON records)" if skipped else ""
     if not steps:
-        fail(f"{run_dir / METRICS_FILE} holds no step metrics yet")
+        fail(f"{metrics} holds no step metrics{unreadable or ' yet'}: nothing to plot")
 
+    if skipped:
+        print(f"plot: {metrics}: skipped {skipped} unreadable lines (torn, not UTF-8 or not JSON records)",
+              file=sys.stderr)
     last = max(steps)
-    fig = _draw(steps, events, title=f"{run_dir.resolve().name}  (step {last})")
-    fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp")
+    fig = _draw(steps, events, title=f"{run_dir.resolve().name}  (step {last})", where=f"{metrics}{unreadable}")
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png", dpi=100)
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # numpy's overflow notes: one line on stderr, the error's
+                    fig.savefig(f, format="png", dpi=100)
+            except (ValueError, OverflowError) as exc:  # values matplotlib cannot scale
+                fail(f"cannot draw {metrics} ({exc}): its values are out of any plottable range; check the file")
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp made it 0600
         os.replace(tmp, output)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    except OSError as exc:
+        fail(f"cannot write {output} ({exc.strerror or exc}): choose another --output, or free space or fix the "
+             f"permissions of {output.parent}")
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)  # gone already after the rename
     return output
 
 

@@ -7,7 +7,9 @@ only"), and a malformed line ends in a Python traceback. Run this first, on the 
     llmjp-ds preflight --hostfile hostfiles/h100 --config run.yaml [--set key=value ...] [--num-nodes N]
 
 It parses the hostfile by the launcher's own rule (``<hostname> slots=<N>`` per line, ``#`` comments, each host
-once), takes the world size as the sum of the slots (of the first ``--num-nodes`` hosts), and runs the same
+once; CRLF line ends and tabs are fine, as for the launcher), refuses what the launcher would turn into a wrong
+host name or a traceback (a byte-order mark, invisible or non-ASCII characters, bytes that are not UTF-8), takes
+the world size as the sum of the slots (of the first ``--num-nodes`` hosts), and runs the same
 :func:`llmjp_ds.validate.validate_run` the trainer runs on every rank, with that world size.
 """
 
@@ -23,27 +25,76 @@ from llmjp_ds.errors import fail
 # deepspeed.launcher.runner._parse_hostfile's pattern, matched the same way (re.search on the stripped line)
 _LINE = re.compile(r"^(\S+)\s+slots=(\d+)")
 
+# what a hostfile may be encoded as by mistake, by its first bytes (the launcher reads UTF-8 text)
+_BOMS = ((b"\xef\xbb\xbf", "starts with a UTF-8 byte-order mark, which the deepspeed launcher would keep as part "
+                           "of the first host name"),
+         (b"\xff\xfe", "is UTF-16 text (it starts with a UTF-16 byte-order mark), which the deepspeed launcher "
+                       "cannot read"),
+         (b"\xfe\xff", "is UTF-16 text (it starts with a UTF-16 byte-order mark), which the deepspeed launcher "
+                       "cannot read"))
+_SAVE_AS = "save it as plain UTF-8 (ASCII) text without a BOM"
+
+
+def _invisible(ch: str) -> bool:
+    """A character a text editor does not show (or shows as a space) but that is not the launcher's whitespace
+    around fields: a BOM, zero-width and other format characters, control characters, NUL, no-break spaces."""
+    import unicodedata
+
+    if ch in " \t":
+        return False
+    return unicodedata.category(ch) in ("Cc", "Cf", "Co", "Cs", "Cn", "Zs", "Zl", "Zp")
+
+
+def _describe(ch: str) -> str:
+    import unicodedata
+
+    return f"U+{ord(ch):04X} ({unicodedata.name(ch, 'NUL' if ch == chr(0) else 'a control character')})"
+
+
+def _hostfile_lines(path: Path) -> list[str]:
+    """The lines of the hostfile as the launcher reads them (text mode: ``\\r\\n`` and ``\\r`` end lines too)."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        fail(f"cannot read hostfile {path} ({exc.strerror}): check its permissions, or pass another file")
+    for bom, what in _BOMS:
+        if data.startswith(bom):
+            fail(f"hostfile {path} {what}: {_SAVE_AS}")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        lineno = data.count(b"\n", 0, exc.start) + 1
+        fail(f"{path}:{lineno}: byte 0x{data[exc.start]:02x} is not UTF-8 (the launcher reads UTF-8 text): "
+             f"{_SAVE_AS}")
+    return text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+
 
 def parse_hostfile(path: str | Path) -> dict[str, int]:
     """``{host: slots}`` in file order; one-line UserError for what the launcher would mishandle."""
     path = Path(path)
+    if path.is_dir():
+        fail(f"hostfile {path} is a directory: pass the file (e.g. hostfiles/h100)")
     if not path.is_file():
         fail(f"hostfile {path} does not exist: pass an existing file (the deepspeed launcher would silently start "
              "every rank on this machine instead)")
     hosts: dict[str, int] = {}
-    try:
-        lines = path.read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        fail(f"cannot read hostfile {path} ({exc}): pass a text file of '<hostname> slots=<N>' lines")
-    for lineno, raw in enumerate(lines, 1):
+    for lineno, raw in enumerate(_hostfile_lines(path), 1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
+        bad = next((ch for ch in line if _invisible(ch)), None)
+        if bad is not None:
+            fail(f"{path}:{lineno}: the line holds an invisible character {_describe(bad)} at column "
+                 f"{raw.index(bad) + 1}, which the deepspeed launcher would take as part of a host name or "
+                 f"reject: delete it, or {_SAVE_AS}")
         m = _LINE.search(line)
         if not m:
             fail(f"{path}:{lineno}: {line[:80]!r} is not '<hostname> slots=<N>': fix or comment out that line "
                  "(see hostfiles/localhost)")
         host, slots = m.group(1), int(m.group(2))
+        if not host.isascii() or not m.group(2).isascii():
+            fail(f"{path}:{lineno}: {line[:80]!r} is not '<hostname> slots=<N>' in ASCII (host names and slot "
+                 f"counts are ASCII; ssh/pdsh would not find this host): retype the line")
         if host in hosts:
             fail(f"{path}:{lineno}: host {host} is listed twice: list each host once, with slots = its GPU count")
         if slots < 1:

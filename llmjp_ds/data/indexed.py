@@ -18,6 +18,7 @@ sequence per document (``document_indices == 0..S``), as Megatron-LM does withou
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 from array import array
@@ -303,7 +304,17 @@ class IndexedDatasetWriter:
             raise
 
     def abort(self) -> None:
-        if self._bin is not None and not self._bin.closed:
-            self._bin.close()
-        if self._bin_tmp is not None:
-            remove_quietly(self._bin_tmp)
+        """Close and remove the temp file. Never raises an OSError of its own: after a failed write (a full disk,
+        a file-size limit) ``close()`` fails again flushing the same buffer, and that must not keep the temp
+        file or hide the first error."""
+        try:
+            if self._bin is not None and not self._bin.closed:
+                try:
+                    self._bin.close()
+                except OSError:
+                    with contextlib.suppress(OSError):
+                        self._bin.raw.close()  # the buffer is lost with the file; release the descriptor
+        finally:
+            if self._bin_tmp is not None:
+                with contextlib.suppress(OSError):
+                    remove_quietly(self._bin_tmp)

@@ -1,4 +1,4 @@
-"""``llmjp-ds preprocess``: jsonl (plain, .gz, .zst) -> ``PREFIX_text_document.bin/.idx`` (Megatron MMIDIDX).
+"""``llmjp-ds preprocess``: jsonl (plain, .gz, .zst, .bz2, .xz) -> ``PREFIX_text_document.bin/.idx`` (Megatron MMIDIDX).
 
 Each document becomes one sequence ``[bos] + sp.encode(text) + [eos]``, framed by ``Tokenizer.encode_documents``:
 byte for byte what Megatron-LM's ``tools/preprocess_data.py --tokenizer-type Llama2Tokenizer --append-eod`` writes
@@ -7,7 +7,9 @@ corpora and ours mix.
 
 The main process reads raw lines and writes; worker processes parse json and tokenize chunks of ~1 MB. Results
 come back in input order, so any ``workers`` gives the same bytes. At most ``2 * workers + 2`` chunks are in flight,
-so memory stays flat however large the input. Output is written atomically (see ``IndexedDatasetWriter``).
+so memory stays flat however large the input. Output is written atomically (see ``IndexedDatasetWriter``): a
+failure at any point (a bad line, a truncated input, a full disk) leaves no temp file, no partial corpus and no
+directory that the run created.
 """
 
 from __future__ import annotations
@@ -15,14 +17,17 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import errno
 import multiprocessing
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from llmjp_ds.data.indexed import IndexedDatasetWriter, best_dtype, check_output_free
-from llmjp_ds.data.jsonl import BadLine, check_inputs, iter_lines, text_of_line
+from llmjp_ds.data.jsonl import BadLine, check_inputs, iter_lines, stream_error, text_of_line
 from llmjp_ds.errors import fail
 
 OUTPUT_SUFFIX = "_text_document"
@@ -44,25 +49,51 @@ def _init_worker(model_path: str, text_key: str, skip_bad: bool) -> None:
 
 
 def _encode_chunk(chunk: tuple[str, int, list[bytes]]):
-    """Tokenize one chunk of lines -> (tokens, lengths, skipped {kind: n}, first skipped message, error)."""
+    """Tokenize one chunk of lines -> (tokens, lengths, skipped {kind: n}, first skipped message, error), where
+    error is None or (file, message)."""
     path, first_lineno, lines = chunk
     tok, key, skip_bad = _STATE["tok"], _STATE["text_key"], _STATE["skip_bad"]
     texts: list[str] = []
+    linenos: list[int] = []
     skipped: dict[str, int] = {}
     first_skip = None
+
+    def bad_line(lineno: int, bad: BadLine):
+        nonlocal first_skip
+        where = f"{path}:{lineno}"
+        if not skip_bad:
+            return path, f"{where}: {bad}, or pass --skip-bad to skip such lines"
+        skipped[bad.kind] = skipped.get(bad.kind, 0) + 1
+        first_skip = first_skip or f"{where}: {bad}"
+        return None
+
     for n, line in enumerate(lines):
         try:
             text = text_of_line(line, key)
         except BadLine as bad:
-            where = f"{path}:{first_lineno + n}"
-            if not skip_bad:
-                return None, None, skipped, None, f"{where}: {bad}, or pass --skip-bad to skip such lines"
-            skipped[bad.kind] = skipped.get(bad.kind, 0) + 1
-            first_skip = first_skip or f"{where}: {bad}"
+            error = bad_line(first_lineno + n, bad)
+            if error:
+                return None, None, skipped, None, error
             continue
         if text is not None:
             texts.append(text)
-    flat, lengths = tok.encode_documents(texts)
+            linenos.append(first_lineno + n)
+    try:
+        flat, lengths = tok.encode_documents(texts)
+    except Exception:  # a text the tokenizer rejects: find it, and treat it as a bad line
+        kept = []
+        for lineno, text in zip(linenos, texts):
+            try:
+                tok.encode_documents([text])
+            except Exception as exc:
+                error = bad_line(lineno, BadLine("unencodable text", f"the tokenizer cannot encode {key!r} "
+                                                                     f"({type(exc).__name__}: {exc}); fix or "
+                                                                     f"remove the line"))
+                if error:
+                    return None, None, skipped, None, error
+                continue
+            kept.append(text)
+        flat, lengths = tok.encode_documents(kept)
     return flat, lengths, skipped, first_skip, None
 
 
@@ -97,7 +128,11 @@ def _ordered_results(chunks, workers: int, init_args: tuple):
         return
     # fork: workers need nothing but sentencepiece, and spawn cannot start from a REPL or stdin script
     ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-    with ctx.Pool(workers, initializer=_init_worker, initargs=init_args) as pool:
+    try:
+        pool = ctx.Pool(workers, initializer=_init_worker, initargs=init_args)
+    except OSError as exc:
+        fail(f"cannot start {workers} worker processes ({exc.strerror or exc}): lower --workers")
+    with pool:
         pending: collections.deque = collections.deque()
         for chunk in chunks:
             pending.append(pool.apply_async(_encode_chunk, (chunk,)))
@@ -107,12 +142,63 @@ def _ordered_results(chunks, workers: int, init_args: tuple):
             yield pending.popleft().get()
 
 
+def _missing_dirs(directory: Path) -> list[Path]:
+    """``directory`` and its ancestors that do not exist yet, deepest first (what writing would create)."""
+    missing = []
+    for d in [directory, *directory.parents]:
+        if d.exists():
+            break
+        missing.append(d)
+    return missing
+
+
+def _check_output_dir(prefix: str) -> None:
+    parent = Path(prefix).parent
+    for d in [parent, *parent.parents]:
+        if d.exists():
+            if not d.is_dir():
+                fail(f"cannot write {prefix}.bin: {d} is a file, not a directory; choose another --output-prefix")
+            if not os.access(d, os.W_OK | os.X_OK):
+                fail(f"cannot write {prefix}.bin: directory {d} is not writable; choose another --output-prefix "
+                     f"or fix its permissions")
+            return
+
+
+def _free_space(path: Path) -> str:
+    for d in [path, *path.parents]:
+        try:
+            free = shutil.disk_usage(d).free
+        except OSError:
+            continue
+        for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+            if free >= size:
+                return f"{free / size:.1f} {unit} free"
+        return f"{free} bytes free"
+    return "free space unknown"
+
+
+def _write_failed(prefix: str, exc: OSError) -> NoReturn:
+    """One line for an OSError while writing the corpus (full disk, file-size limit, quota, I/O error)."""
+    name = errno.errorcode.get(exc.errno, "") if exc.errno else ""
+    why = f"{exc.strerror or exc}{f' ({name})' if name else ''}"
+    fail(f"cannot write {prefix}.bin/.idx: {why}; {_free_space(Path(prefix).parent)} there: free space (or raise "
+         f"the file-size limit or quota) or choose another --output-prefix, then run again; nothing was written")
+
+
 class _NoProgress:
     def update(self, n):
         pass
 
     def close(self):
         pass
+
+
+@contextlib.contextmanager
+def _output_errors(prefix: str):
+    try:
+        yield
+    except OSError as exc:
+        _write_failed(prefix, exc)
 
 
 def preprocess(inputs: list[str | Path], tokenizer: str | Path, output_prefix: str | Path, workers: int = 1,
@@ -126,12 +212,14 @@ def preprocess(inputs: list[str | Path], tokenizer: str | Path, output_prefix: s
     from llmjp_ds.data.tokenizer import load_tokenizer
 
     start = time.perf_counter()
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        fail(f"--workers {workers}: need at least 1 (worker processes that tokenize)")
     paths = check_inputs(inputs)
     tok = load_tokenizer(tokenizer)
-    if workers < 1:
-        fail(f"--workers {workers}: need at least 1")
     prefix = output_prefix_for(output_prefix)
     check_output_free(prefix, force)  # before hours of work, not after
+    _check_output_dir(prefix)
+    created = _missing_dirs(Path(prefix).parent)
     dtype = best_dtype(tok.vocab_size)
 
     bar = _NoProgress()
@@ -143,12 +231,16 @@ def preprocess(inputs: list[str | Path], tokenizer: str | Path, output_prefix: s
     skipped: dict[str, int] = {}
     first_skip = None
     init = (str(tok.model_path), text_key, skip_bad)
+    ok = False
     try:
         results = _ordered_results(_chunks(paths, chunk_bytes, bar), workers, init)
-        with contextlib.closing(results), IndexedDatasetWriter(prefix, dtype, force=force) as writer:
+        # the inputs' read errors are UserErrors by now (jsonl.iter_lines): an OSError here is the output's
+        with _output_errors(prefix), contextlib.closing(results), \
+                IndexedDatasetWriter(prefix, dtype, force=force) as writer:
             for flat, lengths, chunk_skipped, chunk_first, error in results:
                 if error:
-                    fail(error)
+                    # garbage from a corrupt compressed stream looks like a bad line: blame the stream if it is bad
+                    fail(stream_error(Path(error[0])) or error[1])
                 for kind, n in chunk_skipped.items():
                     skipped[kind] = skipped.get(kind, 0) + n
                 first_skip = first_skip or chunk_first
@@ -162,8 +254,13 @@ def preprocess(inputs: list[str | Path], tokenizer: str | Path, output_prefix: s
                 fail(f"no documents in {', '.join(map(str, paths))}{why}: nothing to write; check the files and "
                      f"--text-key {text_key!r}")
             documents, tokens = writer.num_documents, writer.num_tokens
+        ok = True
     finally:
         bar.close()
+        if not ok:
+            for d in created:  # deepest first; only what this run made, and only if still empty
+                with contextlib.suppress(OSError):
+                    d.rmdir()
     seconds = time.perf_counter() - start
     return {
         "prefix": prefix, "documents": documents, "tokens": tokens, "skipped": sum(skipped.values()),
@@ -178,7 +275,8 @@ def cli_main(argv: list[str], verb: str = "preprocess") -> int:
         prog=f"llmjp-ds {verb}",
         description="Tokenize jsonl into a Megatron-LM indexed corpus PREFIX_text_document.bin/.idx "
                     "([bos] + pieces + [eos] per document, as Megatron's --append-eod).")
-    parser.add_argument("--input", nargs="+", required=True, metavar="FILE", help="jsonl, .jsonl.gz or .jsonl.zst")
+    parser.add_argument("--input", nargs="+", required=True, metavar="FILE",
+                        help="jsonl, .jsonl.gz, .jsonl.zst, .jsonl.bz2 or .jsonl.xz")
     parser.add_argument("--tokenizer", required=True,
                         help="SentencePiece .model, or a directory holding tokenizer.model")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX_text_document.bin and .idx")

@@ -337,6 +337,22 @@ def save_hf_tokenizer(sp_model: str | Path, output_dir: str | Path) -> None:
 
 
 # -- CLI ----------------------------------------------------------------------------------------------------
+MAX_VOCAB = 2**31 - 1  # SentencePiece stores the vocabulary size and ids as int32
+
+
+def _check_numbers(args) -> None:
+    """The numeric arguments, before any file is read or directory made (SentencePiece would end a bad one in a
+    traceback after reading the whole input)."""
+    min_vocab = 8 + 256 + 1  # the special and byte pieces, plus one learnt piece
+    if not min_vocab <= args.vocab_size <= MAX_VOCAB:
+        fail(f"--vocab-size {args.vocab_size} is out of range: the special and byte pieces alone take "
+             f"{min_vocab - 1}, and SentencePiece counts in int32; pass {min_vocab} to {MAX_VOCAB} (LLM-jp v3: "
+             f"99574)")
+    if args.max_sentences is not None and not 1 <= args.max_sentences <= MAX_VOCAB:
+        fail(f"--max-sentences {args.max_sentences} is out of range: pass a count of text chunks from 1 to "
+             f"{MAX_VOCAB}, or leave it out to use every chunk")
+
+
 def cli_main(argv: list[str], verb: str = "train-tokenizer") -> int:
     parser = argparse.ArgumentParser(
         prog=f"llmjp-ds {verb}",
@@ -353,6 +369,7 @@ def cli_main(argv: list[str], verb: str = "train-tokenizer") -> int:
                         help="skip training: convert this SentencePiece .model into --output-dir")
     parser.add_argument("--force", action="store_true", help="replace an existing tokenizer in --output-dir")
     args = parser.parse_args(argv)
+    _check_numbers(args)
     if args.from_model:
         source = resolve_model_path(args.from_model)
         target = Path(args.output_dir)

@@ -2,10 +2,117 @@
 
 from __future__ import annotations
 
+import gzip
+import json
+import lzma
+
 from tests.reliability.cases import Case, L, T  # noqa: F401
 
-CASES: list[Case] = []
+
+def _pp(src, out="out_x", *more):
+    """``llmjp-ds preprocess`` of ``src`` into a fresh prefix under {tmp}/data (a failing case leaves nothing there)."""
+    return L("preprocess", "--input", src, "--tokenizer", "{tok}", "--output-prefix", f"{{tmp}}/data/{out}",
+             "--workers", "1", *more)
+
+
+TRUNCATED = "ends before its compressed stream does (truncated"
+REFETCH = "an interrupted download or copy?): re-fetch it"
+
+CASES: list[Case] = [
+    # --- preprocess: compressed inputs read to their true end ---------------------------------------------
+    Case("preprocess-zst-truncated-at-block", _pp("{tmp}/data/cut.jsonl.zst"),
+         ("data/cut.jsonl.zst " + TRUNCATED, REFETCH)),
+    Case("preprocess-gz-truncated", _pp("{tmp}/data/cut.jsonl.gz"), ("data/cut.jsonl.gz " + TRUNCATED, REFETCH)),
+    Case("preprocess-xz-truncated", _pp("{tmp}/data/cut.jsonl.xz", "out_x", "--workers", "2"),
+         ("data/cut.jsonl.xz " + TRUNCATED, REFETCH)),
+    Case("preprocess-compressed-corrupt", _pp("{tmp}/data/corrupt.jsonl.gz"),
+         ("data/corrupt.jsonl.gz: the gzip data is corrupt (", "re-fetch it, or re-compress it from the source")),
+    Case("preprocess-compressed-misnamed", _pp("{tmp}/data/plain.jsonl.zst"),
+         ("plain.jsonl.zst is named as zstd but does not start with a zstd header",)),
+    # --- preprocess: lines and inputs ---------------------------------------------------------------------
+    Case("preprocess-lone-surrogate", _pp("{tmp}/data/surrogate.jsonl"),
+         ("surrogate.jsonl:2: 'text' holds a lone surrogate escape \\ud800 at character 4",
+          "or pass --skip-bad to skip such lines")),
+    Case("preprocess-text-null", _pp("{tmp}/data/null.jsonl"),
+         ("null.jsonl:1: 'text' is a JSON null, not a string", "or pass --skip-bad")),
+    Case("preprocess-text-key-missing", _pp("{tmp}/docs.jsonl", "out_x", "--text-key", "body"),
+         ("docs.jsonl:1: no 'body' key (keys: text); pick the key with --text-key",)),
+    Case("preprocess-empty-input", _pp("{tmp}/data/empty.jsonl"),
+         ("no documents in", "empty.jsonl: nothing to write; check the files and --text-key 'text'")),
+    Case("preprocess-input-is-directory", _pp("{tmp}/data"),
+         ("input", "data is a directory: pass the jsonl files inside it",)),
+    Case("preprocess-input-unreadable", _pp("/proc/self/mem"),
+         ("cannot read input /proc/self/mem (Input/output error)",)),
+    Case("preprocess-workers-zero", _pp("{tmp}/docs.jsonl", "out_x", "--workers", "0"),
+         ("--workers 0: need at least 1",)),
+    Case("preprocess-output-dir-is-a-file", _pp("{tmp}/docs.jsonl", "a_file/out"),
+         ("data/a_file is a file, not a directory; choose another --output-prefix",)),
+    # --- train-tokenizer ----------------------------------------------------------------------------------
+    Case("train-tokenizer-max-sentences-negative",
+         L("train-tokenizer", "--input", "{tmp}/docs.jsonl", "--output-dir", "{tmp}/data/tok_x", "--max-sentences",
+           "-5"), ("--max-sentences -5 is out of range: pass a count of text chunks from 1",)),
+    Case("train-tokenizer-vocab-size-zero",
+         L("train-tokenizer", "--input", "{tmp}/docs.jsonl", "--output-dir", "{tmp}/data/tok_x", "--vocab-size", "0"),
+         ("--vocab-size 0 is out of range", "pass 265 to 2147483647")),
+    # --- plot ---------------------------------------------------------------------------------------------
+    Case("plot-metrics-unreadable", L("plot", "{tmp}/data/run_garbled", "-o", "{tmp}/data/plot_x.png"),
+         ("run_garbled/metrics.jsonl holds no step metrics (3 unreadable lines skipped", "nothing to plot")),
+    Case("plot-no-loss-records", L("plot", "{tmp}/data/run_no_loss", "-o", "{tmp}/data/plot_x.png"),
+         ("run_no_loss/metrics.jsonl holds no loss, lr or throughput to plot",)),
+    Case("plot-output-is-a-directory", L("plot", "{tmp}/data/run_ok", "-o", "{tmp}/data"),
+         ("data: it is a directory; pass a file name with --output",)),
+    # --- hostfiles ----------------------------------------------------------------------------------------
+    Case("hostfile-utf8-bom", L("preflight", "--hostfile", "{tmp}/data/hosts_bom"),
+         ("hosts_bom starts with a UTF-8 byte-order mark, which the deepspeed launcher would keep",
+          "save it as plain UTF-8 (ASCII) text without a BOM")),
+    Case("hostfile-utf16", L("preflight", "--hostfile", "{tmp}/data/hosts_utf16"),
+         ("hosts_utf16 is UTF-16 text",)),
+    Case("hostfile-not-utf8", L("preflight", "--hostfile", "{tmp}/data/hosts_latin1"),
+         ("hosts_latin1:2: byte 0xe9 is not UTF-8",)),
+    Case("hostfile-invisible-character", L("preflight", "--hostfile", "{tmp}/data/hosts_nul"),
+         ("hosts_nul:2: the line holds an invisible character U+0000", "delete it")),
+]
+
+
+def _lines(n: int) -> bytes:
+    return b"".join(json.dumps({"text": f"document {i}: " + " ".join(f"w{(i * 7919 + k) % 10007}" for k in range(60))})
+                    .encode() + b"\n" for i in range(n))
 
 
 def prepare(ctx) -> None:
-    """Write this topic's inputs under ``ctx.tmp``."""
+    """Write this topic's inputs under ``ctx.tmp / "data"``."""
+    import zstandard
+
+    d = ctx.tmp / "data"
+    d.mkdir()
+    data = _lines(3000)  # ~1.5 MB: a zstd frame of many 128 KiB blocks
+    frame = zstandard.ZstdCompressor(level=1).compress(data)
+    # the end of the second block, exactly: what a download cut at a block boundary leaves
+    fhd = frame[4]  # RFC 8878 frame header: magic, descriptor, window byte unless single-segment, dict id, size
+    single = fhd >> 5 & 1
+    pos = 5 + (1 - single) + (0, 1, 2, 4)[fhd & 3] + {0: single, 1: 2, 2: 4, 3: 8}[fhd >> 6]
+    for _ in range(2):  # 3-byte block headers: bits 1-2 the type (1: RLE, one byte), bits 3-23 the size
+        header = int.from_bytes(frame[pos:pos + 3], "little")
+        pos += 3 + (1 if header >> 1 & 3 == 1 else header >> 3)
+    (d / "cut.jsonl.zst").write_bytes(frame[:pos])
+    packed = gzip.compress(data, mtime=0)
+    (d / "cut.jsonl.gz").write_bytes(packed[:len(packed) // 2])
+    xz = lzma.compress(data[:200_000])
+    (d / "cut.jsonl.xz").write_bytes(xz[:-3])
+    corrupt = bytearray(packed)
+    corrupt[len(corrupt) // 2:len(corrupt) // 2 + 64] = bytes(range(64))
+    (d / "corrupt.jsonl.gz").write_bytes(bytes(corrupt))
+    (d / "plain.jsonl.zst").write_bytes(data[:1000])
+    (d / "surrogate.jsonl").write_text('{"text": "fine"}\n{"text": "abc \\ud800 def"}\n')
+    (d / "null.jsonl").write_text('{"text": null}\n')
+    (d / "empty.jsonl").write_bytes(b"")
+    (d / "a_file").write_text("not a directory")
+    for name, text in (("run_garbled", b'{"step": 1, "lo\xff\xfe\n\x00\x00\x00\n\xc3\x28garbage\n'),
+                       ("run_no_loss", b'{"step": 1, "note": "x"}\n{"event": "resume", "step": 1}\n'),
+                       ("run_ok", b'{"step": 1, "loss": 3.0}\n{"step": 2, "loss": 2.0}\n')):
+        (d / name).mkdir()
+        (d / name / "metrics.jsonl").write_bytes(text)
+    (d / "hosts_bom").write_bytes(b"\xef\xbb\xbfnode-a slots=8\nnode-b slots=8\n")
+    (d / "hosts_utf16").write_bytes("node-a slots=8\n".encode("utf-16"))
+    (d / "hosts_latin1").write_bytes("node-a slots=8\nnodé-b slots=8\n".encode("latin-1"))
+    (d / "hosts_nul").write_bytes(b"node-a slots=8\nnode\x00-b slots=8\n")

@@ -39,21 +39,60 @@ class TrainState:
 
 
 class StopRequest:
-    """SIGTERM/SIGINT: finish the current step, save, exit 0. A watchdog ends the process if the save takes
-    longer than the grace time (the checkpoint being written is then simply not named by ``latest``)."""
+    """SIGTERM/SIGINT, or this rank's launcher gone (:mod:`llmjp_ds.parallel.launcher`: the DeepSpeed runner or
+    launch, torchrun's agent): finish the current step, save, exit 0. The first request counts; later signals
+    (a scheduler signals the whole process group, then DeepSpeed's launch forwards SIGTERM again) change
+    nothing. A timer ends the process if the save takes longer than the grace time (the checkpoint being written
+    is then simply not named by ``latest``)."""
 
-    def __init__(self, grace_seconds: float):
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, grace_seconds: float, rank: int = 0, launchers: list = ()):
+        import atexit
+
+        from llmjp_ds.parallel import launcher
+
         self.requested = False
+        self.reason: str | None = None
         self.grace = grace_seconds
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        self.rank = rank
+        self._lock = threading.RLock()  # the signal handler (main thread) and the launcher watcher (its thread)
+        for sig in self.SIGNALS:
             signal.signal(sig, self._handler)
+        atexit.register(self._ignore_signals_at_exit)
+        self.launcher_watch = launcher.watch(list(launchers), self._launcher_gone)
 
     def _handler(self, signum, frame):
-        if not self.requested:
-            self.requested = True
-            timer = threading.Timer(self.grace, lambda: os._exit(143))
-            timer.daemon = True
-            timer.start()
+        self.request(signal.Signals(signum).name)
+
+    def _launcher_gone(self, gone) -> None:
+        import sys
+
+        self.request(f"{gone.describe()} is gone")
+        try:
+            print(f"[llmjp-ds] [rank {self.rank}] {gone.describe()} is gone: stopping as on SIGTERM (a checkpoint at "
+                  "the end of this step, then exit)", file=sys.stderr, flush=True)
+        except (OSError, ValueError):  # the launcher took our terminal or pipe with it
+            pass
+
+    def request(self, reason: str) -> None:
+        """Stop at the next step boundary (``reason``: the signal's name, or which launcher is gone)."""
+        with self._lock:
+            if self.requested:
+                return
+            self.requested, self.reason = True, reason
+        timer = threading.Timer(self.grace, lambda: os._exit(143))
+        timer.daemon = True
+        timer.start()
+
+    def _ignore_signals_at_exit(self) -> None:
+        """At interpreter exit (the run saved and ended): ignore SIGTERM and SIGINT. CPython's finalization,
+        right after the atexit hooks, puts SIG_DFL back for every signal a Python handler holds (it leaves
+        SIG_IGN alone), then tears the modules down, ~1 s with torch and DeepSpeed loaded: a second Ctrl-C or a
+        launcher's forwarded SIGTERM in that second would end the process by the signal after its save."""
+        for sig in self.SIGNALS:
+            if signal.getsignal(sig) == self._handler:
+                signal.signal(sig, signal.SIG_IGN)
 
 
 class Trainer:
@@ -155,7 +194,7 @@ class Trainer:
         if reshaped:
             self.logger.event(self.state.step, "reshape", tag=tag, saved=reshaped.name, now=self.layout.name,
                               gradient_accumulation=self.gas)
-        self.stop = StopRequest(cfg.checkpoint.grace_seconds)
+        self.stop = StopRequest(cfg.checkpoint.grace_seconds, self.ctx.rank, self.ctx.launchers)
         self.throughput = Throughput(flops_per_token_for(self.model_config, self.seq_len), self.tokens_per_step,
                                      self.layout.world)
         self.meta = checkpoint.CheckpointMeta.for_run(cfg, self.model_config, self.layout.data)

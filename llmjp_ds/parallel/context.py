@@ -15,7 +15,7 @@ import os
 import secrets
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,10 +27,17 @@ from llmjp_ds.parallel.layout import Layout
 SHARED_TOKEN = ".llmjp_ds_shared"
 
 
-def init_distributed() -> None:
-    """Start torch.distributed through DeepSpeed (NCCL on CUDA, gloo on CPU); a lone process gets defaults."""
-    import deepspeed
+def init_distributed() -> list:
+    """Start torch.distributed through DeepSpeed (NCCL on CUDA, gloo on CPU); a lone process gets defaults.
 
+    Returns this rank's launchers, to notice them gone (:mod:`llmjp_ds.parallel.launcher`), and turns a
+    rendezvous port in use into one line naming the port, its holder and how to choose another."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from llmjp_ds.parallel import launcher
+
+    launchers = launcher.identify()  # now, while the launcher is surely alive (setup may take minutes)
     if "WORLD_SIZE" not in os.environ and "MASTER_PORT" not in os.environ:
         # a lone process (python -m llmjp_ds.train, llmjp-ds demo): its rendezvous port is private, so take a free
         # one rather than 29500, which another job on a shared machine may hold (EADDRINUSE at startup)
@@ -42,7 +49,19 @@ def init_distributed() -> None:
         os.environ.setdefault(key, default)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    # rank 0 serves the rendezvous store on MASTER_PORT (under torchrun its agent does, and holds the port)
+    serves_store = (os.environ["RANK"] == "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+                    and not dist.is_initialized())  # started already: DeepSpeed returns at once
+    if serves_store and not launcher.check_port_free(port):
+        fail(launcher.port_in_use_message(addr, port))  # before torch logs its own lines about it
+    try:
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    except Exception as exc:
+        if serves_store and launcher.is_address_in_use(exc):  # taken between the check and the store's bind
+            fail(launcher.port_in_use_message(addr, port))
+        raise
+    return launchers
 
 
 @dataclass
@@ -56,15 +75,16 @@ class ParallelContext:
     tp: TensorParallel | None = None  # this rank's tensor-parallel slice (None: no tensor parallelism)
     mpu: object | None = None  # DeepSpeed's grid of the layout, handed to a ZeRO engine under TP
     stage_group: object | None = None  # this pipeline stage's ranks (TP x DP) under TP
+    launchers: list = field(default_factory=list)  # the processes that launched this rank (parallel.launcher)
 
     @classmethod
     def start(cls, layout: Layout, sequence_parallel: bool = False) -> "ParallelContext":
         import torch.distributed as dist
 
-        init_distributed()
+        launchers = init_distributed()
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         ctx = cls(layout=layout, rank=dist.get_rank(), device=device, dp_rank=dist.get_rank(),
-                  dp_size=dist.get_world_size())
+                  dp_size=dist.get_world_size(), launchers=launchers)
         if layout.tensor > 1:
             ctx._tensor_groups(sequence_parallel)
         return ctx

@@ -75,20 +75,61 @@ def end_on_error(exc: BaseException) -> None:
     os._exit(code)
 
 
+# code that runs between the phase beats (after the optimizer: the loss all-reduce, logging, the stop request's
+# all-reduce, a save; barriers), and how the watchdog names it when the rank is found there: (qualified name of
+# the function, of its caller or None for any) -> phase. Read from the main thread's stack when the watchdog
+# fires, so a stall outside the beaten phases is not reported as the last phase beaten.
+SECTIONS = {
+    ("ParallelContext.any_rank", "Trainer._after_step"): "stop check",
+    ("ParallelContext.all_reduce", "EngineRunner.train_step"): "loss all-reduce",
+    ("ParallelContext.all_reduce", "PipelineRunner.train_step"): "loss all-reduce",
+    ("ParallelContext.all_reduce", "EngineRunner.eval_loss"): "evaluation",
+    ("ParallelContext.all_reduce", "PipelineRunner.eval_loss"): "evaluation",
+    ("Trainer.save", None): "checkpoint",
+    ("Trainer.rollback", None): "checkpoint",
+    ("Trainer.evaluate", None): "evaluation",
+    ("Trainer.choose_recipe", None): "evaluation",
+    ("MetricsLogger.log", None): "logging",
+    ("ParallelContext.any_rank", None): "an any-rank check",
+    ("ParallelContext.barrier", None): "a barrier",
+}
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _section_of(frame) -> str | None:
+    """What ``frame``'s stack (innermost first) says the thread is doing, from :data:`SECTIONS`."""
+    names = []
+    while frame is not None:
+        code = frame.f_code
+        if os.path.abspath(code.co_filename).startswith(_PACKAGE_DIR) and code.co_filename != __file__:
+            names.append(getattr(code, "co_qualname", code.co_name))
+        frame = frame.f_back
+    for i, name in enumerate(names):
+        caller = names[i + 1] if i + 1 < len(names) else None
+        for key in ((name, caller), (name, None)):
+            if key in SECTIONS:
+                return SECTIONS[key]
+    return None
+
+
 class Watchdog:
     """Ends this rank when the step it marks makes no progress for ``timeout_s`` seconds.
 
-    The trainer and the step runners call :meth:`beat` at every phase boundary (forward, backward, optimizer,
-    evaluation, checkpoint); :meth:`arm` starts the clock (setup is not watched: loading a checkpoint of a large
-    model takes longer than a step)."""
+    The trainer and the step runners call :meth:`beat` at every phase boundary (data, forward, backward,
+    optimizer, evaluation, checkpoint) with the loop's step index (0-based); :meth:`arm` starts the clock (setup
+    is not watched: loading a checkpoint of a large model takes longer than a step). Its message names the step
+    as the log does (1-based: the log's ``step N`` line ends step index N-1), and the phase from the main
+    thread's stack where that is more precise than the last beat (:data:`SECTIONS`): a rank stalled in the stop
+    request's all-reduce after ``step N`` was logged is "in step N (stop check)", not in step N's optimizer."""
 
     def __init__(self, timeout_s: float, rank: int):
         self.timeout_s = timeout_s
         self.rank = rank
-        self.step: int | None = None
+        self.step: int | None = None  # the loop's step index (0-based) of the last beat that named one
         self.phase = "setup"
         self.last = time.monotonic()
         self.armed = False
+        self._main = threading.main_thread()
         self._thread = threading.Thread(target=self._watch, name="llmjp-ds-watchdog", daemon=True)
 
     def arm(self) -> None:
@@ -106,14 +147,24 @@ class Watchdog:
     def stalled_for(self) -> float:
         return time.monotonic() - self.last if self.armed else 0.0
 
+    def where(self) -> str:
+        """'step N (phase)' in the log's numbering: what the main thread is doing now."""
+        phase = self.phase
+        try:
+            frame = sys._current_frames().get(self._main.ident)
+            phase = _section_of(frame) or phase
+        except Exception:  # the stack is only a refinement
+            pass
+        return f"{'before step 1' if self.step is None else f'in step {self.step + 1}'} ({phase})"
+
     def _watch(self) -> None:
         interval = max(0.2, min(5.0, self.timeout_s / 10))
         while True:
             time.sleep(interval)
             stalled = self.stalled_for()
             if stalled > self.timeout_s:
-                print(f"error: [rank {self.rank}] no progress for {stalled:.0f} s in step {self.step} "
-                      f"({self.phase}): a rank stopped answering (hung GPU, dead node, SIGSTOP), or this phase "
-                      f"takes longer than parallel.stall_timeout_s={self.timeout_s:g}; ending the job",
+                print(f"error: [rank {self.rank}] no progress for {stalled:.0f} s {self.where()}: a rank stopped "
+                      f"answering (hung GPU, dead node, SIGSTOP), or this phase takes longer than "
+                      f"parallel.stall_timeout_s={self.timeout_s:g}; ending the job",
                       file=sys.stderr, flush=True)
                 os._exit(3)

@@ -7,6 +7,7 @@ torchrun as users launch them."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import time
@@ -69,7 +70,10 @@ def test_one_rank_failing_after_init_ends_every_rank_with_one_line(bundled, tmp_
 @pytest.mark.timeout(300)
 def test_a_stopped_rank_ends_the_job_after_the_stall_timeout(bundled, tmp_path):
     """SIGSTOP one rank mid-run (a hung GPU, as seen by its peers): the other rank's watchdog ends it with the
-    step and phase it was waiting in, and the launcher ends the stopped one."""
+    step and phase it was waiting in, and the launcher ends the stopped one. The rank may be stopped anywhere in
+    a step, so the named step and phase are checked against the log lines, not a fixed point (the watchdog
+    once named the step index, 0-based, and the last beaten phase while rank 0 waited in the stop request's
+    all-reduce after the optimizer: "step 2 (optimizer)" after the line `step 3/400`)."""
     timeout = 8
     proc = Proc(torchrun(2, tmp_path / "run", "train.steps=400", "checkpoint.interval=0",
                          f"parallel.stall_timeout_s={timeout}"))
@@ -86,9 +90,21 @@ def test_a_stopped_rank_ends_the_job_after_the_stall_timeout(bundled, tmp_path):
     assert took < timeout + ENDS_WITHIN, f"the job took {took:.0f} s to end after the stop"
     stalls = [line for line in proc.output().splitlines() if "no progress for" in line]
     assert stalls and stalls[0].startswith("error: [rank 0] no progress for"), proc.output()[-3000:]
-    step = max(int(line.split()[1].split("/")[0]) for line in proc.lines if line.startswith("step "))
-    assert f"in step {step} (" in stalls[0] or f"in step {step + 1} (" in stalls[0], stalls
-    assert any(f"({phase})" in stalls[0] for phase in ("data", "forward", "backward", "optimizer")), stalls
+    # what rank 0 was waiting in, in the log's numbering, must agree with the progress lines it printed (it
+    # prints `step N/400` after step N's optimizer and loss all-reduce, before the stop request's all-reduce):
+    # still in step N after its line (the stop check, a save), or in step N+1 before its line
+    logged = max(int(line.split()[1].split("/")[0]) for line in proc.lines if line.startswith("step "))
+    match = re.search(r"no progress for \d+ s in step (\d+) \(([^)]*)\)", stalls[0])
+    assert match, stalls
+    step, phase = int(match.group(1)), match.group(2)
+    if phase in AFTER_THE_LOG_LINE:
+        assert step == logged, (logged, stalls)
+    else:
+        assert phase in BEFORE_THE_LOG_LINE and step == logged + 1, (logged, stalls)
+
+
+AFTER_THE_LOG_LINE = {"stop check", "checkpoint"}
+BEFORE_THE_LOG_LINE = {"data", "forward", "backward", "optimizer", "loss all-reduce", "logging"}
 
 
 def _worker_pid(launcher: int, rank: int) -> int:
@@ -185,3 +201,34 @@ def test_a_zero2_checkpoint_on_another_layout_is_refused_in_one_line(bundled, tm
                              "works with ZeRO-1 on both sides only: relaunch on PP1 x DP2"), lines
     assert not any(marker in result.stdout + result.stderr for marker in DEEPSPEED_STARTED)
     assert sorted(p.name for p in (run_dir / "checkpoints" / "step00000002").iterdir()) == before
+
+
+@pytest.mark.timeout(60)
+def test_the_watchdog_names_the_stop_check_after_the_log_line_in_the_logs_numbering(monkeypatch):
+    """In process, no rank stopped: the loop's step index 2 (the log's `step 3/N`) beat its optimizer phase, then
+    the trainer's after-step code logged and entered the stop request's all-reduce, where a stalled peer would
+    keep it. The watchdog, asked there, names step 3 and the stop check (it said "step 2 (optimizer)")."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    from llmjp_ds.parallel.context import ParallelContext
+    from llmjp_ds.parallel.failure import Watchdog
+    from llmjp_ds.trainer import Trainer
+
+    watchdog = Watchdog(60, rank=0)
+    watchdog.beat("data", 2)
+    watchdog.beat("optimizer")
+    seen = []
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, *a, **k: seen.append(watchdog.where()))
+    ctx = ParallelContext.__new__(ParallelContext)
+    ctx.rank, ctx.device = 0, torch.device("cpu")
+    cfg = SimpleNamespace(train=SimpleNamespace(eval_interval=0, steps=10),
+                          logging=SimpleNamespace(interval=1, progress=False),
+                          checkpoint=SimpleNamespace(interval=0))
+    trainer = SimpleNamespace(cfg=cfg, state=SimpleNamespace(step=3), ctx=ctx, stop=SimpleNamespace(requested=False),
+                              logger=SimpleNamespace(log=lambda step, metrics: None), watchdog=watchdog)
+    assert Trainer._after_step(trainer, {"loss": 1.0}) is False
+    assert seen == ["in step 3 (stop check)"], seen
+    assert Watchdog(60, rank=0).where() == "before step 1 (setup)"

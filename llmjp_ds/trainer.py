@@ -6,8 +6,9 @@ It holds the pieces and calls them; none of them knows it exists:
   the divergence guard, FP8's loss penalty, ``recipe: auto``);
 * the parallel wiring (:mod:`llmjp_ds.parallel`): the process groups, the model or pipeline on this rank, the
   DeepSpeed engine and a step runner that hides which engine it is;
-* the data (:mod:`llmjp_ds.data`, batches by :mod:`llmjp_ds.batching`), checkpoints (:mod:`llmjp_ds.checkpoint`)
-  and metrics (:mod:`llmjp_ds.metrics`).
+* the data (:mod:`llmjp_ds.data`, batches by :mod:`llmjp_ds.batching`), checkpoints (:mod:`llmjp_ds.checkpoint`:
+  the run directory's lock, saves with a manifest, a resume from the newest intact tag) and metrics
+  (:mod:`llmjp_ds.metrics`).
 
 ``Trainer(cfg)`` validates (no process group yet); :meth:`Trainer.build_engine` starts the process group and
 builds the engine (all ``llmjp-ds bench`` needs); :meth:`Trainer.setup` does that and adds data, resume (on the
@@ -20,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -162,14 +164,20 @@ class Trainer:
         from llmjp_ds.model.flops import flops_per_token_for
 
         cfg = self.cfg
-        # a run directory we cannot write, a `latest` that names no complete checkpoint, or a checkpoint of another
-        # model shape or LM head fail here, before any process group exists (not in DeepSpeed's load)
-        checkpoint.check_writable(self.run_dir)
-        checkpoint.check_resume(self.run_dir, self.model_config.to_dict(), cfg.precision.fp8_lm_head, self.layout,
-                                cfg.parallel.zero_stage)
+        # a `latest` that names no complete checkpoint, or a checkpoint of another model shape, LM head, dtype,
+        # sequence length or ZeRO stage fail here, before any process group exists (not in DeepSpeed's load); a run
+        # directory we cannot write failed in validate_run
+        checkpoint.check_resume(self.run_dir, self.model_config.to_dict(), cfg, self.layout)
         data = resolve_data(cfg, self.model_config)
+        # one owner per run directory, before anything is written there: rank 0 takes the lock, the other ranks
+        # refuse a directory that another job holds
+        self.lock = checkpoint.RunDirLock(self.run_dir)
+        if int(os.environ.get("RANK", "0")) == 0:
+            self.lock.acquire()
+        else:
+            self.lock.check_peer()
         self.start()
-        self.ctx.check_shared_dir(self.run_dir)  # before anything is written there
+        self.ctx.check_shared_dir(self.run_dir)  # before anything else is written there
         if self.ctx.rank == 0:
             data.install_tokenizer(self.run_dir)
         self.build_engine()
@@ -178,7 +186,7 @@ class Trainer:
         self.train_ds, self.valid_ds = data.build(self.seq_len, *sample_counts(cfg), barrier=self.ctx.barrier)
         client: dict = {}
         reshaped = None
-        tag = checkpoint.latest_tag(self.run_dir)
+        tag, damaged = checkpoint.choose_intact(self.run_dir, self.ctx)
         if tag:
             saved = checkpoint.saved_layout(self.run_dir, tag, checkpoint.read_marker(self.run_dir, tag))
             if saved != self.layout:
@@ -189,6 +197,11 @@ class Trainer:
                                     run_name=cfg.logging.run_name, run_id=client.get("wandb_run_id"),
                                     config=cfg.to_dict(), resume_step=self.state.step if tag else None,
                                     rank=self.ctx.rank)
+        for bad, reason in damaged:
+            self.logger.event(self.state.step, "checkpoint_fallback", damaged=bad, reason=reason, tag=tag)
+            if self.ctx.rank == 0:
+                print(f"warning: checkpoint {bad} is damaged ({reason}): set aside as {bad}.damaged; resuming from "
+                      f"{tag}", file=sys.stderr, flush=True)
         if tag:
             self.logger.event(self.state.step, "resume", tag=tag)
         if reshaped:
@@ -312,10 +325,12 @@ class Trainer:
             return {k: v for k, v in state.items() if k.endswith("_extra_state")}
 
         if self.ctx.rank == 0:
-            convert(checkpoint.checkpoint_dir(self.run_dir) / tag, n, extra_states, saved)
+            convert(checkpoint.checkpoint_dir(self.run_dir) / tag, n, extra_states, saved,
+                    checkpoint.load_checkpoint_file)
         self.ctx.barrier()
-        with checkpoint.trusted_te_extra_state():  # TE's pickled FP8 state of this run's own checkpoint
-            load_converted(self.engine, checkpoint.checkpoint_dir(self.run_dir) / tag / CONVERTED, n, self.ctx.tp)
+        with checkpoint.trusted_te_extra_state():  # TE unpickles FP8 state that the safe reader vetted
+            load_converted(self.engine, checkpoint.checkpoint_dir(self.run_dir) / tag / CONVERTED, n,
+                           checkpoint.load_checkpoint_file, self.ctx.tp)
         self.precision.weights_changed()
         client = checkpoint.read_client_state(self.run_dir, tag)
         self.state = TrainState(**client["train_state"])

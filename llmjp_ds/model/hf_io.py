@@ -33,6 +33,43 @@ def read_hf_config(path: Path):
     return LlamaConfig.from_pretrained(str(path))
 
 
+def expected_hf_shapes(config) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor of an HF Llama checkpoint of ``config`` (a pure function of the config)."""
+    h, v, i = config.hidden_size, config.vocab_size, config.intermediate_size
+    d = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    for n in range(config.num_hidden_layers):
+        p = f"model.layers.{n}."
+        out.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                    p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                    p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                    p + "mlp.down_proj.weight": (h, i)})
+    return out
+
+
+def check_hf_shapes(path: Path, config) -> None:
+    """Every safetensors tensor of the HF checkpoint in ``path`` has the shape its ``config.json`` implies (read
+    from the files' headers: no tensor is loaded)."""
+    from safetensors import SafetensorError, safe_open
+
+    expected = expected_hf_shapes(config)
+    files = sorted(set(json.loads((path / SAFE_INDEX).read_text())["weight_map"].values())) if (
+        path / SAFE_INDEX).is_file() else ["model.safetensors"] if (path / "model.safetensors").is_file() else []
+    for name in files:
+        try:
+            with safe_open(str(path / name), framework="pt") as f:
+                for key in f.keys():
+                    shape = tuple(f.get_slice(key).get_shape())
+                    if key in expected and shape != expected[key]:
+                        fail(f"{path / name}: {key} has shape {list(shape)}, but config.json implies "
+                             f"{list(expected[key])}: the checkpoint does not belong to this config.json")
+        except (SafetensorError, OSError) as exc:
+            fail(f"{path / name} is not a readable safetensors file ({str(exc).splitlines()[0][:160]}): the download "
+                 "is incomplete or the file is damaged")
+
+
 def read_hf_tensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -55,6 +92,7 @@ def load_hf_checkpoint(cls, path: Path, backend=None, dtype=None, **model_kwargs
     if not path.is_dir():
         fail(f"model directory {path} does not exist")
     config = read_hf_config(path)
+    check_hf_shapes(path, config)
     ours = from_hf_state_dict(read_hf_tensors(path), config)
     dtype = dtype or ours["model.embed_tokens.weight"].dtype
     model = cls(config, backend=backend, params_dtype=dtype, **model_kwargs)
@@ -81,15 +119,16 @@ def hf_config_for_export(config, dtype: torch.dtype):
 
 
 def save_hf_checkpoint(model, path: Path, dtype=None, max_shard_size: int = 5 * 2**30, force: bool = True,
-                       tokenizer_dir: Path | None = None) -> None:
+                       tokenizer_dir: Path | None = None, extra_files: dict[str, bytes] | None = None) -> None:
     """Write ``model`` as an HF checkpoint; the directory appears complete or not at all."""
     state = to_hf_state_dict({k: v.detach() for k, v in model.state_dict().items()}, model.config)
     write_hf_checkpoint(state, model.config, path, dtype=dtype, max_shard_size=max_shard_size, force=force,
-                        tokenizer_dir=tokenizer_dir)
+                        tokenizer_dir=tokenizer_dir, extra_files=extra_files)
 
 
 def write_hf_checkpoint(hf_state: dict[str, torch.Tensor], config, path: Path, dtype=None,
-                        max_shard_size: int = 5 * 2**30, force: bool = True, tokenizer_dir: Path | None = None):
+                        max_shard_size: int = 5 * 2**30, force: bool = True, tokenizer_dir: Path | None = None,
+                        extra_files: dict[str, bytes] | None = None):
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
     from transformers import GenerationConfig
@@ -111,3 +150,5 @@ def write_hf_checkpoint(hf_state: dict[str, torch.Tensor], config, path: Path, d
             from transformers import AutoTokenizer
 
             AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(tmp))
+        for name, data in (extra_files or {}).items():
+            (tmp / name).write_bytes(data)

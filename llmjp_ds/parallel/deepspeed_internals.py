@@ -27,6 +27,12 @@ read from DeepSpeed 0.19.8's ``runtime/zero/stage_1_and_2.py``, ``runtime/bf16_o
   ``fp32_groups_flat_partition``), its base ``optimizer.state``, and ``_lazy_init_hp_params_optimizer_state`` with
   ``_hp_optimizer_states_linked``, which link each parameter to its slice of the Adam moments (what
   ``deepspeed.utils.safe_set_full_optimizer_state`` writes through).
+
+**Checkpoint file I/O** (:func:`route_checkpoint_io`), read from DeepSpeed 0.19.8's ``runtime/engine.py``,
+``runtime/pipe/module.py`` and ``runtime/state_dict_factory.py``: the engine writes and reads every file of a
+checkpoint (model states, ZeRO optimizer shards, pipeline layer files) through ``engine.checkpoint_engine``'s
+``save(state_dict, path)`` and ``load(path, map_location)``; ``TorchCheckpointEngine.load`` calls
+``torch.load(weights_only=False)``. The readers of the ZeRO-1 format below take the loader as an argument.
 """
 
 from __future__ import annotations
@@ -109,34 +115,43 @@ def zero_checkpoint_ranks(tag_dir) -> list[tuple[int, int]]:
     return [(int(m.group(1)), int(m.group(2))) for m in found if m]
 
 
-def _optim_state(path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+def route_checkpoint_io(engine, load, save) -> None:
+    """Make ``engine`` read every checkpoint file with ``load(path, map_location)`` and write it with
+    ``save(state, path)``."""
+    io = engine.checkpoint_engine
+    io.load = lambda path, map_location=None: load(path, map_location=map_location or "cpu")
+    io.save = lambda state_dict, path: save(state_dict, path)
 
 
-def zero_checkpoint_step(tag_dir) -> torch.Tensor:
-    """The optimizer step of a ZeRO-1 checkpoint (AdamW's ``step``, the same in every group and rank)."""
+def _optim_state(path, load) -> dict:
+    return load(path)["optimizer_state_dict"]
+
+
+def zero_checkpoint_step(tag_dir, load) -> torch.Tensor:
+    """The optimizer step of a ZeRO-1 checkpoint (AdamW's ``step``, the same in every group and rank), its files
+    read with ``load(path)``."""
     path = next(Path(tag_dir).glob("*zero_pp_rank_0_mp_rank_00_optim_states.pt"))
-    return _optim_state(path)["base_optimizer_state"]["state"][0]["step"]
+    return _optim_state(path, load)["base_optimizer_state"]["state"][0]["step"]
 
 
-def zero_checkpoint_params(tag_dir, stages: int, data: int, tensor: int = 1):
+def zero_checkpoint_params(tag_dir, stages: int, data: int, tensor: int, load):
     """Yield ``(name, [{"fp32", "exp_avg", "exp_avg_sq"} tensors of each TP rank])`` of every parameter of a
     ZeRO-1 checkpoint written by ``stages`` x ``data`` x ``tensor`` ranks (names as the writing engine's module
-    called them). DeepSpeed names a rank's files by its model-parallel rank, ``stage * tensor + tp_rank``."""
+    called them), its files read with ``load(path)``. DeepSpeed names a rank's files by its model-parallel
+    rank, ``stage * tensor + tp_rank``."""
     tag_dir = Path(tag_dir)
     for pp in range(stages):
-        per_tp = [_rank_params(tag_dir, pp * tensor + t, data) for t in range(tensor)]
+        per_tp = [_rank_params(tag_dir, pp * tensor + t, data, load) for t in range(tensor)]
         for name in per_tp[0]:
             yield name, [ranks[name] for ranks in per_tp]
 
 
-def _rank_params(tag_dir: Path, mp: int, data: int) -> dict[str, dict[str, torch.Tensor]]:
+def _rank_params(tag_dir: Path, mp: int, data: int, load) -> dict[str, dict[str, torch.Tensor]]:
     """One model-parallel rank's parameters, their slices gathered from the ``data`` ZeRO-1 partitions."""
-    shapes = torch.load(tag_dir / f"mp_rank_{mp:02d}_model_states.pt", map_location="cpu",
-                        weights_only=False)["param_shapes"]
+    shapes = load(tag_dir / f"mp_rank_{mp:02d}_model_states.pt")["param_shapes"]
     parts: dict[str, dict[str, list]] = {}
     for dp in range(data):
-        osd = _optim_state(next(tag_dir.glob(f"*zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt")))
+        osd = _optim_state(next(tag_dir.glob(f"*zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt")), load)
         for g, mapping in enumerate(osd["param_slice_mappings"]):
             adam = osd["base_optimizer_state"]["state"][g]
             flat = {"fp32": osd["single_partition_of_fp32_groups"][g], "exp_avg": adam["exp_avg"],

@@ -48,10 +48,10 @@ def _ours(name: str, pipeline: bool, num_layers: int) -> str:
     return pipeline_name_to_ours(int(index), num_layers, rest)
 
 
-def convert(tag_dir, num_layers: int, read_extra_states, saved: Layout) -> Path:
+def convert(tag_dir, num_layers: int, read_extra_states, saved: Layout, load) -> Path:
     """Write ``<tag>/layout-free/`` from the checkpoint in ``tag_dir`` (once: a finished conversion is kept),
     written on the layout ``saved``; ``read_extra_states()`` returns its modules' ``_extra_state`` entries under
-    our names."""
+    our names; ``load(path)`` reads a checkpoint file (the safe reader)."""
     from llmjp_ds.model.hf_adapter import tp_merge
 
     tag_dir = Path(tag_dir)
@@ -60,10 +60,10 @@ def convert(tag_dir, num_layers: int, read_extra_states, saved: Layout) -> Path:
         return out
     stages, data, tensor = saved.pipeline, saved.data, saved.tensor
     pipeline = stages > 1
-    for name, shards in zero_checkpoint_params(tag_dir, stages, data, tensor):
+    for name, shards in zero_checkpoint_params(tag_dir, stages, data, tensor, load):
         ours = _ours(name, pipeline, num_layers)
         _save(out / f"{ours}.pt", {key: tp_merge(ours, [s[key] for s in shards]) for key in shards[0]})
-    _save(out / "_extra_state.pt", {"step": zero_checkpoint_step(tag_dir), "extra": read_extra_states()})
+    _save(out / "_extra_state.pt", {"step": zero_checkpoint_step(tag_dir, load), "extra": read_extra_states()})
     write_bytes_atomic(out / DONE, f"{stages} {data} {tensor}\n".encode())
     return out
 
@@ -74,20 +74,21 @@ def _save(path: Path, obj) -> None:
     write_bytes_atomic(path, buffer.getvalue())
 
 
-def load_converted(engine, converted: Path, num_layers: int, tp=None) -> None:
+def load_converted(engine, converted: Path, num_layers: int, load, tp=None) -> None:
     """Set this rank's engine (weights, fp32 master weights, Adam moments and step, FP8 state) from a
-    conversion; ``tp``: this rank's tensor-parallel slice, whose shard of each parameter it takes."""
+    conversion, its files read with ``load(path)``; ``tp``: this rank's tensor-parallel slice, whose shard of
+    each parameter it takes."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     from llmjp_ds.model.hf_adapter import tp_shard
 
     pipeline = hasattr(engine, "grid") and engine.is_pipe_parallel
-    meta = torch.load(converted / "_extra_state.pt", map_location="cpu", weights_only=False)
+    meta = load(converted / "_extra_state.pt")
     seed_optimizer_state(engine.optimizer, meta["step"])
     module = engine.module
     for name, param in module.named_parameters():
         ours = _ours(name, pipeline, num_layers)
-        full = torch.load(converted / f"{ours}.pt", map_location="cpu", weights_only=False)
+        full = load(converted / f"{ours}.pt")
         if tp is not None:
             full = {key: tp_shard(ours, value, tp.rank, tp.size).contiguous() for key, value in full.items()}
         with torch.no_grad():

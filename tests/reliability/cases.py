@@ -19,6 +19,7 @@ class Case:
     expect: tuple  # fragments the error line must contain
     env: dict = field(default_factory=dict)
     trains: bool = False  # a training start: must fail before DeepSpeed/process groups
+    after_start: bool = False  # a training refused only once its process group exists (a checkpoint's content)
 
 
 def sub(text, c) -> str:

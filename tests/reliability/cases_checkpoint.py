@@ -1,11 +1,215 @@
-"""Bad inputs of the catalogue, checkpoints: resume, export, import, run directories."""
+"""Bad inputs of the catalogue, checkpoints: resume, export, import, run directories.
+
+Each case works on a copy of the baseline run (``{tmp}/checkpoint/<name>``: checkpoints step00000029 and
+step00000030, both with a manifest) altered as a careless command, a crash or an attacker would. Planted pickles
+append to ``canary.txt``, a file the harness checksums: a payload that ran changes it. Where a planted file's
+manifest entry is rewritten too (an attacker who can write the file can write the manifest), the safe reader is
+what refuses it; where it is not, the resume passes over the tag as damaged (tests/reliability/test_run_dir.py).
+"""
 
 from __future__ import annotations
 
-from tests.reliability.cases import Case, L, T  # noqa: F401
+import json
+import os
+import shutil
+from pathlib import Path
 
-CASES: list[Case] = []
+from tests.reliability.cases import Case, L, T
+from tests.reliability.conftest import TINY
+
+R = "{tmp}/checkpoint"
+SYSTEM = f"{os.system.__module__}.system"
+MODEL = "mp_rank_00_model_states.pt"
+OPTIM = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+
+
+def resume(name: str, *sets: str):
+    return T(*TINY, "train.steps=32", *sets, run=f"{R}/{name}")
+
+
+CASES: list[Case] = [
+    # --- code planted in a file that resume reads (its manifest entry rewritten to match) --------------------
+    Case("resume-planted-pickle-model-states", resume("planted_model"),
+         (f"{MODEL} holds {SYSTEM}, which loading would have to execute", "weights_only=True"), after_start=True),
+    Case("resume-planted-pickle-optimizer-states", resume("planted_optim"),
+         (f"{OPTIM} holds {SYSTEM}, which loading would have to execute",), after_start=True),
+    Case("resume-planted-pickle-extra-state", resume("planted_extra"),
+         (f"{MODEL} holds {SYSTEM} in ", "_extra_state, which loading would have to execute"), after_start=True),
+    Case("resume-planted-pickle-exec", resume("planted_exec"),
+         (f"{MODEL} holds builtins.exec, which loading would have to execute",), after_start=True),
+    # --- paths that lead out of the run ----------------------------------------------------------------------
+    Case("resume-latest-points-outside", resume("latest_outside"),
+         ("checkpoints/latest names '../../elsewhere/checkpoints/step00000030', which is not a checkpoint tag of",
+          "tags look like step00000100, never a path"), trains=True),
+    Case("resume-tag-is-a-symlink", resume("tag_symlink"),
+         ("step00000030 is a symbolic link (to", "reads only checkpoints inside the run's checkpoints/"),
+         trains=True),
+    Case("resume-file-is-a-symlink", resume("file_symlink"),
+         (f"{MODEL} is a symbolic link (to", "reads only the files inside a checkpoint's own directory"),
+         after_start=True),
+    # --- damage everywhere -------------------------------------------------------------------------------------
+    Case("resume-no-intact-checkpoint", resume("all_damaged"),
+         ("no intact checkpoint in", f"step00000030: {MODEL} is 0 bytes, the manifest says",
+          "step00000029: its marker is not valid", "Restore the files from a copy, or set a new run_dir"),
+         after_start=True),
+    Case("resume-checkpoint-without-manifest", resume("no_manifest"),
+         ("no intact checkpoint in", "it has no manifest (written by an earlier release of llmjp-ds)"),
+         after_start=True),
+    Case("latest-unreadable", resume("latest_binary"), ("checkpoints/latest cannot be read",), trains=True),
+    # --- settings that cannot change on resume -----------------------------------------------------------------
+    Case("resume-with-another-dtype", resume("base", "precision.dtype=bf16"),
+         ('was saved with precision.dtype="fp32" (now "bf16"): resume with the run\'s own settings',),
+         trains=True),
+    Case("resume-with-another-seq-len", resume("base", "data.seq_len=16"),
+         ('was saved with data.seq_len=32 (now 16): resume with the run\'s own settings',), trains=True),
+    Case("resume-with-another-zero-stage", resume("base", "parallel.zero_stage=2"),
+         ("was saved on PP1 x DP1 with ZeRO-1; resuming it on PP1 x DP1 (ZeRO-2) works with ZeRO-1 on both sides "
+          "only", "parallel.zero_stage=1"), trains=True),
+    # --- export ------------------------------------------------------------------------------------------------
+    Case("export-force-onto-its-run", L("export", "--run", f"{R}/base", "--output", f"{R}/base", "--force"),
+         ("--output", "is the run", "that the export reads: choose an --output outside its checkpoints")),
+    Case("export-force-onto-the-run-parent", L("export", "--run", f"{R}/base", "--output", R, "--force"),
+         ("holds the run", "that the export reads")),
+    Case("export-force-onto-a-checkpoint", L("export", "--run", f"{R}/base", "--output",
+                                             f"{R}/base/checkpoints/step00000030", "--force"),
+         ("lies inside the run", "that the export reads")),
+    Case("export-force-onto-another-run", L("export", "--run", f"{R}/base", "--output", f"{R}/planted_model",
+                                            "--force"),
+         ("planted_model is not an earlier export of llmjp-ds (no llmjp_ds_export.json, and it holds a run)",
+          "--force replaces only earlier exports")),
+    Case("export-force-onto-a-plain-directory", L("export", "--run", f"{R}/base", "--output", f"{R}/precious",
+                                                  "--force"),
+         ("precious is not an earlier export of llmjp-ds (no llmjp_ds_export.json)",)),
+    Case("export-tag-outside-the-run", L("export", "--run", f"{R}/base", "--tag",
+                                         "../../latest_outside/checkpoints/step00000030", "--output", f"{R}/hf_new"),
+         ("--tag names '../../latest_outside/checkpoints/step00000030', which is not a checkpoint tag of",)),
+    Case("export-tag-is-a-symlink", L("export", "--run", f"{R}/tag_symlink", "--tag", "step00000030",
+                                      "--output", f"{R}/hf_new"),
+         ("step00000030 is a symbolic link (to",)),
+    Case("export-damaged-tag", L("export", "--run", f"{R}/all_damaged", "--tag", "step00000030", "--output",
+                                 f"{R}/hf_new"),
+         ("checkpoint step00000030 of", f"is damaged ({MODEL} is 0 bytes, the manifest says",
+          "export another tag, e.g. --tag step00000029")),
+    Case("export-planted-extra-state", L("export", "--run", f"{R}/planted_extra", "--output", f"{R}/hf_new"),
+         (f"{MODEL} holds {SYSTEM} in ",)),
+    Case("export-marker-model-config-null", L("export", "--run", f"{R}/marker_null", "--tag", "step00000030",
+                                              "--output", f"{R}/hf_new"),
+         ("llmjp_ds.json is not a valid checkpoint marker (model_config must be an object with positive integer",)),
+    Case("export-corrupt-tokenizer", L("export", "--run", f"{R}/bad_tokenizer", "--output", f"{R}/hf_new"),
+         ("the run's tokenizer", "cannot be loaded", "restore it from the tokenizer the run was trained with")),
+    # --- import ------------------------------------------------------------------------------------------------
+    Case("import-hf-wrong-shape-tensor", L("import-hf", "--model", f"{R}/hf_wrong_shape", "--run", f"{R}/imported"),
+         ("model.layers.0.mlp.down_proj.weight has shape [64, 96], but config.json implies [64, 128]",)),
+    Case("import-hf-truncated-safetensors", L("import-hf", "--model", f"{R}/hf_truncated", "--run",
+                                              f"{R}/imported"),
+         ("model.safetensors is not a readable safetensors file", "the download is incomplete")),
+    Case("import-hf-over-a-run-with-checkpoints", L("import-hf", "--model", f"{R}/hf_good", "--run", f"{R}/base",
+                                                    "--force"),
+         ("holds a run with checkpoints: import-hf starts a new run; choose another --run",)),
+]
+
+
+# --- making the inputs ------------------------------------------------------------------------------------------
+
+class Payload:
+    """Pickles as a call that appends to ``canary`` (creating it) when unpickled: os.system, or exec of Python
+    source (any callable an untrusted file names could do anything else instead)."""
+
+    def __init__(self, canary: Path, how: str):
+        self.canary, self.how = str(canary), how
+
+    def __reduce__(self):
+        if self.how == "system":
+            return os.system, (f"echo ran >> '{self.canary}'",)
+        return exec, (f"open({self.canary!r}, 'a').write('ran')",)
+
+
+def remanifest(tag_dir: Path, name: str) -> None:
+    """Rewrite the manifest entry of ``name`` to match the file (what an attacker who plants it would do)."""
+    from llmjp_ds.checkpoint.manifest import digest
+
+    marker = tag_dir / "llmjp_ds.json"
+    data = json.loads(marker.read_text())
+    data["files"][name] = digest(tag_dir / name)
+    marker.write_text(json.dumps(data))
+
+
+def _plant(run: Path, name: str, canary: Path, how: str, edit) -> None:
+    import pickle
+
+    import torch
+
+    for tag in ("step00000029", "step00000030"):  # both: the resume must refuse, not fall back
+        path = run / "checkpoints" / tag / name
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        payload = Payload(canary, how)
+        if edit == "extra":
+            key = next(k for k in state["module"] if k.endswith("_extra_state"))
+            state["module"][key] = torch.frombuffer(bytearray(pickle.dumps({"recipe": payload})), dtype=torch.uint8)
+        else:
+            state[edit] = payload
+        torch.save(state, path)
+        remanifest(path.parent, name)
+
+
+def _copy(ctx, name: str) -> Path:
+    dst = ctx.tmp / "checkpoint" / name
+    shutil.copytree(ctx.run, dst, ignore=shutil.ignore_patterns(".llmjp_ds.lock"))
+    return dst
+
+
+def _hf_dirs(root: Path) -> None:
+    """A small HF Llama (transformers' own save_pretrained), one with a wrong-shape tensor, one truncated."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=1000, max_position_embeddings=64)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(root / "hf_good")
+    for name in ("hf_wrong_shape", "hf_truncated"):
+        shutil.copytree(root / "hf_good", root / name)
+    tensors = load_file(root / "hf_wrong_shape" / "model.safetensors")
+    tensors["model.layers.0.mlp.down_proj.weight"] = tensors["model.layers.0.mlp.down_proj.weight"][:, :96].clone()
+    save_file(tensors, root / "hf_wrong_shape" / "model.safetensors", metadata={"format": "pt"})
+    data = (root / "hf_truncated" / "model.safetensors").read_bytes()
+    (root / "hf_truncated" / "model.safetensors").write_bytes(data[: len(data) // 2])
 
 
 def prepare(ctx) -> None:
-    """Write this topic's inputs under ``ctx.tmp``."""
+    """Write this topic's inputs under ``ctx.tmp / "checkpoint"``."""
+    root = ctx.tmp / "checkpoint"
+    root.mkdir()
+    canary = root / "canary.txt"
+    canary.write_text("untouched\n")
+    _copy(ctx, "base")
+    for name, file, how, edit in (("planted_model", MODEL, "system", "train_state"),
+                                  ("planted_optim", OPTIM, "system", "optimizer_state_dict"),
+                                  ("planted_extra", MODEL, "system", "extra"),
+                                  ("planted_exec", MODEL, "exec", "train_state")):
+        _plant(_copy(ctx, name), file, canary, how, edit)
+    (_copy(ctx, "latest_outside") / "checkpoints" / "latest").write_text("../../elsewhere/checkpoints/step00000030")
+    (_copy(ctx, "latest_binary") / "checkpoints" / "latest").write_bytes(b"\xff\xfe\x00step")
+    tag_link = _copy(ctx, "tag_symlink") / "checkpoints" / "step00000030"
+    shutil.move(tag_link, root / "outside_tag")
+    tag_link.symlink_to(root / "outside_tag")
+    file_link = _copy(ctx, "file_symlink") / "checkpoints" / "step00000030" / MODEL
+    shutil.copy(file_link, root / "outside_model_states.pt")
+    file_link.unlink()
+    file_link.symlink_to(root / "outside_model_states.pt")
+    damaged = _copy(ctx, "all_damaged") / "checkpoints"
+    (damaged / "step00000030" / MODEL).write_bytes(b"")
+    (damaged / "step00000029" / "llmjp_ds.json").write_text('{"model_config": null}')
+    no_manifest = _copy(ctx, "no_manifest")
+    for tag in ("step00000029", "step00000030"):
+        marker = no_manifest / "checkpoints" / tag / "llmjp_ds.json"
+        data = json.loads(marker.read_text())
+        data.pop("files")
+        marker.write_text(json.dumps(data))
+    marker = _copy(ctx, "marker_null") / "checkpoints" / "step00000030" / "llmjp_ds.json"
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "model_config": None}))
+    (_copy(ctx, "bad_tokenizer") / "tokenizer" / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    (root / "precious").mkdir()
+    (root / "precious" / "thesis.txt").write_text("years of work")
+    _hf_dirs(root)

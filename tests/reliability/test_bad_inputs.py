@@ -167,7 +167,8 @@ CASES = [
          ("was saved from another model shape (hidden_size 64 saved, 128 now): resume with the run's own model "
           "settings, or set a new run_dir",), trains=True),
     Case("resume-with-another-lm-head", T(*TINY, "precision.fp8_lm_head=true", run="{run}"),
-         ("was saved with precision.fp8_lm_head=false: resume with the same setting, or set a new run_dir",),
+         ("was saved with precision.fp8_lm_head=false (now true): resume with the run's own settings, or set a new "
+          "run_dir",),
          trains=True),
     Case("run-dir-is-a-file", T(SMALL, run="{tmp}/a_file"), ("is a file, not a directory; choose another run_dir",),
          trains=True),
@@ -283,6 +284,11 @@ def ctx(bundled, baseline, tmp_path_factory):
     return Ctx(tmp_path_factory.mktemp("bad"), bundled[1], baseline[0])
 
 
+# what every training start rewrites in its run directory, holding no data: the shared-directory token
+# (parallel/context.py) and the owner's record in the lock file (checkpoint/lock.py)
+BOOKKEEPING = (".llmjp_ds_shared", ".llmjp_ds.lock")
+
+
 def _files(*roots) -> dict[str, str]:
     """sha256 of every file under ``roots``: existing data must come out of a failed command unchanged."""
     import hashlib
@@ -290,7 +296,7 @@ def _files(*roots) -> dict[str, str]:
     out = {}
     for root in map(Path, roots):
         for p in [root] if root.is_file() else root.rglob("*") if root.is_dir() else []:
-            if p.is_file():
+            if p.is_file() and p.name not in BOOKKEEPING:
                 out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
     return out
 
@@ -327,13 +333,16 @@ def test_catalogue_of_bad_inputs(ctx, tmp_path):
         result = run([sys.executable, *argv], env=subprocess_env(**case.env), timeout=120)
         took = times[case.id] = time.monotonic() - t0
         try:
-            messages[case.id] = check_one_line_error(result, case.expect, took,
-                                                     case.trains or "llmjp_ds.train" in argv)
+            messages[case.id] = check_one_line_error(result, case.expect, took, not case.after_start and (
+                case.trains or "llmjp_ds.train" in argv))
         except AssertionError as exc:
             failures.append(f"{case.id}: {exc}")
 
     # a GPU machine with TE runs FP8: there the sm89 check is what fails (unit-tested in tests/precision)
     cases = [c for c in ALL_CASES if not (c.id == "fp8-without-te" and cuda)]
+    only = os.environ.get("LLMJP_DS_TEST_CASES")  # a comma-separated subset of ids (to work on some cases)
+    if only:
+        cases = [c for c in cases if c.id in only.split(",")]
     # two at a time: each case is mostly interpreter start-up and imports, single-threaded
     with concurrent.futures.ThreadPoolExecutor(WORKERS) as pool:
         list(pool.map(one, cases))
@@ -347,7 +356,7 @@ def test_catalogue_of_bad_inputs(ctx, tmp_path):
     assert not changed, f"existing files changed or removed: {changed}"
     assert not (ctx.tmp / "run-new").exists() and not (ctx.tmp / "imported").exists() and \
         not (ctx.tmp / "hf").exists() and not list(ctx.tmp.glob("new_text_document*"))
-    assert len(ALL_CASES) >= 100
+    assert len(ALL_CASES) >= 100 or only
 
 
 def test_every_case_has_a_row_in_docs():

@@ -198,7 +198,8 @@ def test_a_zero2_checkpoint_on_another_layout_is_refused_in_one_line(bundled, tm
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
     assert lines[0].endswith("step00000002 was saved on PP1 x DP2 with ZeRO-2; resuming it on PP1 x DP1 (ZeRO-2) "
-                             "works with ZeRO-1 on both sides only: relaunch on PP1 x DP2"), lines
+                             "works with ZeRO-1 on both sides only: relaunch on PP1 x DP2 with "
+                             "parallel.zero_stage=2"), lines
     assert not any(marker in result.stdout + result.stderr for marker in DEEPSPEED_STARTED)
     assert sorted(p.name for p in (run_dir / "checkpoints" / "step00000002").iterdir()) == before
 

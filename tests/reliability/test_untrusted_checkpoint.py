@@ -1,4 +1,4 @@
-"""Reading a checkpoint executes no pickled code (``llmjp_ds.safe_load``).
+"""Reading a checkpoint executes no pickled code (``llmjp_ds.checkpoint.safe_load``).
 
 A checkpoint directory from elsewhere (a collaborator's bucket, a downloaded run) is planted with a file whose
 unpickling creates a marker file: each test first shows that a plain ``torch.load(weights_only=False)`` of it
@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.reliability.cases_checkpoint import Payload, remanifest
 from tests.reliability.conftest import TINY, check_ok, latest_of, run, run_train, subprocess_env, train_argv
 
 STEPS = ["train.steps=2"]
@@ -29,25 +30,15 @@ FP8_FLIP = [("precision.phases=[{precision: bf16}, {precision: fp8, start_step: 
 SYSTEM = f"{os.system.__module__}.system"  # how pickle names os.system: posix.system here
 
 
-class Payload:
-    """Pickles as a call that creates ``marker`` when unpickled: os.system, or exec of Python source (any
-    callable an untrusted file names could do anything else instead)."""
-
-    def __init__(self, marker: Path, how: str):
-        self.marker, self.how = str(marker), how
-
-    def __reduce__(self):
-        if self.how == "system":
-            return os.system, (f"touch {shlex.quote(self.marker)}",)
-        return exec, (f"open({self.marker!r}, 'w').close()",)
-
-
-def plant(path: Path, marker: Path, how: str, edit) -> None:
-    """Rewrite the real checkpoint file ``path`` with a payload put in by ``edit(state, payload)``, and show
-    that the file is live: a plain ``torch.load`` runs the payload."""
+def plant(path: Path, marker: Path, how: str, edit, manifest: bool = True) -> None:
+    """Rewrite the real checkpoint file ``path`` with a payload put in by ``edit(state, payload)``, its manifest
+    entry with it (an attacker who can write the file can write the manifest: the checksum does not stop them,
+    the safe reader must), and show that the file is live: a plain ``torch.load`` runs the payload."""
     state = torch.load(path, map_location="cpu", weights_only=False)  # our own run's file
     edit(state, Payload(marker, how))
     torch.save(state, path)
+    if manifest:
+        remanifest(path.parent, path.name)
     assert not marker.exists()
     torch.load(path, map_location="cpu", weights_only=False)
     assert marker.exists(), "the planted file does not run its payload: this test would prove nothing"
@@ -74,13 +65,19 @@ def copy_run(run_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
     return copy, copy / "checkpoints" / latest_of(copy)
 
 
-def train_two_processes(run_dir: Path, *sets: str) -> None:
+def two_processes(run_dir: Path, *sets: str):
+    """(argv, env) of a 2-rank torchrun training."""
     from tests.train.conftest import free_port
 
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
             *train_argv(run_dir, [*TINY, *STEPS, *sets])[1:]]  # ... -m llmjp_ds.train --set ...
     ext = os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "llmjp-ds" / "torch_extensions"))
-    check_ok(run(argv, env=subprocess_env(TORCH_EXTENSIONS_DIR=ext), timeout=300))
+    return argv, subprocess_env(TORCH_EXTENSIONS_DIR=ext)
+
+
+def train_two_processes(run_dir: Path, *sets: str) -> None:
+    argv, env = two_processes(run_dir, *sets)
+    check_ok(run(argv, env=env, timeout=300))
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +108,7 @@ def zero3_run(bundled, tmp_path_factory) -> Path:
 @pytest.mark.parametrize("fmt", ["zip", "zip-protocol-4", "legacy"])
 def test_the_loader_refuses_a_payload_in_any_file_format(fmt, tmp_path):
     from llmjp_ds.errors import UserError
-    from llmjp_ds.safe_load import load_untrusted
+    from llmjp_ds.checkpoint.safe_load import load_untrusted
 
     marker, path = tmp_path / "ran", tmp_path / "model_states.pt"
     kwargs = {"zip": {}, "zip-protocol-4": {"pickle_protocol": 4},
@@ -178,6 +175,42 @@ def test_export_vets_every_zero3_file_before_deepspeed_reads_it(zero3_run, tmp_p
     export_is_refused(run_dir, planted, SYSTEM, marker, tmp_path)
 
 
+# --- resume of a planted checkpoint: the files DeepSpeed's engine and the reshape read -----------------------
+# (the 1-process model and optimizer states, and TE's extra state in them, are cases of the bad-input catalogue)
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_resume_refuses_a_planted_pipeline_layer_file(pipeline_run, tmp_path):
+    """DeepSpeed's pipeline engine reads each stage's layer files through its checkpoint engine: ours."""
+    run_dir, tag_dir = copy_run(pipeline_run, tmp_path)
+    planted, marker = tag_dir / "layer_02-model_states.pt", tmp_path / "ran-pp-resume"
+    plant(planted, marker, "system", lambda state, payload: state.__setitem__("self_attention.proj._extra_state",
+                                                                             payload))
+    argv, env = two_processes(run_dir, "parallel.zero_stage=1", "parallel.pipeline_stages=2", "train.steps=4")
+    result = run(argv, env=env, timeout=300)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: [rank")]
+    assert result.returncode != 0 and len(errors) == 1, result.stderr[-3000:]
+    assert f"{planted} holds {SYSTEM}, which loading would have to execute" in errors[0], errors
+    assert not marker.exists(), "resuming ran the planted payload"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_resume_refuses_a_planted_layout_free_file(pipeline_run, tmp_path):
+    """A resume on another layout converts the checkpoint once into ``<tag>/layout-free/`` and reads it back on
+    later resumes: a file planted there is refused as well."""
+    run_dir, tag_dir = copy_run(pipeline_run, tmp_path)
+    sets = [*TINY, "train.steps=3", "checkpoint.interval=0", "checkpoint.save_at_end=false"]
+    check_ok(run_train(run_dir, sets))  # PP2 -> one process: converts, resumes, saves nothing
+    planted, marker = tag_dir / "layout-free" / "_extra_state.pt", tmp_path / "ran-reshape"
+    plant(planted, marker, "exec", lambda state, payload: state.__setitem__("step", payload), manifest=False)
+    result = run_train(run_dir, sets)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode != 0 and len(lines) == 1, result.stderr[-3000:]
+    assert lines[0].startswith(f"error: {planted} holds builtins.exec, which loading would have to execute"), lines
+    assert not marker.exists(), "resuming ran the planted payload"
+
+
 # --- untouched checkpoints -----------------------------------------------------------------------------
 
 @pytest.mark.slow
@@ -187,7 +220,7 @@ def test_untouched_checkpoints_read_through_the_safe_loader(single_run, pipeline
     weights_only=False reads come only after every file of the tag was read safely. Every file of every tag
     (optimizer states too: the DeepSpeed types of the allowlist) passes the vetting."""
     from llmjp_ds.checkpoint import read_marker, read_model_state
-    from llmjp_ds.safe_load import vet_files
+    from llmjp_ds.checkpoint.safe_load import vet_files
 
     loads = []
     real_load = torch.load

@@ -1,4 +1,4 @@
-"""Reading checkpoint files that may come from elsewhere: unpickling them executes no code.
+"""Reading checkpoint files: unpickling them executes no code, whether they come from elsewhere or from the run.
 
 ``torch.load(weights_only=False)`` runs whatever callable a pickle names, so a checkpoint directory from a
 collaborator's bucket or a downloaded run could run code on the machine that reads it (Transformer Engine's
@@ -9,11 +9,18 @@ line naming the file and the object, before any of it is unpickled.
 
 :func:`vet_files` checks every file of a checkpoint tag the same way, for loaders we do not own (DeepSpeed's
 ``zero_to_fp32`` reads with ``weights_only=False``): vet the tag first, so nothing unsafe reaches them.
+
+A run's own directory is no safer than a download (anyone who can write a file there can plant one), so resume
+reads through here too: DeepSpeed's engine is handed :func:`load_checkpoint_file` as its reader. Transformer
+Engine's ``_extra_state`` is a pickle inside a uint8 tensor, unpickled by TE itself when the module loads it;
+:func:`vet_extra_state` first unpickles it with an allowlist of its own (TE's recipe classes, CPU tensors whose
+storages are read with ``weights_only=True``), so what TE then unpickles names nothing else.
 """
 
 from __future__ import annotations
 
 import importlib
+import io
 import pickle
 import re
 import warnings
@@ -104,10 +111,11 @@ def _resolve(name: str):
     return getattr(importlib.import_module(module), attr)
 
 
-def load_untrusted(path, mmap: bool = False) -> object:
-    """``torch.load(path)`` on CPU with ``weights_only=True`` and the allowlist: tensors and plain data only.
-    Anything else is a :class:`UserError` naming the file and the object (nothing of the file is executed).
-    ``mmap``: map tensor storages instead of reading them (zip checkpoints only)."""
+def load_untrusted(path, mmap: bool = False, map_location="cpu") -> object:
+    """``torch.load(path)`` with ``weights_only=True`` and the allowlist: tensors and plain data only (on CPU
+    unless ``map_location`` says otherwise). Anything else is a :class:`UserError` naming the file and the object
+    (nothing of the file is executed). ``mmap``: map tensor storages instead of reading them (zip checkpoints
+    only)."""
     path = Path(path)
     names = _check(path)
     # import only what the file needs (DeepSpeed's import prints to stderr); a legacy-format file gets none
@@ -116,7 +124,7 @@ def load_untrusted(path, mmap: bool = False) -> object:
         with torch.serialization.safe_globals(allow), warnings.catch_warnings():
             # torch's note on a pickle protocol > 2 (DeepSpeed writes 2): such a file fails below, in one line
             warnings.filterwarnings("ignore", "Detected pickle protocol")
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and names is not None)
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap and names is not None)
     except pickle.UnpicklingError as exc:
         text = str(exc)
         found = _GLOBAL.search(text)
@@ -138,3 +146,76 @@ def vet_files(directory, pattern: str = "*.pt") -> list[Path]:
     for f in files:
         load_untrusted(f, mmap=True)
     return files
+
+
+# --- Transformer Engine's pickled extra state ----------------------------------------------------------------
+
+# TE 2.x pickles {recipe, scale/amax tensors, plain values} with pickle.dumps: a recipe is a dataclass or enum
+# of this module, and a CPU tensor pickles as _rebuild_tensor_v2 over a storage that torch.storage._load_from_bytes
+# reads with torch.load (read here with weights_only=True instead)
+TE_RECIPE_MODULE = "transformer_engine.common.recipe"
+EXTRA_STATE_GLOBALS = {("torch._utils", "_rebuild_tensor_v2"), ("collections", "OrderedDict"),
+                       ("torch.storage", "_load_from_bytes")}
+
+
+class _RecipeStandIn:
+    """What a TE recipe class unpickles to while vetting on a machine without TE: accepts any state."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state):
+        pass
+
+
+def _safe_storage(data: bytes):
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+class _ExtraStateUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if (module, name) == ("torch.storage", "_load_from_bytes"):
+            return _safe_storage
+        if (module, name) in EXTRA_STATE_GLOBALS:
+            return super().find_class(module, name)
+        if module == TE_RECIPE_MODULE:
+            try:
+                found = getattr(importlib.import_module(module), name)
+            except ImportError:  # no TE here: nothing will unpickle it for real, the names are what matter
+                return _RecipeStandIn
+            if isinstance(found, type):  # a recipe dataclass or enum, never a function
+                return found
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+def vet_extra_state(path, name: str, value) -> None:
+    """Refuse ``value`` (the ``name`` entry of a state dict read from ``path``) if it is TE's pickled extra state
+    and names anything beyond :data:`EXTRA_STATE_GLOBALS` and TE's recipe classes. Nothing but those runs."""
+    if not (isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.numel()):
+        return
+    try:
+        _ExtraStateUnpickler(io.BytesIO(value.numpy().tobytes())).load()
+    except pickle.UnpicklingError as exc:
+        detail = str(exc)
+        _refuse(Path(path), f"{detail} in {name}" if re.fullmatch(r"[\w.]+", detail) else
+                f"an unreadable pickle in {name} ({detail})")
+    except Exception as exc:  # noqa: BLE001 -- any other failure: a pickle we cannot vet is not loaded
+        _refuse(Path(path), f"an unreadable pickle in {name} ({type(exc).__name__})")
+
+
+def vet_extra_states(path, state) -> None:
+    """:func:`vet_extra_state` on every ``*_extra_state`` entry of ``state`` (nested dicts included)."""
+    if isinstance(state, dict):
+        for key, value in state.items():
+            if isinstance(key, str) and key.endswith("_extra_state"):
+                vet_extra_state(path, key, value)
+            elif isinstance(value, dict):
+                vet_extra_states(path, value)
+
+
+def load_checkpoint_file(path, map_location="cpu") -> object:
+    """DeepSpeed's checkpoint reader, ours: :func:`load_untrusted` plus :func:`vet_extra_states`. A planted file
+    is a :class:`UserError` naming it and what it holds; nothing of it runs."""
+    state = load_untrusted(path, map_location=map_location)
+    vet_extra_states(path, state)
+    return state

@@ -1,0 +1,16 @@
+"""Checkpoints of a run: the store (tags, manifest, ``latest``, prune; ``store.py``), the one owner of a run
+directory (``lock.py``), reading them safely (``safe_load.py``, ``readers.py``) and Hugging Face export / import
+(``hf.py``). The names below are what the trainer, the demo and the CLI use."""
+
+from llmjp_ds.checkpoint.hf import cli_main, export, import_hf
+from llmjp_ds.checkpoint.lock import RunDirLock
+from llmjp_ds.checkpoint.readers import load, read_client_state, read_model_state, trusted_te_extra_state
+from llmjp_ds.checkpoint.safe_load import load_checkpoint_file
+from llmjp_ds.checkpoint.store import (LATEST, MARKER, CheckpointMeta, check_resume, checkpoint_dir,
+                                       choose_intact, complete_tags, discard_after, latest_tag, prune, read_marker,
+                                       remove_tag, save, saved_layout, tag_for)
+
+__all__ = ["LATEST", "MARKER", "CheckpointMeta", "RunDirLock", "check_resume", "checkpoint_dir", "choose_intact",
+           "cli_main", "complete_tags", "discard_after", "export", "import_hf", "latest_tag", "load",
+           "load_checkpoint_file", "prune", "read_client_state", "read_marker", "read_model_state", "remove_tag",
+           "save", "saved_layout", "tag_for", "trusted_te_extra_state"]

@@ -1,0 +1,95 @@
+"""Reading checkpoints: into DeepSpeed's engine (resume, rollback), and without it (export, reshape).
+
+Every file goes through one reader, :func:`llmjp_ds.checkpoint.safe_load.load_checkpoint_file`
+(``weights_only=True``, an allowlist, TE's pickled extra state vetted), DeepSpeed's own reads included: the engine
+is handed that reader before it loads. A tag is read only if it lies inside the run's ``checkpoints/`` and none
+of its files is a symbolic link (:func:`~llmjp_ds.checkpoint.store.vet_tag`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import torch
+
+from llmjp_ds.checkpoint.safe_load import load_checkpoint_file, vet_files
+from llmjp_ds.checkpoint.store import CheckpointMeta, checkpoint_dir, vet_tag
+from llmjp_ds.errors import fail
+
+
+@contextlib.contextmanager
+def trusted_te_extra_state():
+    """TE >= 2.18 refuses pickled extra state unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1. Our reader has
+    vetted every ``_extra_state`` pickle before TE sees it (safe_load.vet_extra_state), so TE may unpickle
+    while a checkpoint loads through it; never otherwise."""
+    key = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
+    previous = os.environ.get(key)
+    os.environ[key] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = previous
+
+
+def load(engine, run_dir, tag: str) -> dict:
+    """Load checkpoint ``tag`` into ``engine`` (weights, optimizer, FP8 state); returns the trainer's state."""
+    from llmjp_ds.checkpoint.manifest import save_hashed
+    from llmjp_ds.parallel.deepspeed_internals import route_checkpoint_io
+
+    vet_tag(run_dir, tag)
+    route_checkpoint_io(engine, load_checkpoint_file, save_hashed)
+    with trusted_te_extra_state():
+        path, client_state = engine.load_checkpoint(str(checkpoint_dir(run_dir)), tag=tag,
+                                                    load_optimizer_states=True, load_lr_scheduler_states=False)
+    if path is None:
+        fail(f"DeepSpeed could not load checkpoint {tag!r} from {checkpoint_dir(run_dir)}")
+    return client_state or {}
+
+
+def read_client_state(run_dir, tag: str) -> dict:
+    """The trainer's own state saved with checkpoint ``tag`` (train state, precision, guard, wandb id), read
+    without an engine (a resume on another layout)."""
+    state = load_checkpoint_file(vet_tag(run_dir, tag) / "mp_rank_00_model_states.pt")
+    return {k: state[k] for k in ("train_state", "precision", "guard", "penalty", "wandb_run_id", "rng")
+            if k in state}
+
+
+def read_model_state(run_dir, tag: str, marker: CheckpointMeta) -> dict[str, torch.Tensor]:
+    """The model's full state dict (our names) from a ZeRO-0..3 or pipeline checkpoint, on CPU. Every file is
+    read with weights_only=True, and one that names code is refused before anything of it is unpickled."""
+    from llmjp_ds.model.hf_adapter import pipeline_name_to_ours, tp_merge_state_dicts
+
+    d = vet_tag(run_dir, tag)
+    if marker.pipeline_stages > 1:
+        n = marker.model_config["num_hidden_layers"]
+        shards: list[dict] = [{} for _ in range(marker.tensor_parallel)]
+        for f in sorted(d.glob("layer_*-model_*states.pt")):
+            idx, tp_rank = _pipeline_file_ranks(f.name)
+            for name, tensor in load_checkpoint_file(f).items():
+                shards[tp_rank][pipeline_name_to_ours(idx, n, name)] = tensor
+        return tp_merge_state_dicts(shards)
+    if marker.zero_stage == 3:
+        # DeepSpeed's reader unpickles with weights_only=False: it sees the tag's files only once all are vetted
+        vet_files(d)
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        with contextlib.redirect_stdout(open(os.devnull, "w")):
+            return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir(run_dir)), tag=tag)
+    files = sorted(d.glob("mp_rank_*_model_states.pt"))
+    if len(files) < marker.tensor_parallel or not files:
+        fail(f"{d} has {len(files)} model states files for tensor_parallel={marker.tensor_parallel}: the checkpoint "
+             "is incomplete")
+    return tp_merge_state_dicts([load_checkpoint_file(f)["module"] for f in files[:marker.tensor_parallel]])
+
+
+def _pipeline_file_ranks(name: str) -> tuple[int, int]:
+    """(layer index, TP rank) of DeepSpeed's ``layer_XX-model_states.pt`` / ``layer_XX-model_YY-model_states.pt``."""
+    parts = name.split("-")
+    layer = int(parts[0].split("_")[1])
+    return layer, (int(parts[1].split("_")[1]) if len(parts) == 3 else 0)
+

@@ -1,0 +1,410 @@
+"""The checkpoint store of a run directory: tags, the marker with its manifest, ``latest``, saving, pruning.
+
+Layout of a run directory::
+
+    <run_dir>/.llmjp_ds.lock              held by the one training that owns the directory (checkpoint/lock.py)
+    <run_dir>/config.yaml                 the resolved run config
+    <run_dir>/tokenizer/                  the tokenizer (HF files + tokenizer.model), exported with the model
+    <run_dir>/checkpoints/step00000100/   DeepSpeed's files for that step + llmjp_ds.json (written last)
+    <run_dir>/checkpoints/latest          names the newest complete checkpoint; moved only after a save is done
+    <run_dir>/metrics.jsonl, wandb/
+
+A save writes DeepSpeed's files (each rank hashes and fsyncs what it writes), waits for every rank, then rank 0
+writes the ``llmjp_ds.json`` marker, whose ``files`` manifest gives every file's size and xxh3 checksum, and
+replaces ``latest`` atomically, then deletes checkpoints beyond ``keep_last``. A kill at any moment leaves
+``latest`` naming a complete checkpoint; a resume verifies the tag against its manifest first and falls back to
+the newest tag that verifies (:func:`choose_intact`).
+
+Every path the store touches is resolved inside the run's ``checkpoints/``: a tag is a name of the form
+``stepNNNNNNNN[-rN]`` (never a path), a tag that is a symbolic link is neither read nor followed when deleting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from llmjp_ds.errors import fail
+from llmjp_ds.io_utils import atomic_file
+from llmjp_ds.parallel.layout import Layout
+
+MARKER = "llmjp_ds.json"
+LATEST = "latest"
+DAMAGED = ".damaged"
+_TAG = re.compile(r"^step(\d{8})(?:-r(\d+))?$")
+
+
+def checkpoint_dir(run_dir) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def tag_for(step: int, rollbacks: int = 0) -> str:
+    return f"step{step:08d}" + (f"-r{rollbacks}" if rollbacks else "")
+
+
+def tag_dir(run_dir, tag: str, source: str = "--tag") -> Path:
+    """The directory of checkpoint ``tag`` (as ``source`` names it), refused unless ``tag`` is a tag name (not a
+    path) whose directory lies inside the run's ``checkpoints/`` (a symbolic link out of it is refused too)."""
+    root = checkpoint_dir(run_dir)
+    if not isinstance(tag, str) or not _TAG.match(tag):
+        known = ", ".join(t for _, t in complete_tags(run_dir)[-3:]) or "none (no checkpoint yet)"
+        fail(f"{source} names {tag!r}, which is not a checkpoint tag of {root} (tags look like step00000100, never "
+             f"a path): pass one of {known}")
+    path = root / tag
+    if path.is_symlink() or (path.exists() and path.resolve().parent != root.resolve()):
+        fail(f"{path} is a symbolic link (to {os.path.realpath(path)}): llmjp-ds reads only checkpoints inside the "
+             f"run's checkpoints/; copy the checkpoint there instead")
+    return path
+
+
+def vet_tag(run_dir, tag: str) -> Path:
+    """The directory of ``tag``, refused unless every file under it is a regular file inside it."""
+    d = tag_dir(run_dir, tag)
+    for path in d.rglob("*"):
+        if path.is_symlink():
+            fail(f"{path} is a symbolic link (to {os.path.realpath(path)}): llmjp-ds reads only the files inside "
+                 "a checkpoint's own directory; replace the link by the file")
+    return d
+
+
+def complete_tags(run_dir) -> list[tuple[int, str]]:
+    """(step, tag) of every complete checkpoint (a real directory with a marker), oldest first."""
+    root = checkpoint_dir(run_dir)
+    out = []
+    if root.is_dir():
+        for d in root.iterdir():
+            m = _TAG.match(d.name)
+            if m and not d.is_symlink() and (d / MARKER).is_file():
+                out.append((int(m.group(1)), int(m.group(2) or 0), d.name))
+    return [(step, tag) for step, _, tag in sorted(out)]
+
+
+def _read_latest(run_dir) -> str | None:
+    path = checkpoint_dir(run_dir) / LATEST
+    if not path.is_file():
+        return None
+    try:
+        return path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        fail(f"{path} cannot be read ({exc}): point it at one of {[t for _, t in complete_tags(run_dir)][-3:]}")
+
+
+def latest_tag(run_dir) -> str | None:
+    """The tag ``latest`` names (None without one), refused unless it is a complete checkpoint of this run."""
+    tag = _read_latest(run_dir)
+    if tag is None:
+        return None
+    path = tag_dir(run_dir, tag, source=str(checkpoint_dir(run_dir) / LATEST))
+    if not (path / MARKER).is_file():
+        fail(f"{checkpoint_dir(run_dir) / LATEST} names {tag!r}, which is not a complete checkpoint: the run "
+             f"directory was altered by hand; point latest at one of {[t for _, t in complete_tags(run_dir)][-3:]}")
+    return tag
+
+
+@dataclass
+class CheckpointMeta:
+    """What a checkpoint's marker (``llmjp_ds.json``) records: enough to check a resume and to read the weights
+    back without the run config, and the manifest of its files. Written last: its presence means the
+    checkpoint is complete."""
+
+    model_config: dict
+    zero_stage: int
+    pipeline_stages: int
+    dtype: str
+    seq_len: int
+    fp8_lm_head: bool = False
+    data_parallel: int | None = None  # None in checkpoints of earlier releases (the files tell)
+    tensor_parallel: int = 1
+    step: int | None = None
+    tag: str | None = None
+    files: dict | None = None  # relative path -> {"size", "xxh3"}; None in checkpoints of earlier releases
+
+    @classmethod
+    def for_run(cls, cfg, model_config, data_parallel: int) -> "CheckpointMeta":
+        from llmjp_ds.config import seq_len_of
+
+        return cls(model_config=model_config.to_dict(), zero_stage=cfg.parallel.zero_stage,
+                   pipeline_stages=cfg.parallel.pipeline_stages, dtype=cfg.precision.dtype,
+                   seq_len=seq_len_of(cfg, model_config), fp8_lm_head=cfg.precision.fp8_lm_head,
+                   data_parallel=data_parallel, tensor_parallel=cfg.parallel.tensor_parallel)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CheckpointMeta":
+        """The marker's fields, each checked for its type (a marker is a file anyone could have edited)."""
+        if not isinstance(data, dict):
+            raise ValueError(f"holds a {type(data).__name__}, not an object")
+        known = {f.name for f in fields(cls)}
+        meta = cls(**{k: v for k, v in data.items() if k in known})
+        if not isinstance(meta.model_config, dict) or not all(
+                isinstance(meta.model_config.get(k), int) and not isinstance(meta.model_config.get(k), bool)
+                and meta.model_config.get(k) > 0 for k in SHAPE_KEYS):
+            raise ValueError(f"model_config must be an object with positive integer {', '.join(SHAPE_KEYS)}")
+        for name in ("zero_stage", "pipeline_stages", "seq_len", "tensor_parallel"):
+            value = getattr(meta, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if meta.files is not None and not (isinstance(meta.files, dict) and all(
+                isinstance(k, str) and isinstance(v, dict) and isinstance(v.get("size"), int)
+                and isinstance(v.get("xxh3"), str) for k, v in meta.files.items())):
+            raise ValueError("files must map each file to its size and xxh3")
+        return meta
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def parse_marker(path: Path) -> CheckpointMeta:
+    """The marker at ``path``; ``ValueError`` (with the reason) if it does not parse or its fields are wrong."""
+    try:
+        return CheckpointMeta.from_dict(json.loads(path.read_text()))
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError, AttributeError, OSError) as exc:
+        raise ValueError(str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__) from exc
+
+
+def read_marker(run_dir, tag: str) -> CheckpointMeta:
+    path = tag_dir(run_dir, tag) / MARKER
+    if not path.is_file():
+        known = [t for _, t in complete_tags(run_dir)]
+        fail(f"no complete checkpoint {tag!r} in {checkpoint_dir(run_dir)}: available tags are "
+             f"{', '.join(known[-5:]) or 'none'}")
+    try:
+        return parse_marker(path)
+    except ValueError as exc:
+        fail(f"{path} is not a valid checkpoint marker ({exc}): the checkpoint was damaged or altered by hand; "
+             f"point {LATEST} at another tag")
+
+
+# the fields that fix the weights' shapes: a checkpoint of another shape cannot be loaded into this model
+SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads")
+
+
+def saved_layout(run_dir, tag: str, marker: CheckpointMeta) -> Layout:
+    """The layout of the run that wrote checkpoint ``tag``."""
+    if marker.data_parallel is not None:
+        pipeline, data, tensor = marker.pipeline_stages, marker.data_parallel, marker.tensor_parallel
+    else:
+        from llmjp_ds.parallel.reshape import saved_layout as from_files
+
+        (pipeline, data), tensor = from_files(checkpoint_dir(run_dir) / tag), 1
+    return Layout(world=pipeline * data * tensor, pipeline=pipeline, tensor=tensor)
+
+
+def check_resume(run_dir, model_config: dict, cfg=None, layout=None) -> str | None:
+    """The tag a run will resume from (None for a fresh run), checked before any process group exists:
+    ``latest`` must name a complete checkpoint, saved from a model of the same shape, with the same kind of LM
+    head (an FP8 head carries TE scaling state that a BF16 head has no slot for), dtype and sequence length
+    (the samples of every step are cut by it), and, if it was saved on another layout than ``layout`` or
+    another ZeRO stage, with ZeRO-1 on both sides (``parallel.reshape``)."""
+    latest = latest_tag(run_dir)
+    if latest is None:
+        return None
+    # the newest tag whose marker parses: a damaged one is passed over by choose_intact, after the process group
+    tag, marker = next(((t, m) for t in _candidates(run_dir, latest) if (m := _marker_or_none(run_dir, t))),
+                       (None, None))
+    if marker is None:
+        return latest
+    where = checkpoint_dir(run_dir) / tag
+    saved = marker.model_config
+    diff = [f"{k} {saved.get(k)} saved, {model_config.get(k)} now"
+            for k in SHAPE_KEYS if saved.get(k) != model_config.get(k)]
+    if diff:
+        fail(f"{where} was saved from another model shape ({', '.join(diff)}): resume with the run's own model "
+             f"settings, or set a new run_dir to start afresh")
+    if cfg is None:
+        return tag
+    now = {"precision.fp8_lm_head": cfg.precision.fp8_lm_head, "precision.dtype": cfg.precision.dtype,
+           "data.seq_len": cfg.data.seq_len or model_config.get("max_position_embeddings")}
+    then = {"precision.fp8_lm_head": marker.fp8_lm_head, "precision.dtype": marker.dtype,
+            "data.seq_len": marker.seq_len}
+    changed = [k for k in now if now[k] != then[k]]
+    if changed:
+        fail(f"{where} was saved with " + ", ".join(f"{k}={json.dumps(then[k])}" for k in changed) +
+             f" (now {', '.join(json.dumps(now[k]) for k in changed)}): resume with the run's own settings, or "
+             "set a new run_dir to start afresh")
+    zero = cfg.parallel.zero_stage
+    if layout is not None:
+        before = saved_layout(run_dir, tag, marker)
+        if (before != layout or marker.zero_stage != zero) and (marker.zero_stage != 1 or zero != 1):
+            fail(f"{where} was saved on {before.name} with ZeRO-{marker.zero_stage}; resuming it on {layout.name} "
+                 f"(ZeRO-{zero}) works with ZeRO-1 on both sides only: relaunch on {before.name} with "
+                 f"parallel.zero_stage={marker.zero_stage}")
+    return tag
+
+
+# --- saving ----------------------------------------------------------------------------------------------
+
+def save(engine, run_dir, step: int, client_state: dict, meta: CheckpointMeta, keep_last: int,
+         rollbacks: int = 0) -> str:
+    import torch.distributed as dist
+
+    from llmjp_ds.checkpoint.manifest import digest, save_hashed, tag_files
+    from llmjp_ds.checkpoint.safe_load import load_checkpoint_file
+    from llmjp_ds.parallel.deepspeed_internals import route_checkpoint_io
+
+    root = checkpoint_dir(run_dir)
+    tag = tag_for(step, rollbacks)
+    target = tag_dir(run_dir, tag)
+    # a run resumed behind a complete tag (killed between its marker and `latest`) saves that tag again, in
+    # place: each rank drops the old marker before it rewrites files, so a marker always means complete files
+    if _read_latest(run_dir) != tag:
+        (target / MARKER).unlink(missing_ok=True)
+    written: dict[str, dict] = {}
+    route_checkpoint_io(engine, load_checkpoint_file, lambda state, path: written.update(
+        {Path(path).resolve().relative_to(target.resolve()).as_posix(): save_hashed(state, path)}))
+    try:
+        engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
+    except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError
+        from llmjp_ds.parallel.failure import is_peer_failure
+
+        if is_peer_failure(exc):  # another rank died inside DeepSpeed's save: that rank says why
+            raise
+        _save_failed(run_dir, tag, exc)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, written)
+    if dist.get_rank() == 0:
+        files = {k: v for part in gathered for k, v in part.items()}
+        try:
+            for name in tag_files(target, exclude=(MARKER, *files)):  # what DeepSpeed wrote another way
+                files[name] = digest(target / name)
+            with atomic_file(target / MARKER, "w") as f:
+                json.dump({**meta.to_dict(), "step": step, "tag": tag, "files": dict(sorted(files.items()))}, f,
+                          indent=1)
+            with atomic_file(root / LATEST, "w") as f:
+                f.write(tag)
+        except OSError as exc:
+            _save_failed(run_dir, tag, exc)
+        prune(run_dir, keep_last)
+    dist.barrier()
+    return tag
+
+
+def _save_failed(run_dir, tag: str, exc: BaseException):
+    """A write of the save failed (full disk, quota, I/O error): drop the partial tag, say what ``latest`` still
+    names, stop. Under several ranks the others stop at their next collective (or the process-group timeout)."""
+    root = checkpoint_dir(run_dir)
+    if not (root / tag / MARKER).is_file():
+        remove_tag(run_dir, tag)
+    reason = getattr(exc, "strerror", None) or (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+    if "unexpected pos" in reason:  # torch's zip writer, when the OS refused part of a write
+        reason = "a write was cut short"
+    try:
+        n = shutil.disk_usage(root).free
+        free = f"{n / 2**30:.1f} GiB free" if n >= 2**30 else f"{n / 2**20:.1f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    latest = _read_latest(run_dir)
+    fail(f"saving checkpoint {tag} to {root} failed ({reason}; {free}): is the disk full? Free space or lower "
+         f"checkpoint.keep_last, then resume; {LATEST} still names "
+         + (f"the complete checkpoint {latest}" if latest else "no checkpoint (nothing was saved yet)"))
+
+
+# --- deleting: only inside checkpoints/, never through a link -------------------------------------------
+
+def remove_tag(run_dir, tag: str) -> None:
+    """Delete a checkpoint, its marker first: a kill in the middle leaves an incomplete tag (pruned later), never
+    a marker over missing files. A tag that is a symbolic link loses the link only, never what it points to."""
+    root = checkpoint_dir(run_dir)
+    path = root / tag
+    if not _TAG.match(tag):
+        return
+    if path.is_symlink() or not path.is_dir():
+        path.unlink(missing_ok=True)
+        return
+    if path.resolve().parent != root.resolve():
+        return  # not ours (a bind mount, a moved root): leave it
+    (path / MARKER).unlink(missing_ok=True)
+    shutil.rmtree(path, ignore_errors=True)  # rmtree does not follow links inside the tree
+
+
+def prune(run_dir, keep_last: int) -> None:
+    """Delete complete checkpoints beyond the newest ``keep_last`` and any incomplete ones left by a kill."""
+    root = checkpoint_dir(run_dir)
+    latest = _read_latest(run_dir)
+    keep = {t for _, t in complete_tags(run_dir)[-keep_last:]} | {latest}
+    for d in root.iterdir():
+        if _TAG.match(d.name) and d.name not in keep and (d.is_dir() or d.is_symlink()):
+            remove_tag(run_dir, d.name)
+        elif d.name.startswith(".") and d.name.endswith(".tmp") and d.is_file() and not d.is_symlink():
+            d.unlink(missing_ok=True)  # an atomic_file temp (latest, marker) left by a kill -9
+
+
+def discard_after(run_dir, step: int) -> None:
+    """Delete the checkpoints of an abandoned timeline (steps after ``step``), e.g. after an FP8 rollback, so
+    that pruning by step number and a later rollback only ever see the timeline that continues."""
+    for tag_step, tag in complete_tags(run_dir):
+        if tag_step > step:
+            remove_tag(run_dir, tag)
+
+
+# --- resuming from an intact tag --------------------------------------------------------------------------
+
+def choose_intact(run_dir, ctx) -> tuple[str | None, list[tuple[str, str]]]:
+    """The newest tag (from ``latest`` down) whose files match its manifest, verified by all ranks of ``ctx``
+    together (each reads its share of the files); and the (tag, reason) of each damaged tag passed over,
+    newest first. Rank 0 moves a damaged tag aside (``<tag>.damaged``, kept for inspection) and ``latest`` to
+    the intact one. Fails with one line if a checkpoint exists and none is intact."""
+    import torch.distributed as dist
+
+    latest = latest_tag(run_dir)
+    if latest is None:
+        return None, []
+    damaged = []
+    for tag in _candidates(run_dir, latest):
+        d = vet_tag(run_dir, tag)  # a link out of the tag is tampering, not damage: refused, not passed over
+        try:
+            marker = parse_marker(d / MARKER)
+        except ValueError as exc:  # a marker that does not parse is damage like any other
+            damaged.append((tag, f"its marker is not valid ({exc})"))
+            continue
+        reason = verify_tag(d, marker, ctx.rank, ctx.layout.world)
+        reasons = [None] * ctx.layout.world
+        dist.all_gather_object(reasons, reason)
+        reason = next((r for r in reasons if r), None)
+        if reason is None:
+            if damaged and ctx.rank == 0:
+                _set_aside(run_dir, [t for t, _ in damaged], tag)
+            ctx.barrier()
+            return tag, damaged
+        damaged.append((tag, reason))
+    fail(f"no intact checkpoint in {checkpoint_dir(run_dir)}: " + "; ".join(f"{t}: {r}" for t, r in damaged[:4]) +
+         ". Restore the files from a copy, or set a new run_dir to start afresh")
+
+
+def verify_tag(d: Path, marker: CheckpointMeta, rank: int = 0, world: int = 1) -> str | None:
+    """Why the checkpoint in ``d`` does not match its manifest (sizes of all files; checksums of this rank's
+    share, every ``world``-th file from ``rank``); None if it does."""
+    from llmjp_ds.checkpoint.manifest import check_sizes, verify
+
+    if marker.files is None:
+        return "it has no manifest (written by an earlier release of llmjp-ds)"
+    return check_sizes(d, marker.files) or verify(d, marker.files, sorted(marker.files)[rank::world])
+
+
+def _candidates(run_dir, latest: str) -> list[str]:
+    """``latest``, then the older complete tags, newest first."""
+    return [latest, *(t for s, t in reversed(complete_tags(run_dir)) if t != latest and s <= int(latest[4:12]))]
+
+
+def _marker_or_none(run_dir, tag: str) -> CheckpointMeta | None:
+    try:
+        return parse_marker(tag_dir(run_dir, tag) / MARKER)
+    except ValueError:
+        return None
+
+
+def _set_aside(run_dir, damaged: list[str], intact: str) -> None:
+    root = checkpoint_dir(run_dir)
+    for tag in damaged:
+        aside, n = root / f"{tag}{DAMAGED}", 1
+        while aside.exists():
+            n += 1
+            aside = root / f"{tag}{DAMAGED}-{n}"
+        if (root / tag).is_dir() and not (root / tag).is_symlink():
+            os.replace(root / tag, aside)
+    with atomic_file(root / LATEST, "w") as f:
+        f.write(intact)

@@ -247,6 +247,8 @@ class CheckpointConfig:
     keep_last: int = field(default=3, metadata=at_least(1))
     grace_seconds: float = field(default=600.0, metadata=above(0, "time allowed for the save after SIGTERM"))
     save_at_end: bool = True  # false for throughput experiments that need no final checkpoint
+    # the loop stops only to copy the state into host memory; a thread per rank writes it (checkpoint/async_save.py)
+    async_save: bool = True
 
 
 @dataclass

@@ -132,12 +132,12 @@ def cli_main(argv: list[str], verb: str = "preflight") -> int:
         gas = layout.gradient_accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size)
         line += f"; config OK: {layout.describe(cfg.parallel.zero_stage)}, gradient accumulation {gas}"
         print(line)
-        line = memory_line(cfg, layout, gas, a.gpu_gib)
+        line = memory_line(cfg, layout, gas, a.gpu_gib, ranks_per_node=max(hosts.values()))
     print(line)
     return 0
 
 
-def memory_line(cfg, layout, gas: int, capacity_gib: float) -> str:
+def memory_line(cfg, layout, gas: int, capacity_gib: float, ranks_per_node: int | None = None) -> str:
     """The busiest GPU's memory estimate (``parallel.memory``) for a ZeRO-1 run; a note otherwise."""
     if cfg.parallel.zero_stage != 1:
         return f"no memory estimate for ZeRO-{cfg.parallel.zero_stage} (parallel/memory.py models ZeRO-1)"
@@ -157,4 +157,14 @@ def memory_line(cfg, layout, gas: int, capacity_gib: float) -> str:
                            cfg.train.micro_batch_size, seq_len_of(cfg, model_config), gas,
                            recompute=cfg.model.recompute, tensor=layout.tensor,
                            sequence_parallel=sequence_parallel_of(cfg))
-    return describe(max(stages, key=lambda s: s.total), capacity_gib)
+    busiest = max(stages, key=lambda s: s.total)
+    line = describe(busiest, capacity_gib)
+    if cfg.checkpoint.async_save:
+        from llmjp_ds.parallel.memory import node_snapshot_gib, snapshot_gib
+
+        dtype_bytes = 2 if cfg.precision.dtype == "bf16" else 4
+        per_node = ranks_per_node or layout.world
+        node = node_snapshot_gib(busiest, layout.data, dtype_bytes, per_node)
+        line += (f"\nasync checkpoints (checkpoint.async_save): ~{node:.1f} GiB of pinned host memory on the busiest "
+                 f"node ({per_node} ranks; busiest rank ~{snapshot_gib(busiest, layout.data, dtype_bytes):.1f} GiB)")
+    return line

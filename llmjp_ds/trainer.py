@@ -211,6 +211,13 @@ class Trainer:
         self.throughput = Throughput(flops_per_token_for(self.model_config, self.seq_len), self.tokens_per_step,
                                      self.layout.world)
         self.meta = checkpoint.CheckpointMeta.for_run(cfg, self.model_config, self.layout.data)
+        self.saver = checkpoint.AsyncSaver() if cfg.checkpoint.async_save else None
+        if self.saver is not None:
+            from llmjp_ds.checkpoint.async_save import check_host_memory
+            from llmjp_ds.validate import gpus_per_node_from_env
+
+            check_host_memory(self.engine.module, self.ctx.dp_rank, self.ctx.dp_size, gpus_per_node_from_env() or 1)
+        self.save_metrics: dict = {}  # the last save's stall and write time, for the next step's record
 
     # --- one step -------------------------------------------------------------------------------------------
     def micro_batches(self, dataset, consumed: int):
@@ -289,16 +296,42 @@ class Trainer:
                   flush=True)
 
     # --- checkpoints ----------------------------------------------------------------------------------------
-    def save(self) -> str:
+    def save(self, wait: bool = False) -> str:
+        """Checkpoint the current step. Under ``checkpoint.async_save`` the loop waits only for a save still in
+        flight and for the snapshot, and the files are written in the background (``wait``: commit before
+        returning, as a stop or the end of the run needs). The stall goes to the next step's metrics."""
         import torch
 
         from llmjp_ds import checkpoint
 
+        t0 = time.perf_counter()
         self.watchdog.beat("checkpoint")
-        client = {"train_state": self.state.__dict__, "precision": self.precision.state_dict(),
-                  "guard": self.guard.state_dict(), "penalty": self.penalty.state_dict(), "wandb_run_id": self.logger.run_id, "rng": torch.get_rng_state()}
-        return checkpoint.save(self.engine, self.run_dir, self.state.step, client, self.meta,
-                               self.cfg.checkpoint.keep_last, rollbacks=self.precision.rollbacks)
+        self.commit_save(block=True)
+        waited = time.perf_counter() - t0
+        client = {"train_state": dict(self.state.__dict__), "precision": self.precision.state_dict(),
+                  "guard": self.guard.state_dict(), "penalty": self.penalty.state_dict(),
+                  "wandb_run_id": self.logger.run_id, "rng": torch.get_rng_state()}
+        tag = checkpoint.save(self.engine, self.run_dir, self.state.step, client, self.meta,
+                              self.cfg.checkpoint.keep_last, rollbacks=self.precision.rollbacks, saver=self.saver)
+        self.save_metrics.update(save_stall_s=time.perf_counter() - t0, save_wait_s=waited)
+        if wait:
+            self.commit_save(block=True)
+        return tag
+
+    def commit_save(self, block: bool) -> None:
+        """Commit a background save once every rank's writer is done (``block``: wait for it)."""
+        from llmjp_ds import checkpoint
+
+        saver = self.saver
+        if saver is None or not saver.in_flight:
+            return
+        self.watchdog.beat("checkpoint")
+        tag, gib = saver.tag, saver.snapshot_bytes / 2**30
+        if checkpoint.commit_when_done(saver, self.ctx, self.run_dir, self.meta, self.cfg.checkpoint.keep_last,
+                                       block):
+            self.save_metrics["checkpoint_write_s"] = saver.write_s
+            self.logger.event(self.state.step, "checkpoint_committed", tag=tag, write_s=saver.write_s,
+                              snapshot_gib=gib, write_gib_per_s=gib / max(saver.write_s, 1e-9))
 
     def _load(self, tag: str) -> dict:
         from llmjp_ds import checkpoint
@@ -344,6 +377,7 @@ class Trainer:
 
         # a tag's number counts completed steps: tag N holds the state before step index N ran
         self.watchdog.beat("checkpoint")  # loading the good checkpoint
+        self.commit_save(block=True)  # a background save of the diverging timeline lands first, then is discarded
         first_bad = self.guard.first_bad_step if self.guard.first_bad_step is not None else self.state.step
         good = [(s, t) for s, t in checkpoint.complete_tags(self.run_dir) if s <= first_bad]
         if not good:
@@ -360,7 +394,7 @@ class Trainer:
         if self.ctx.rank == 0:
             print(f"[llmjp-ds] FP8 divergence at step {failed_step} ({reason}): rolled back to {good_tag}, "
                   "continuing in BF16", flush=True)
-        self.save()
+        self.save(wait=True)
         if self.ctx.rank == 0:
             checkpoint.discard_after(self.run_dir, good_step)
         self.ctx.barrier()
@@ -378,9 +412,10 @@ class Trainer:
             if self._loop_step():
                 break
         else:
+            self.commit_save(block=True)
             if self.cfg.checkpoint.save_at_end and checkpoint.latest_tag(self.run_dir) != checkpoint.tag_for(
                     self.state.step, self.precision.rollbacks):
-                self.save()
+                self.save(wait=True)
         self.logger.close()
         self.ctx.barrier()
         return {"step": self.state.step, "loss": self.last_loss, "run_dir": str(self.run_dir),
@@ -412,7 +447,8 @@ class Trainer:
         self._count_skipped(step, applied)
         self.last_loss = lm_loss
         metrics = {"loss": lm_loss, "z_loss": z_loss, "lr": lr, "grad_norm": self.runner.grad_norm(),
-                   "step_time_s": step_time, **self._step_metrics(phase, step_time)}
+                   "step_time_s": step_time, **self._step_metrics(phase, step_time), **self.save_metrics}
+        self.save_metrics = {}
         return self._after_step(metrics)
 
     def _count_skipped(self, step: int, applied: bool) -> None:
@@ -424,7 +460,7 @@ class Trainer:
         self.logger.event(step, "skipped_step", reason="non-finite loss or gradients",
                           in_a_row=self.state.skipped_in_a_row)
         if self.state.skipped_in_a_row >= self.cfg.train.max_nonfinite_steps:
-            self.save()
+            self.save(wait=True)
             fail(f"{self.state.skipped_in_a_row} consecutive steps had non-finite loss or gradients (last: step "
                  f"{step}); a checkpoint was saved. Lower optim.lr or check the data, then resume")
 
@@ -454,7 +490,9 @@ class Trainer:
                 print(format_log_line(step, cfg.train.steps, metrics), flush=True)
         stopping = self.ctx.any_rank(self.stop.requested)
         if stopping or (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0):
-            self.save()
+            self.save(wait=stopping)
+        else:
+            self.commit_save(block=False)
         if stopping:
             self.logger.event(step, "preempted", tag=checkpoint.tag_for(step, self.precision.rollbacks))
         return stopping

@@ -240,3 +240,21 @@ def test_the_tp2_slice_estimate_against_run_q():
     assert round(old, 1) == 68.0 and old > 1.10 * (RUN_Q_MAX_ALLOCATED_GIB + CONTEXT_GIB)
     # DeepSpeed's report after building BF16_Optimizer: MA 30.48 (GiB) = 10 B per parameter, no bf16 gradients
     assert round(10 * stage.params / GIB, 1) == 30.4
+
+
+def test_async_checkpoint_snapshots_per_rank_and_per_node():
+    """The 172B preset (TP4 x PP16 x DP8, 8 ranks per node): a node holds one TP group of two data ranks of a
+    stage; data rank 0's four TP ranks write the model states (bf16 weights, 2 bytes a parameter) and all eight
+    write their ZeRO-1 shard (12 bytes over DP)."""
+    from llmjp_ds.parallel.memory import node_snapshot_gib, snapshot_gib
+
+    stage = busiest(layout(16, "selective", 4))
+    writer = (2 * stage.params + 12 * stage.params / 8) / GIB
+    other = 12 * stage.params / 8 / GIB
+    assert snapshot_gib(stage, 8, 2) == pytest.approx(writer)
+    assert snapshot_gib(stage, 8, 2, writes_model_states=False) == pytest.approx(other)
+    assert node_snapshot_gib(stage, 8, 2, 8) == pytest.approx(4 * writer + 4 * other)
+    assert round(snapshot_gib(stage, 8, 2), 1) == 9.7 and round(node_snapshot_gib(stage, 8, 2, 8), 1) == 55.2
+    # one process (the 1.8B on one GPU, fp32 run alike): the whole checkpoint, weights and optimizer
+    (one,) = layout_memory(resolve_shape("llmjp3-1.8b", {}), [24], 1, 2, 4096, 8, "none", 1)
+    assert node_snapshot_gib(one, 1, 2, 1) == pytest.approx(14 * one.params / GIB)

@@ -2,6 +2,7 @@
 directory (``lock.py``), reading them safely (``safe_load.py``, ``readers.py``) and Hugging Face export / import
 (``hf.py``). The names below are what the trainer, the demo and the CLI use."""
 
+from llmjp_ds.checkpoint.async_save import AsyncSaver, commit_when_done
 from llmjp_ds.checkpoint.hf import cli_main, export, import_hf
 from llmjp_ds.checkpoint.lock import RunDirLock
 from llmjp_ds.checkpoint.readers import load, read_client_state, read_model_state, trusted_te_extra_state
@@ -10,7 +11,7 @@ from llmjp_ds.checkpoint.store import (LATEST, MARKER, CheckpointMeta, check_res
                                        choose_intact, complete_tags, discard_after, latest_tag, prune, read_marker,
                                        remove_tag, save, saved_layout, tag_for)
 
-__all__ = ["LATEST", "MARKER", "CheckpointMeta", "RunDirLock", "check_resume", "checkpoint_dir", "choose_intact",
+__all__ = ["LATEST", "MARKER", "AsyncSaver", "CheckpointMeta", "commit_when_done", "RunDirLock", "check_resume", "checkpoint_dir", "choose_intact",
            "cli_main", "complete_tags", "discard_after", "export", "import_hf", "latest_tag", "load",
            "load_checkpoint_file", "prune", "read_client_state", "read_marker", "read_model_state", "remove_tag",
            "save", "saved_layout", "tag_for", "trusted_te_extra_state"]

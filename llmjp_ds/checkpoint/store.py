@@ -239,10 +239,11 @@ def check_resume(run_dir, model_config: dict, cfg=None, layout=None) -> str | No
 # --- saving ----------------------------------------------------------------------------------------------
 
 def save(engine, run_dir, step: int, client_state: dict, meta: CheckpointMeta, keep_last: int,
-         rollbacks: int = 0) -> str:
-    import torch.distributed as dist
-
-    from llmjp_ds.checkpoint.manifest import digest, save_hashed, tag_files
+         rollbacks: int = 0, saver=None) -> str:
+    """Save checkpoint ``step``: DeepSpeed's files, then (:func:`commit`) the marker and ``latest``. With an
+    :class:`~llmjp_ds.checkpoint.async_save.AsyncSaver` the files are only snapshotted here and written in the
+    background; the caller commits once every rank's writer is done."""
+    from llmjp_ds.checkpoint.manifest import save_hashed
     from llmjp_ds.checkpoint.safe_load import load_checkpoint_file
     from llmjp_ds.parallel.deepspeed_internals import route_checkpoint_io
 
@@ -254,8 +255,13 @@ def save(engine, run_dir, step: int, client_state: dict, meta: CheckpointMeta, k
     if _read_latest(run_dir) != tag:
         (target / MARKER).unlink(missing_ok=True)
     written: dict[str, dict] = {}
-    route_checkpoint_io(engine, load_checkpoint_file, lambda state, path: written.update(
-        {Path(path).resolve().relative_to(target.resolve()).as_posix(): save_hashed(state, path)}))
+    if saver is not None:
+        saver.begin(tag, step, target)
+        write = saver.add
+    else:
+        def write(state, path):
+            written[Path(path).resolve().relative_to(target.resolve()).as_posix()] = save_hashed(state, path)
+    route_checkpoint_io(engine, load_checkpoint_file, write)
     try:
         engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
     except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError
@@ -263,7 +269,22 @@ def save(engine, run_dir, step: int, client_state: dict, meta: CheckpointMeta, k
 
         if is_peer_failure(exc):  # another rank died inside DeepSpeed's save: that rank says why
             raise
-        _save_failed(run_dir, tag, exc)
+        report_failed_save(run_dir, tag, exc)
+    if saver is not None:
+        saver.start()
+        return tag
+    commit(run_dir, tag, step, meta, written, keep_last)
+    return tag
+
+
+def commit(run_dir, tag: str, step: int, meta: CheckpointMeta, written: dict, keep_last: int) -> None:
+    """Every rank: its files of ``tag`` are complete, ``written`` their manifest entries. Rank 0 writes the
+    marker with the whole manifest, then ``latest``, then prunes; all ranks leave together."""
+    import torch.distributed as dist
+
+    from llmjp_ds.checkpoint.manifest import digest, tag_files
+
+    root, target = checkpoint_dir(run_dir), checkpoint_dir(run_dir) / tag
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, written)
     if dist.get_rank() == 0:
@@ -277,15 +298,15 @@ def save(engine, run_dir, step: int, client_state: dict, meta: CheckpointMeta, k
             with atomic_file(root / LATEST, "w") as f:
                 f.write(tag)
         except OSError as exc:
-            _save_failed(run_dir, tag, exc)
+            report_failed_save(run_dir, tag, exc)
         prune(run_dir, keep_last)
     dist.barrier()
-    return tag
 
 
-def _save_failed(run_dir, tag: str, exc: BaseException):
+def report_failed_save(run_dir, tag: str, exc: BaseException, path=None):
     """A write of the save failed (full disk, quota, I/O error): drop the partial tag, say what ``latest`` still
-    names, stop. Under several ranks the others stop at their next collective (or the process-group timeout)."""
+    names (and the file, for a background write), stop. Under several ranks the others stop at their next
+    collective (or the process-group timeout)."""
     root = checkpoint_dir(run_dir)
     if not (root / tag / MARKER).is_file():
         remove_tag(run_dir, tag)
@@ -298,7 +319,8 @@ def _save_failed(run_dir, tag: str, exc: BaseException):
     except OSError:
         free = "free space unknown"
     latest = _read_latest(run_dir)
-    fail(f"saving checkpoint {tag} to {root} failed ({reason}; {free}): is the disk full? Free space or lower "
+    what = f"writing {path} in the background" if path else f"saving checkpoint {tag} to {root}"
+    fail(f"{what} failed ({reason}; {free}): is the disk full? Free space or lower "
          f"checkpoint.keep_last, then resume; {LATEST} still names "
          + (f"the complete checkpoint {latest}" if latest else "no checkpoint (nothing was saved yet)"))
 

@@ -153,3 +153,21 @@ def describe(stage: StageMemory, capacity_gib: float | None = None) -> str:
     fits = "" if capacity_gib is None else (
         f"; fits {capacity_gib:.1f} GiB" if stage.total <= capacity_gib else f"; does NOT fit {capacity_gib:.1f} GiB")
     return f"busiest GPU: stage {stage.stage} ({stage.layers} layers{shard}), ~{stage.total:.1f} GiB = {parts}{fits}"
+
+
+def snapshot_gib(stage: StageMemory, data: int, dtype_bytes: int, writes_model_states: bool = True) -> float:
+    """Host memory of one GPU's checkpoint snapshot (``checkpoint.async_save``): its weights in the run's dtype
+    if it writes the model states (DeepSpeed: data-parallel rank 0 of each stage and TP rank), and its ZeRO-1
+    shard of fp32 master weights and Adam moments (12 / DP bytes per parameter)."""
+    weights = dtype_bytes * stage.params if writes_model_states else 0
+    return (weights + SHARDED_BYTES * stage.params / data) / GIB
+
+
+def node_snapshot_gib(stage: StageMemory, data: int, dtype_bytes: int, ranks_per_node: int) -> float:
+    """Host memory of the checkpoint snapshots of the node that holds the most: its ranks are consecutive (TP
+    innermost, then data), so it holds ``ranks_per_node / tensor`` data ranks of a stage, and the TP group of
+    data rank 0 (the model-state writers) of each stage it touches."""
+    t = stage.tensor
+    writers = t * max(1, ranks_per_node // (t * data))
+    return writers * snapshot_gib(stage, data, dtype_bytes) + (ranks_per_node - writers) * snapshot_gib(
+        stage, data, dtype_bytes, writes_model_states=False)

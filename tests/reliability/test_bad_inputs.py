@@ -440,8 +440,9 @@ def test_full_disk_during_a_save(baseline, tmp_path):
                                            resource.setrlimit(resource.RLIMIT_FSIZE, (one_ckpt // 2,) * 2)))
     try:
         t0 = time.monotonic()
+        # the synchronous save (a background write's failure: test_multi_rank_failures.py, both modes)
         result = subprocess.run([*train_argv(run_dir, [*TINY, "train.steps=32", "checkpoint.interval=1",
-                                                       "checkpoint.keep_last=2"])],
+                                                       "checkpoint.keep_last=2", "checkpoint.async_save=false"])],
                                 capture_output=True, text=True, timeout=150, env=subprocess_env(), cwd=REPO,
                                 preexec_fn=limit)
         line = check_one_line_error(result, ("saving checkpoint step00000031", "failed (", "is the disk full? Free "

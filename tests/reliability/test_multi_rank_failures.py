@@ -120,13 +120,21 @@ def _worker_pid(launcher: int, rank: int) -> int:
     raise AssertionError(f"no worker with RANK={rank} under {launcher}")
 
 
+def _failed_save(mode: str, tag_dir) -> str:
+    """How a failed write of checkpoint ``tag_dir`` begins its line: in the save, or found after a background
+    write (``checkpoint.async_save``) at the next step boundary."""
+    return f"saving checkpoint {tag_dir.name} to " if mode == "sync" else f"writing {tag_dir}/"
+
+
 @pytest.mark.timeout(300)
-def test_a_write_error_on_one_rank_keeps_the_previous_checkpoint(bundled, tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_write_error_on_one_rank_keeps_the_previous_checkpoint(bundled, tmp_path, mode):
     """A real size limit on rank 1 only (it writes its ZeRO-1 optimizer shard): the save fails there, the job
     ends with one line naming the path and the free space, ``latest`` still names the previous checkpoint, the
     partial one is gone, and a relaunch resumes from it exactly."""
     run_dir = tmp_path / "run"
-    sets = ("train.steps=4", "checkpoint.interval=2", "optim.decay_steps=8")
+    sets = ("train.steps=4", "checkpoint.interval=2", "optim.decay_steps=8",
+            f"checkpoint.async_save={mode == 'async'}")
     check_ok(run(torchrun(2, run_dir, *sets[1:], "train.steps=2")))
     assert latest_of(run_dir) == "step00000002"
     env = subprocess_env(LIMIT_RANK="1", LIMIT_BYTES=str(256 * 1024))
@@ -135,7 +143,8 @@ def test_a_write_error_on_one_rank_keeps_the_previous_checkpoint(bundled, tmp_pa
     assert failed.returncode != 0 and time.monotonic() - t0 < 120
     lines = tagged_errors(failed.stderr)
     assert len(lines) == 1, failed.stderr[-3000:]
-    assert lines[0].startswith("error: [rank 1] saving checkpoint step00000004 to ") and "GiB free" in lines[0], lines
+    prefix = "error: [rank 1] " + _failed_save(mode, run_dir / "checkpoints" / "step00000004")
+    assert lines[0].startswith(prefix) and "GiB free" in lines[0], lines
     assert "still names the complete checkpoint step00000002" in lines[0], lines
     assert latest_of(run_dir) == "step00000002"
     assert not (run_dir / "checkpoints" / "step00000004" / "llmjp_ds.json").exists()
@@ -147,16 +156,18 @@ def test_a_write_error_on_one_rank_keeps_the_previous_checkpoint(bundled, tmp_pa
 
 
 @pytest.mark.timeout(240)
-def test_a_single_process_save_under_a_size_limit_fails_cleanly_and_resumes_exactly(baseline, tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_single_process_save_under_a_size_limit_fails_cleanly_and_resumes_exactly(baseline, tmp_path, mode):
     """The same with one process, against the uninterrupted baseline run."""
     run_dir = tmp_path / "run"
     check_ok(run_train(run_dir, DRILL, "train.steps=2", "optim.decay_steps=30"))
     env = subprocess_env(LIMIT_BYTES=str(256 * 1024))
     failed = run([sys.executable, str(REPO / "tests/reliability/limited_rank.py"),
-                  *train_argv(run_dir, DRILL)[3:]], env=env)
+                  *train_argv(run_dir, DRILL, f"checkpoint.async_save={mode == 'async'}")[3:]], env=env)
     assert failed.returncode == 2
     lines = [line for line in failed.stderr.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1 and lines[0].startswith("error: saving checkpoint step00000003 to "), lines
+    prefix = "error: " + _failed_save(mode, run_dir / "checkpoints" / "step00000003")
+    assert len(lines) == 1 and lines[0].startswith(prefix), lines
     assert "GiB free" in lines[0] and ("File too large" in lines[0] or "a write was cut short" in lines[0]), lines
     assert latest_of(run_dir) == "step00000002"
     check_ok(run_train(run_dir, DRILL, "train.steps=5", "optim.decay_steps=30"))
@@ -229,7 +240,8 @@ def test_the_watchdog_names_the_stop_check_after_the_log_line_in_the_logs_number
                           logging=SimpleNamespace(interval=1, progress=False),
                           checkpoint=SimpleNamespace(interval=0))
     trainer = SimpleNamespace(cfg=cfg, state=SimpleNamespace(step=3), ctx=ctx, stop=SimpleNamespace(requested=False),
-                              logger=SimpleNamespace(log=lambda step, metrics: None), watchdog=watchdog)
+                              logger=SimpleNamespace(log=lambda step, metrics: None), watchdog=watchdog,
+                              commit_save=lambda block: None)  # no save in flight
     assert Trainer._after_step(trainer, {"loss": 1.0}) is False
     assert seen == ["in step 3 (stop check)"], seen
     assert Watchdog(60, rank=0).where() == "before step 1 (setup)"

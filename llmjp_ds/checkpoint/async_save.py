@@ -1,0 +1,170 @@
+"""Saving a checkpoint without stopping training: a snapshot into host memory, then a background writer.
+
+DeepSpeed's engine hands every file of a checkpoint to its checkpoint engine (``save(state_dict, path)``). Under
+``checkpoint.async_save`` that call only copies the state: every tensor into page-locked host memory (from the
+GPU asynchronously, one synchronisation at the end; a CPU tensor is cloned), every container rebuilt, anything
+else deep-copied, so the next optimizer step cannot change what is written. One thread per rank then writes the
+files (hashed and fsynced as in a synchronous save) while the loop trains on.
+
+What a crash guarantees does not change: a background write only produces files under a tag without a marker.
+The marker with its manifest, and ``latest``, are written by the same commit step as a synchronous save, on the
+main thread, once every rank's writer has finished (``checkpoint.store.commit``); a kill -9 before that leaves
+``latest`` on the previous intact tag. The pinned buffers come from torch's caching host allocator, so saves after
+the first reuse them.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from llmjp_ds.checkpoint.manifest import save_hashed
+
+# a drill (tests, rehearsals): the writer sleeps this long before each file, to widen the in-flight window
+SLOW_WRITE_ENV = "LLMJP_DS_DRILL_SLOW_WRITE_S"
+WRITERS = 4  # files written at once by a rank's writer
+
+
+def snapshot(obj, pinned: bool):
+    """A copy of ``obj`` that later in-place updates of its tensors do not reach (device tensors land in pinned
+    host memory; call ``torch.cuda.synchronize()`` before reading them)."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        if t.device.type == "cpu":
+            return t.clone()
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)  # compact: a view saves its values only
+        out.copy_(t, non_blocking=pinned)
+        return out
+    if isinstance(obj, dict):
+        items = [(k, snapshot(v, pinned)) for k, v in obj.items()]
+        return dict(items) if type(obj) is dict else type(obj)(items)
+    if type(obj) in (list, tuple):
+        return type(obj)(snapshot(v, pinned) for v in obj)
+    if isinstance(obj, (int, float, str, bool, bytes, type(None))):
+        return obj
+    return copy.deepcopy(obj)
+
+
+def nbytes(obj) -> int:
+    """The tensor bytes in ``obj`` (what its snapshot holds in host memory)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(nbytes(v) for v in obj)
+    return 0
+
+
+class AsyncSaver:
+    """This rank's background writer: :meth:`add` snapshots a file's state, :meth:`start` writes them all in a
+    thread; :meth:`done`, :meth:`wait`, and :attr:`error` (the first failure, with its path) for the commit."""
+
+    def __init__(self):
+        self.tag: str | None = None
+        self.step = 0
+        self.jobs: list[tuple[str, object]] = []
+        self.written: dict[str, dict] = {}
+        self.error: tuple[BaseException, str] | None = None
+        self.snapshot_bytes = 0
+        self.write_s = 0.0
+        self._thread: threading.Thread | None = None
+        self._root: Path | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self.tag is not None
+
+    def begin(self, tag: str, step: int, tag_dir: Path) -> None:
+        self.tag, self.step, self._root, self.jobs, self.written, self.error = tag, step, tag_dir.resolve(), [], {}, None
+        self.snapshot_bytes = 0
+
+    def add(self, state, path) -> None:
+        """DeepSpeed's ``checkpoint_engine.save``: snapshot now, write later."""
+        self.jobs.append((str(path), snapshot(state, pinned=torch.cuda.is_available())))
+        self.snapshot_bytes += nbytes(self.jobs[-1][1])
+
+    def start(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the device-to-host copies are done: the step may change the weights now
+        self._thread = threading.Thread(target=self._write, name="llmjp-ds-checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def _write(self) -> None:
+        """Write every file, a few at a time (the big optimizer shard and the model states overlap)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        t0 = time.perf_counter()
+        jobs, self.jobs = self.jobs, []
+        with ThreadPoolExecutor(max_workers=min(WRITERS, max(1, len(jobs)))) as pool:
+            list(pool.map(self._write_one, jobs))
+        self.write_s = time.perf_counter() - t0
+
+    def _write_one(self, job) -> None:
+        path, state = job
+        delay = float(os.environ.get(SLOW_WRITE_ENV, "0") or 0)
+        if delay:
+            time.sleep(delay)
+        if self.error is not None:
+            return
+        try:
+            self.written[Path(path).resolve().relative_to(self._root).as_posix()] = save_hashed(state, path)
+        except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError
+            self.error = self.error or (exc, path)
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+    def finish(self) -> None:
+        """Forget the committed (or failed) save."""
+        self.tag, self._thread, self.jobs = None, None, []
+
+
+def commit_when_done(saver: AsyncSaver, ctx, run_dir, meta, keep_last: int, block: bool) -> bool:
+    """Commit ``saver``'s checkpoint once every rank's writer is done (``block``: wait for this rank's first);
+    True when no save is left in flight. A rank whose write failed ends with the one line of a failed save
+    (the path, the free space, what ``latest`` still names); the others end quietly at the same point."""
+    from llmjp_ds.checkpoint.store import report_failed_save, commit
+    from llmjp_ds.parallel.failure import PeerFailure
+
+    if not saver.in_flight:
+        return True
+    if block:
+        saver.wait()
+    if ctx.any_rank(not saver.done()):
+        return False
+    if ctx.any_rank(saver.error is not None):
+        if saver.error is not None:
+            report_failed_save(run_dir, saver.tag, *saver.error)
+        raise PeerFailure(f"another rank's background write of checkpoint {saver.tag} failed")
+    commit(run_dir, saver.tag, saver.step, meta, saver.written, keep_last)
+    saver.finish()
+    return True
+
+
+def check_host_memory(module, dp_rank: int, dp_size: int, ranks_per_node: int) -> float:
+    """The host memory (GiB) this node's snapshots will take, counted as if every local rank held what this one
+    does (an upper bound where this rank writes the model states); fails with one line where the node's
+    available memory cannot hold it."""
+    import psutil
+
+    numel = sum(p.numel() for p in module.parameters())
+    weights = sum(p.numel() * p.element_size() for p in module.parameters()) if dp_rank == 0 else 0
+    need = ranks_per_node * (weights + 12 * numel / dp_size) / 2**30  # fp32 master weights and Adam: ZeRO-1
+    available = psutil.virtual_memory().available / 2**30
+    if need > 0.9 * available:
+        from llmjp_ds.errors import fail
+
+        fail(f"checkpoint.async_save needs ~{need:.1f} GiB of host memory on this node for its snapshots "
+             f"({ranks_per_node} ranks), but {available:.1f} GiB are available: set checkpoint.async_save=false "
+             "(saves then stop training while they write), or run on nodes with more memory")
+    return need

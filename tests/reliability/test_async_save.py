@@ -1,0 +1,140 @@
+"""Background checkpoints (``checkpoint.async_save``, the default) keep every crash guarantee of a synchronous
+save: the same trail bit for bit (one process, DP2, PP2), a kill -9 in the middle of a background write resumes
+exactly from the previous tag, and SIGTERM waits for the write in flight, then saves and exits 0. The drill
+``LLMJP_DS_DRILL_SLOW_WRITE_S`` slows the writer so that steps run while a write is in flight. A write that
+fails on one rank: ``test_multi_rank_failures.py`` (both modes)."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+import torch
+
+from tests.reliability.conftest import (DRILL, DRILL_STEPS, TINY, Proc, check_ok, events, latest_of, loss_trail, run,
+                                        run_train, subprocess_env, train_argv, wait_for)
+from tests.reliability.test_multi_rank_failures import torchrun
+
+SLOW = "LLMJP_DS_DRILL_SLOW_WRITE_S"
+MODEL = "mp_rank_00_model_states.pt"
+
+
+def _weights(run_dir) -> dict:
+    tag = latest_of(run_dir)
+    state = torch.load(run_dir / "checkpoints" / tag / MODEL, map_location="cpu", weights_only=False)
+    return {k: v for k, v in state["module"].items() if isinstance(v, torch.Tensor)}
+
+
+def _stalls(run_dir) -> list[dict]:
+    return [r for r in (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines())
+            if "save_stall_s" in r]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_one_process_async_equals_sync_bit_for_bit(baseline, tmp_path):
+    """The baseline saves in the background every step; a synchronous run and a background run whose writer is
+    slowed (each write spans several steps) log the same losses and end with the same weights."""
+    sync, slow = tmp_path / "sync", tmp_path / "slow"
+    check_ok(run_train(sync, [*DRILL, "checkpoint.async_save=false"]))
+    check_ok(run(train_argv(slow, [*DRILL, "checkpoint.interval=3"]), env=subprocess_env(**{SLOW: "0.2"})))
+    for run_dir in (sync, slow):
+        assert loss_trail(run_dir) == baseline[1]
+    reference = _weights(baseline[0])
+    for run_dir in (sync, slow):
+        assert _weights(run_dir).keys() == reference.keys()
+        assert all(torch.equal(_weights(run_dir)[k], v) for k, v in reference.items())
+    committed = events(slow, "checkpoint_committed")
+    assert [e["tag"] for e in committed][:2] == ["step00000003", "step00000006"], committed
+    assert all(e["write_s"] >= 0.2 for e in committed)  # each file waits 0.2 s: the write spanned steps
+    # every save's stall is reported with the next step; the background writes' durations too
+    assert len(_stalls(sync)) == DRILL_STEPS - 1 and len(_stalls(slow)) == DRILL_STEPS // 3 - 1
+    assert any("checkpoint_write_s" in r for r in _stalls(slow)) and not any("checkpoint_write_s" in r
+                                                                              for r in _stalls(sync))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("layout", ["dp2", "pp2"])
+def test_two_ranks_async_equals_sync_bit_for_bit(bundled, tmp_path, layout):
+    sets = ["train.steps=8", "checkpoint.interval=2", "optim.decay_steps=8"]
+    if layout == "pp2":
+        sets += ["parallel.pipeline_stages=2", "parallel.zero_stage=1"]
+    trails = {}
+    for mode in ("sync", "async"):
+        run_dir = tmp_path / mode
+        env = subprocess_env(**({SLOW: "0.1"} if mode == "async" else {}))
+        check_ok(run(torchrun(2, run_dir, *sets, f"checkpoint.async_save={mode == 'async'}"), env=env,
+                     timeout=300))
+        trails[mode] = loss_trail(run_dir)
+        assert latest_of(run_dir) == "step00000008"
+    assert trails["async"] == trails["sync"] and len(trails["sync"]) == 8
+
+
+def _start_slow(run_dir, *sets: str) -> Proc:
+    """The drill run, a checkpoint every 3 steps, each file's write slowed to 1.5 s (a write spans ~10 steps)."""
+    return Proc(train_argv(run_dir, [*DRILL, "checkpoint.interval=3", *sets]), env=subprocess_env(**{SLOW: "1.5"}))
+
+
+def _write_in_flight(run_dir, proc: Proc) -> None:
+    """Wait until step 3's checkpoint is committed and step 6's write is under way (step 7 logged)."""
+    assert wait_for(lambda: latest_of(run_dir) == "step00000003" and proc.steps_done() >= 7, proc, timeout=180), \
+        proc.output()[-3000:]
+    assert latest_of(run_dir) == "step00000003"
+    assert not (run_dir / "checkpoints" / "step00000006" / "llmjp_ds.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_kill_9_during_a_background_write_resumes_from_the_previous_tag_exactly(baseline, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start_slow(run_dir)
+    try:
+        _write_in_flight(run_dir, proc)
+        proc.signal(signal.SIGKILL)
+        proc.wait(60)
+    finally:
+        proc.kill()
+    assert latest_of(run_dir) == "step00000003"
+    check_ok(run_train(run_dir, DRILL))
+    assert events(run_dir, "resume")[-1]["tag"] == "step00000003"
+    assert loss_trail(run_dir) == baseline[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sigterm_during_a_background_write_commits_it_then_saves_once(baseline, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start_slow(run_dir, "checkpoint.keep_last=3")
+    try:
+        _write_in_flight(run_dir, proc)
+        proc.signal(signal.SIGTERM)
+        rc = proc.wait(120)
+    finally:
+        proc.kill()
+    assert rc == 0, proc.output()[-3000:]
+    (stop,) = events(run_dir, "preempted")
+    tag = latest_of(run_dir)
+    assert tag == stop["tag"] and int(tag[4:]) == stop["step"] > 7
+    # the write in flight committed first, then the stop's own save: one each
+    assert [e["tag"] for e in events(run_dir, "checkpoint_committed")] == ["step00000003", "step00000006", tag]
+    assert (run_dir / "checkpoints" / "step00000006" / "llmjp_ds.json").is_file()
+    check_ok(run_train(run_dir, DRILL))
+    assert loss_trail(run_dir) == baseline[1]
+
+
+def test_a_snapshot_is_not_changed_by_the_next_step():
+    """In-process: what the writer gets is a copy (containers rebuilt, tensors cloned or copied to host memory)."""
+    from collections import OrderedDict
+
+    from llmjp_ds.checkpoint.async_save import nbytes, snapshot
+
+    w = torch.ones(4)
+    state = {"module": OrderedDict(w=w, view=w[1:3]), "step": 3, "groups": [{"lr": 0.1, "p": [w]}]}
+    copy = snapshot(state, pinned=False)
+    w.add_(1)
+    state["groups"][0]["lr"] = 0.2
+    assert torch.equal(copy["module"]["w"], torch.ones(4)) and torch.equal(copy["module"]["view"], torch.ones(2))
+    assert copy["groups"][0]["lr"] == 0.1 and isinstance(copy["module"], OrderedDict)
+    assert nbytes(copy) == (4 + 2 + 4) * 4

@@ -16,7 +16,8 @@ import torch
 
 from llmjp_ds.checkpoint.lock import LOCK, refuse_if_held
 from llmjp_ds.checkpoint.readers import read_model_state
-from llmjp_ds.checkpoint.store import checkpoint_dir, complete_tags, latest_tag, read_marker, verify_tag, vet_tag
+from llmjp_ds.checkpoint.resume import verify_tag
+from llmjp_ds.checkpoint.store import checkpoint_dir, complete_tags, latest_tag, read_marker, vet_tag
 from llmjp_ds.errors import fail
 from llmjp_ds.io_utils import atomic_file
 

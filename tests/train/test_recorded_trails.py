@@ -6,7 +6,9 @@ TP2, TP2 x PP2, TP2 x DP2 with ZeRO-1 and ZeRO-2, recorded when tensor paralleli
 ``test_resume``, and the emulated FP8 flip (one process, PP2, PP2 resumed after the flip). A
 refactor of the trainer must not change a single bit of them: on a CPU of the kind that recorded the file
 (same torch version and CPU capability) the values must be equal; elsewhere fp32 kernels may sum in another
-order, and the trails must agree within ``FOREIGN_RTOL``.
+order, and the trails must agree within ``FOREIGN_RTOL``. (The CPU's feature flags are part of the machine: on
+2026-12-01 a CPU that also reported AVX512 gave a z-loss 1 ulp away at step 3, from both the previous build and
+this one.)
 
 To record afresh after a change that is meant to move the numbers::
 
@@ -34,7 +36,16 @@ FOREIGN_RTOL = 1e-5
 
 
 def _machine() -> dict:
-    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    """What fixes the bits of an fp32 CPU run: torch, the kernels' ISA, and the CPU's feature flags (two CPUs
+    that both report AVX512 still sum some reductions in another order)."""
+    import hashlib
+
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = ""
+    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu_flags": hashlib.sha256(" ".join(sorted(flags.split(":")[-1].split())).encode()).hexdigest()[:16]}
 
 
 def _trails(runs, flip_runs) -> dict[str, list[dict]]:

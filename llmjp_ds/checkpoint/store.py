@@ -25,7 +25,7 @@ import json
 import os
 import re
 import shutil
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 from llmjp_ds.errors import fail
@@ -137,6 +137,9 @@ class CheckpointMeta:
         if not isinstance(data, dict):
             raise ValueError(f"holds a {type(data).__name__}, not an object")
         known = {f.name for f in fields(cls)}
+        missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in data]
+        if missing:
+            raise ValueError(f"it lacks {', '.join(missing)}")
         meta = cls(**{k: v for k, v in data.items() if k in known})
         if not isinstance(meta.model_config, dict) or not all(
                 isinstance(meta.model_config.get(k), int) and not isinstance(meta.model_config.get(k), bool)

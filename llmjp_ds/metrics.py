@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from llmjp_ds.errors import fail
 
@@ -143,28 +143,34 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-def _parse_lines(lines: Iterable[str]) -> list[dict]:
-    records = []
-    for line in lines:
-        line = line.strip()
-        if not line:
+def parse_records(data: bytes) -> tuple[list[dict], int]:
+    """The records of a metrics.jsonl's bytes in file order, and how many non-blank lines were skipped: a line
+    cut short by a killed run, bytes that are not UTF-8 or not JSON, a value that is not an object with an
+    integer step."""
+    records, skipped = [], 0
+    for raw in data.splitlines():
+        if not raw.strip():
             continue
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by a killed run
-        if isinstance(record, dict) and isinstance(record.get("step"), int):
-            records.append(record)
-    return records
+            record = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            skipped += 1
+            continue
+        step = record.get("step") if isinstance(record, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool):
+            skipped += 1
+            continue
+        records.append(record)
+    return records, skipped
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
-    """The records of ``<run_dir>/metrics.jsonl`` in file order (a torn last line is skipped)."""
+    """The records of ``<run_dir>/metrics.jsonl`` in file order (unreadable lines, such as a torn last one,
+    skipped)."""
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         fail(f"no {METRICS_FILE} in {run_dir}: is it a run directory, and has the run logged a step yet?")
-    with open(path, encoding="utf-8") as f:
-        return _parse_lines(f)
+    return parse_records(path.read_bytes())[0]
 
 
 def _ends_with_newline(path: Path) -> bool:
@@ -178,12 +184,11 @@ def _truncate_after(path: Path, step: int) -> int:
     (temp file, fsync, rename); return how many records were dropped."""
     if not path.is_file():
         return 0
-    with open(path, encoding="utf-8") as f:
-        lines = f.readlines()
-    records = _parse_lines(lines)
+    data = path.read_bytes()
+    records, _ = parse_records(data)
     kept = [r for r in records if r["step"] <= step]
-    if len(kept) == len(lines):
-        return 0  # nothing after `step`, no torn or blank line: leave the file alone
+    if len(kept) == len(data.splitlines()):
+        return 0  # nothing after `step`, no torn, unreadable or blank line: leave the file alone
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:

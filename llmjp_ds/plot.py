@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
 import sys
@@ -22,7 +21,7 @@ import warnings
 from pathlib import Path
 
 from llmjp_ds.errors import fail
-from llmjp_ds.metrics import METRICS_FILE
+from llmjp_ds.metrics import METRICS_FILE, parse_records
 
 __all__ = ["plot_run", "cli_main"]
 
@@ -39,29 +38,17 @@ def _numeric(value) -> bool:
         abs(value) <= _LARGEST
 
 
-def _step_of(record) -> bool:
-    step = record.get("step")
-    return isinstance(step, int) and not isinstance(step, bool) and abs(step) < 2**53
-
-
 def read_records(path: Path) -> tuple[list[dict], int]:
-    """(the usable records of a metrics.jsonl in file order, how many non-blank lines were skipped)."""
+    """(the usable records of a metrics.jsonl in file order, how many non-blank lines were skipped): what
+    ``metrics.parse_records`` reads, less steps a float axis cannot hold and events that are not names."""
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = path.read_bytes()
     except OSError as exc:
         fail(f"cannot read {path} ({exc.strerror}): check its permissions and the disk")
-    records, skipped = [], 0
-    for raw in data.split(b"\n"):
-        if not raw.strip():
-            continue
-        try:
-            record = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError):  # torn by a kill, or garbled on disk
-            skipped += 1
-            continue
-        if not isinstance(record, dict) or not _step_of(record) or \
-                ("event" in record and not isinstance(record["event"], str)):
+    parsed, skipped = parse_records(data)
+    records = []
+    for record in parsed:
+        if abs(record["step"]) >= 2**53 or ("event" in record and not isinstance(record["event"], str)):
             skipped += 1
             continue
         if "phase" in record and not isinstance(record["phase"], str):

@@ -120,6 +120,17 @@ def test_resume_step_drops_records_a_killed_run_left(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no temp file left behind
 
 
+def test_a_garbled_line_does_not_stop_a_resume(tmp_path):
+    """Bytes that are not UTF-8 (a disk error, a hand edit) in metrics.jsonl: the resume's truncation and
+    read_metrics skip that line, as plot does, where opening the file as text raised UnicodeDecodeError."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 1, "loss": 2.0}\n\xff\xfe garbled\n{"step": 2, "loss": 1.5}\n{"step": 3, "loss": 1.0}\n')
+    with MetricsLogger(tmp_path, wandb_mode="disabled", resume_step=2) as resumed:
+        assert resumed.dropped == 1  # step 3; the garbled line was never a record
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [(1, 2.0), (2, 1.5)]
+    assert b"\xff" not in path.read_bytes()
+
+
 def test_append_after_a_torn_line_starts_a_new_line(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
     with MetricsLogger(tmp_path, wandb_mode="disabled") as logger:

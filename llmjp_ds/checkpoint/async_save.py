@@ -151,15 +151,16 @@ def commit_when_done(saver: AsyncSaver, ctx, run_dir, meta, keep_last: int, bloc
     return True
 
 
-def check_host_memory(module, dp_rank: int, dp_size: int, ranks_per_node: int) -> float:
-    """The host memory (GiB) this node's snapshots will take, counted as if every local rank held what this one
-    does (an upper bound where this rank writes the model states); fails with one line where the node's
-    available memory cannot hold it."""
+def check_host_memory(module, dp_rank: int, dp_size: int, ranks_per_node: int) -> None:
+    """Fail with one line where the node's available memory cannot hold its snapshots, counted as if every
+    local rank held what this one does (an upper bound where this rank writes the model states)."""
     import psutil
+
+    from llmjp_ds.parallel.memory import GIB, SHARDED_BYTES
 
     numel = sum(p.numel() for p in module.parameters())
     weights = sum(p.numel() * p.element_size() for p in module.parameters()) if dp_rank == 0 else 0
-    need = ranks_per_node * (weights + 12 * numel / dp_size) / 2**30  # fp32 master weights and Adam: ZeRO-1
+    need = ranks_per_node * (weights + SHARDED_BYTES * numel / dp_size) / GIB  # ZeRO-1's fp32 master and Adam
     available = psutil.virtual_memory().available / 2**30
     if need > 0.9 * available:
         from llmjp_ds.errors import fail
@@ -167,4 +168,3 @@ def check_host_memory(module, dp_rank: int, dp_size: int, ranks_per_node: int) -
         fail(f"checkpoint.async_save needs ~{need:.1f} GiB of host memory on this node for its snapshots "
              f"({ranks_per_node} ranks), but {available:.1f} GiB are available: set checkpoint.async_save=false "
              "(saves then stop training while they write), or run on nodes with more memory")
-    return need

@@ -80,19 +80,10 @@ class RunDirLock:
         return self
 
     def check_peer(self) -> None:
-        """On a rank other than 0: fail if the run directory is held by a process of another job."""
-        if not self.path.is_file():
-            return  # nobody holds it yet; this job's rank 0 takes it next
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            return  # free: this job's rank 0 has not locked it yet
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-        info = _holder(self.path)
-        if info.get("job") is None or info.get("job") != job_id():
+        """On a rank other than 0: fail if the run directory is held by a process of another job (free, it is
+        this job's rank 0 that takes it next)."""
+        info = _held_by(self.path)
+        if info is not None and (info.get("job") is None or info.get("job") != job_id()):
             _refuse(self.run_dir, info, info.get("what", "training"))
 
     def release(self) -> None:
@@ -105,16 +96,22 @@ class RunDirLock:
         return self._fd is not None
 
 
-def refuse_if_held(run_dir, what: str = "training") -> None:
-    """Fail if a live process holds ``run_dir``'s lock (a command that must not write under a training)."""
-    path = Path(run_dir).resolve() / LOCK
+def _held_by(path: Path) -> dict | None:
+    """What the lock file at ``path`` says of its holder while a live process holds it; None when none does."""
     if not path.is_file():
-        return
+        return None
     fd = os.open(path, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return None
     except OSError:
-        info = _holder(path)
-        _refuse(Path(run_dir).resolve(), info, info.get("what", what))
+        return _holder(path)
     finally:
         os.close(fd)
+
+
+def refuse_if_held(run_dir, what: str = "training") -> None:
+    """Fail if a live process holds ``run_dir``'s lock (a command that must not write under a training)."""
+    info = _held_by(Path(run_dir).resolve() / LOCK)
+    if info is not None:
+        _refuse(Path(run_dir).resolve(), info, info.get("what", what))

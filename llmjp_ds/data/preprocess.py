@@ -23,6 +23,7 @@ import os
 import shutil
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import NoReturn
 
@@ -126,20 +127,25 @@ def _ordered_results(chunks, workers: int, init_args: tuple):
         for chunk in chunks:
             yield _encode_chunk(chunk)
         return
-    # fork: workers need nothing but sentencepiece, and spawn cannot start from a REPL or stdin script
+    # fork: workers need nothing but sentencepiece, and spawn cannot start from a REPL or stdin script.
+    # concurrent.futures rather than multiprocessing.Pool: an error in the input (a truncated stream) ends the
+    # loop with tasks in flight, and Pool's terminate() can deadlock joining its handler threads there; the
+    # executor cancels what has not started and waits for the running chunks
     ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=init_args)
+    pending: collections.deque = collections.deque()
     try:
-        pool = ctx.Pool(workers, initializer=_init_worker, initargs=init_args)
-    except OSError as exc:
-        fail(f"cannot start {workers} worker processes ({exc.strerror or exc}): lower --workers")
-    with pool:
-        pending: collections.deque = collections.deque()
         for chunk in chunks:
-            pending.append(pool.apply_async(_encode_chunk, (chunk,)))
+            try:
+                pending.append(pool.submit(_encode_chunk, chunk))
+            except OSError as exc:  # the workers start with the first task
+                fail(f"cannot start {workers} worker processes ({exc.strerror or exc}): lower --workers")
             if len(pending) >= 2 * workers + 2:
-                yield pending.popleft().get()
+                yield pending.popleft().result()
         while pending:
-            yield pending.popleft().get()
+            yield pending.popleft().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _missing_dirs(directory: Path) -> list[Path]:

@@ -15,27 +15,22 @@ directory that the run created.
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import errno
-import multiprocessing
 import os
 import shutil
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import NoReturn
 
 from llmjp_ds.data.indexed import IndexedDatasetWriter, best_dtype, check_output_free
+from llmjp_ds.data.pool import ordered_map
 from llmjp_ds.data.jsonl import BadLine, check_inputs, iter_lines, stream_error, text_of_line
 from llmjp_ds.errors import fail
 
 OUTPUT_SUFFIX = "_text_document"
 CHUNK_BYTES = 1 << 20
-
-# per-process state of a tokenizing worker (set by _init_worker)
-_STATE: dict = {}
 
 
 def output_prefix_for(output_prefix: str | Path) -> str:
@@ -43,59 +38,73 @@ def output_prefix_for(output_prefix: str | Path) -> str:
     return os.fspath(output_prefix) + OUTPUT_SUFFIX
 
 
-def _init_worker(model_path: str, text_key: str, skip_bad: bool) -> None:
-    from llmjp_ds.data.tokenizer import load_tokenizer
+class ChunkEncoder:
+    """What a tokenizing worker runs on one chunk of lines: ``(path, first line number, lines)`` -> (tokens,
+    lengths, skipped {kind: n}, first skipped message, error), where error is None or (file, message).
 
-    _STATE.update(tok=load_tokenizer(model_path), text_key=text_key, skip_bad=skip_bad)
+    Picklable and small (the tokenizer's path and the options); the tokenizer is loaded on first use and kept on
+    the object, so each worker process loads it once."""
 
+    def __init__(self, model_path: str, text_key: str, skip_bad: bool):
+        self.model_path, self.text_key, self.skip_bad = model_path, text_key, skip_bad
+        self._tok = None
 
-def _encode_chunk(chunk: tuple[str, int, list[bytes]]):
-    """Tokenize one chunk of lines -> (tokens, lengths, skipped {kind: n}, first skipped message, error), where
-    error is None or (file, message)."""
-    path, first_lineno, lines = chunk
-    tok, key, skip_bad = _STATE["tok"], _STATE["text_key"], _STATE["skip_bad"]
-    texts: list[str] = []
-    linenos: list[int] = []
-    skipped: dict[str, int] = {}
-    first_skip = None
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_tok": None}
 
-    def bad_line(lineno: int, bad: BadLine):
-        nonlocal first_skip
-        where = f"{path}:{lineno}"
-        if not skip_bad:
-            return path, f"{where}: {bad}, or pass --skip-bad to skip such lines"
-        skipped[bad.kind] = skipped.get(bad.kind, 0) + 1
-        first_skip = first_skip or f"{where}: {bad}"
-        return None
+    @property
+    def tok(self):
+        if self._tok is None:
+            from llmjp_ds.data.tokenizer import load_tokenizer
 
-    for n, line in enumerate(lines):
-        try:
-            text = text_of_line(line, key)
-        except BadLine as bad:
-            error = bad_line(first_lineno + n, bad)
-            if error:
-                return None, None, skipped, None, error
-            continue
-        if text is not None:
-            texts.append(text)
-            linenos.append(first_lineno + n)
-    try:
-        flat, lengths = tok.encode_documents(texts)
-    except Exception:  # a text the tokenizer rejects: find it, and treat it as a bad line
-        kept = []
-        for lineno, text in zip(linenos, texts):
+            self._tok = load_tokenizer(self.model_path)
+        return self._tok
+
+    def __call__(self, chunk: tuple[str, int, list[bytes]]):
+        path, first_lineno, lines = chunk
+        tok, key, skip_bad = self.tok, self.text_key, self.skip_bad
+        texts: list[str] = []
+        linenos: list[int] = []
+        skipped: dict[str, int] = {}
+        first_skip = None
+
+        def bad_line(lineno: int, bad: BadLine):
+            nonlocal first_skip
+            where = f"{path}:{lineno}"
+            if not skip_bad:
+                return path, f"{where}: {bad}, or pass --skip-bad to skip such lines"
+            skipped[bad.kind] = skipped.get(bad.kind, 0) + 1
+            first_skip = first_skip or f"{where}: {bad}"
+            return None
+
+        for n, line in enumerate(lines):
             try:
-                tok.encode_documents([text])
-            except Exception as exc:
-                error = bad_line(lineno, BadLine("unencodable text", f"the tokenizer cannot encode {key!r} "
-                                                                     f"({type(exc).__name__}: {exc}); fix or "
-                                                                     f"remove the line"))
+                text = text_of_line(line, key)
+            except BadLine as bad:
+                error = bad_line(first_lineno + n, bad)
                 if error:
                     return None, None, skipped, None, error
                 continue
-            kept.append(text)
-        flat, lengths = tok.encode_documents(kept)
-    return flat, lengths, skipped, first_skip, None
+            if text is not None:
+                texts.append(text)
+                linenos.append(first_lineno + n)
+        try:
+            flat, lengths = tok.encode_documents(texts)
+        except Exception:  # a text the tokenizer rejects: find it, and treat it as a bad line
+            kept = []
+            for lineno, text in zip(linenos, texts):
+                try:
+                    tok.encode_documents([text])
+                except Exception as exc:
+                    error = bad_line(lineno, BadLine("unencodable text", f"the tokenizer cannot encode {key!r} "
+                                                                         f"({type(exc).__name__}: {exc}); fix or "
+                                                                         f"remove the line"))
+                    if error:
+                        return None, None, skipped, None, error
+                    continue
+                kept.append(text)
+            flat, lengths = tok.encode_documents(kept)
+        return flat, lengths, skipped, first_skip, None
 
 
 def _chunks(paths: list[Path], chunk_bytes: int, progress):
@@ -118,34 +127,6 @@ def _chunks(paths: list[Path], chunk_bytes: int, progress):
         if lines:
             yield str(path), first, lines
         progress.update(path.stat().st_size - last_raw)
-
-
-def _ordered_results(chunks, workers: int, init_args: tuple):
-    """Results of ``_encode_chunk`` in input order; in-process for one worker, else a bounded process pool."""
-    if workers <= 1:
-        _init_worker(*init_args)
-        for chunk in chunks:
-            yield _encode_chunk(chunk)
-        return
-    # fork: workers need nothing but sentencepiece, and spawn cannot start from a REPL or stdin script.
-    # concurrent.futures rather than multiprocessing.Pool: an error in the input (a truncated stream) ends the
-    # loop with tasks in flight, and Pool's terminate() can deadlock joining its handler threads there; the
-    # executor cancels what has not started and waits for the running chunks
-    ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=init_args)
-    pending: collections.deque = collections.deque()
-    try:
-        for chunk in chunks:
-            try:
-                pending.append(pool.submit(_encode_chunk, chunk))
-            except OSError as exc:  # the workers start with the first task
-                fail(f"cannot start {workers} worker processes ({exc.strerror or exc}): lower --workers")
-            if len(pending) >= 2 * workers + 2:
-                yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _missing_dirs(directory: Path) -> list[Path]:
@@ -236,10 +217,10 @@ def preprocess(inputs: list[str | Path], tokenizer: str | Path, output_prefix: s
                    desc="preprocess", disable=None if progress is None else False, dynamic_ncols=True)
     skipped: dict[str, int] = {}
     first_skip = None
-    init = (str(tok.model_path), text_key, skip_bad)
+    encoder = ChunkEncoder(str(tok.model_path), text_key, skip_bad)
     ok = False
     try:
-        results = _ordered_results(_chunks(paths, chunk_bytes, bar), workers, init)
+        results = ordered_map(encoder, _chunks(paths, chunk_bytes, bar), workers)
         # the inputs' read errors are UserErrors by now (jsonl.iter_lines): an OSError here is the output's
         with _output_errors(prefix), contextlib.closing(results), \
                 IndexedDatasetWriter(prefix, dtype, force=force) as writer:

@@ -168,7 +168,8 @@ class Trainer:
         # sequence length or ZeRO stage fail here, before any process group exists (not in DeepSpeed's load); a run
         # directory we cannot write failed in validate_run
         checkpoint.check_resume(self.run_dir, self.model_config.to_dict(), cfg, self.layout)
-        data = resolve_data(cfg, self.model_config)
+        data = resolve_data(cfg.data.blend, cfg.data.tokenizer, self.model_config.vocab_size, cfg.data.split,
+                            cfg.data.seed, cfg.data.cache_dir)
         # one owner per run directory, before anything is written there: rank 0 takes the lock, the other ranks
         # refuse a directory that another job holds
         self.lock = checkpoint.RunDirLock(self.run_dir)

@@ -394,7 +394,8 @@ def _document_ranges(n_docs: int, split: Sequence[float]) -> list[tuple[int, int
     return [(edges[i], edges[i + 1]) for i in range(len(fractions))]
 
 
-def _check_vocab(ds: IndexedDataset, vocab_size: int, cache_dir) -> None:
+def check_vocab(ds: IndexedDataset, vocab_size: int, cache_dir) -> None:
+    """Fail unless every token id of ``ds`` is below ``vocab_size`` (the largest id is cached beside the corpus)."""
     meta = {"corpus": _file_identity(ds.prefix), "what": "max_token_id"}
     result = cached_arrays(_cache_root(ds.prefix, cache_dir), f"{Path(ds.prefix).name}-maxid", meta,
                            lambda alloc: {"max_token_id": np.array([ds.max_token_id()], dtype=np.int64)})
@@ -457,7 +458,7 @@ def build_datasets(blend: Sequence[tuple[float, str]] | Sequence[str], seq_len: 
     corpora = [IndexedDataset(p) for _, p in blend]
     if vocab_size is not None:
         for ds in corpora:
-            _check_vocab(ds, vocab_size, cache_dir)
+            check_vocab(ds, vocab_size, cache_dir)
     ranges = [_document_ranges(ds.num_documents, split) for ds in corpora]
     train = _build_split(corpora, weights, 0, ranges, train_samples, seq_len, seed, cache_dir)
     valid = _build_split(corpora, weights, 1, ranges, valid_samples, seq_len, seed, cache_dir)

@@ -104,31 +104,30 @@ def _install_tokenizer(source: Path, run_dir: Path) -> Path:
     return target
 
 
-def resolve_data(cfg, model_config) -> DataPlan:
-    """The blend and tokenizer of a run; checks the tokenizer fits the model's embedding. Writes nothing into
-    the run directory (:meth:`DataPlan.install_tokenizer` does, once the trainer knows the directory is shared)."""
-    from llmjp_ds.data.dataset import parse_blend
+def resolve_data(blend, tokenizer, model_vocab_size: int, split, seed: int, cache_dir=None) -> DataPlan:
+    """The blend and tokenizer of a run; checks the tokenizer fits the model's embedding (``model_vocab_size``
+    rows) and every corpus fits the vocabulary. ``blend`` is Megatron-style ``[weight, prefix, ...]`` (or
+    prefixes alone); empty means the bundled corpus and its own tokenizer. Writes nothing into the run directory
+    (:meth:`DataPlan.install_tokenizer` does, once the trainer knows the directory is shared)."""
+    from llmjp_ds.data.dataset import check_vocab, parse_blend
+    from llmjp_ds.data.indexed import IndexedDataset
     from llmjp_ds.data.tokenizer import load_tokenizer
 
-    if cfg.data.blend:
-        blend = parse_blend(list(map(str, cfg.data.blend)))
-        tokenizer = Path(cfg.data.tokenizer) if cfg.data.tokenizer else None
+    if blend:
+        blend = parse_blend(list(map(str, blend)))
+        tokenizer = Path(tokenizer) if tokenizer else None
     else:
         blend, tokenizer = prepare_bundled()
     vocab = None
     if tokenizer is not None:
         if not tokenizer.exists():
             fail(f"data.tokenizer {tokenizer} does not exist: pass a SentencePiece .model or an HF tokenizer dir")
-        tok = load_tokenizer(tokenizer)
-        vocab = tok.vocab_size
-        if vocab > model_config.vocab_size:
-            fail(f"the tokenizer has {vocab} pieces but the model's embedding only {model_config.vocab_size} rows: "
+        vocab = load_tokenizer(tokenizer).vocab_size
+        if vocab > model_vocab_size:
+            fail(f"the tokenizer has {vocab} pieces but the model's embedding only {model_vocab_size} rows: "
                  f"set model.overrides.vocab_size to at least {vocab} (padded: a multiple of 128)")
     # open every corpus now: a truncated .bin/.idx, an unknown dtype code or token ids beyond the vocabulary
     # fail here, before anything is written and before any process group exists (not in data.build())
-    from llmjp_ds.data.dataset import _check_vocab
-    from llmjp_ds.data.indexed import IndexedDataset
-
     for _, prefix in blend:
-        _check_vocab(IndexedDataset(prefix), vocab or model_config.vocab_size, cfg.data.cache_dir)
-    return DataPlan(blend, tokenizer, vocab, list(cfg.data.split), cfg.data.seed, cfg.data.cache_dir)
+        check_vocab(IndexedDataset(prefix), vocab or model_vocab_size, cache_dir)
+    return DataPlan(blend, tokenizer, vocab, list(split), seed, cache_dir)

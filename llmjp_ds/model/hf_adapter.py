@@ -48,7 +48,7 @@ _HF_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
 def _dims(config):
     heads, kv = config.num_attention_heads, config.num_key_value_heads
-    return heads, kv, config.hidden_size // heads
+    return heads, kv, getattr(config, "head_dim", None) or config.hidden_size // heads
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config) -> torch.Tensor:

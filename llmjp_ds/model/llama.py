@@ -49,7 +49,8 @@ def rope_freqs(positions: torch.Tensor, head_dim: int, theta: float) -> torch.Te
 
 
 def head_dim_of(config) -> int:
-    return config.hidden_size // config.num_attention_heads
+    """The width of one attention head: the config's ``head_dim``, else hidden / heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class SelfAttention(nn.Module):

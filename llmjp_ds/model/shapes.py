@@ -24,6 +24,7 @@ class ModelShape:
     seq_len: int = 4096
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
+    head_dim: int | None = None  # None: hidden / heads (every LLM-jp-3 size); else heads * head_dim may differ
 
 
 MODEL_SHAPES: dict[str, ModelShape] = {
@@ -78,9 +79,9 @@ def model_config(shape: str | ModelShape = "tiny", **overrides):
     from transformers import LlamaConfig
 
     p = resolve_shape(shape, overrides)
-    if p.hidden_size % p.num_attention_heads or p.num_attention_heads % p.num_key_value_heads:
+    if (p.head_dim is None and p.hidden_size % p.num_attention_heads) or p.num_attention_heads % p.num_key_value_heads:
         fail(f"hidden_size {p.hidden_size}, heads {p.num_attention_heads} and kv heads {p.num_key_value_heads} "
-             "must divide evenly (hidden % heads == 0, heads % kv_heads == 0)")
+             "must divide evenly (hidden % heads == 0 unless model.overrides sets head_dim, heads % kv_heads == 0)")
     return LlamaConfig(
         vocab_size=p.vocab_size,
         hidden_size=p.hidden_size,
@@ -88,7 +89,7 @@ def model_config(shape: str | ModelShape = "tiny", **overrides):
         num_hidden_layers=p.num_layers,
         num_attention_heads=p.num_attention_heads,
         num_key_value_heads=p.num_key_value_heads,
-        head_dim=p.hidden_size // p.num_attention_heads,
+        head_dim=p.head_dim or p.hidden_size // p.num_attention_heads,
         max_position_embeddings=p.seq_len,
         rms_norm_eps=p.rms_norm_eps,
         rope_theta=p.rope_theta,
@@ -121,8 +122,5 @@ def check_supported(config) -> None:
         problems.append(f"activation {config.hidden_act!r} (only SwiGLU/silu)")
     if getattr(config, "tie_word_embeddings", False):
         problems.append("tied embeddings")
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if head_dim * config.num_attention_heads != config.hidden_size:
-        problems.append("head_dim * heads != hidden_size")
     if problems:
         fail("unsupported Llama variant: " + "; ".join(problems) + " — llmjp-ds trains LLM-jp-style Llama models")

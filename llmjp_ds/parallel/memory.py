@@ -81,7 +81,7 @@ def _split(n: int, tensor: int) -> int:
 def layer_params(shape, tensor: int = 1) -> int:
     """Parameters of one decoder layer of a :class:`~llmjp_ds.model.shapes.ModelShape` on one TP rank (all of
     them for ``tensor == 1``): its share of the four projections and the MLP, and both RMSNorm weights whole."""
-    h, d = shape.hidden_size, shape.hidden_size // shape.num_attention_heads
+    h, d = shape.hidden_size, shape.head_dim or shape.hidden_size // shape.num_attention_heads
     attention = 2 * h * (shape.num_attention_heads * d) + 2 * h * (shape.num_key_value_heads * d)
     return _split(attention + 3 * h * shape.ffn_hidden_size, tensor) + 2 * h
 

@@ -2,8 +2,9 @@
 
 It holds the pieces and calls them; none of them knows it exists:
 
-* the precision schedule (:mod:`llmjp_ds.precision`) and what watches FP8 once it runs (:mod:`llmjp_ds.fp8_guard`:
-  the divergence guard, FP8's loss penalty, ``recipe: auto``);
+* the precision schedule and its controller (:mod:`llmjp_ds.precision`): the trainer calls the controller before
+  each step, after each validation and after each step's loss, and the controller takes every FP8 decision (the
+  flip, ``recipe: auto``, FP8's loss penalty and its fallback, the rollback to BF16);
 * the parallel wiring (:mod:`llmjp_ds.parallel`): the process groups, the model or pipeline on this rank, the
   DeepSpeed engine and a step runner that hides which engine it is;
 * the data (:mod:`llmjp_ds.data`, batches by :mod:`llmjp_ds.batching`), checkpoints (:mod:`llmjp_ds.checkpoint`:
@@ -102,7 +103,8 @@ class Trainer:
         # before torch, transformers and DeepSpeed load: a mistake in the config costs seconds, not a job
         self.layout = validate_run(cfg, world_size)
         from llmjp_ds.model.backend import resolve_backend
-        from llmjp_ds.precision import PrecisionSchedule
+        from llmjp_ds.precision.controller import PrecisionController
+        from llmjp_ds.precision.schedule import PrecisionSchedule
 
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
@@ -112,6 +114,7 @@ class Trainer:
         self.tokens_per_step = cfg.train.global_batch_size * self.seq_len
         # validates FP8 availability before any process group exists
         self.precision = PrecisionSchedule(cfg.precision, self.backend, self.tokens_per_step)
+        self.controller = PrecisionController(self.precision, cfg.precision, event=self._event, say=self._say)
         self.state = TrainState()
         self.ctx = None  # the ParallelContext, once start() ran
 
@@ -159,7 +162,6 @@ class Trainer:
         """Everything a training run needs, resumed from ``latest`` when the run directory has one."""
         from llmjp_ds import checkpoint
         from llmjp_ds.data.prepare import resolve_data
-        from llmjp_ds.fp8_guard import DivergenceGuard, PenaltyMonitor
         from llmjp_ds.metrics import MetricsLogger, Throughput
         from llmjp_ds.model.flops import flops_per_token_for
 
@@ -182,8 +184,6 @@ class Trainer:
         if self.ctx.rank == 0:
             data.install_tokenizer(self.run_dir)
         self.build_engine()
-        self.guard = DivergenceGuard(cfg.precision.guard)
-        self.penalty = PenaltyMonitor(cfg.precision.guard)
         self.train_ds, self.valid_ds = data.build(self.seq_len, *sample_counts(cfg), barrier=self.ctx.barrier)
         client: dict = {}
         reshaped = None
@@ -214,10 +214,14 @@ class Trainer:
         self.meta = checkpoint.CheckpointMeta.for_run(cfg, self.model_config, self.layout.data)
         self.saver = checkpoint.AsyncSaver() if cfg.checkpoint.async_save else None
         if self.saver is not None:
-            from llmjp_ds.checkpoint.async_save import check_host_memory
+            from llmjp_ds.checkpoint.async_save import arena_bytes, check_host_memory
             from llmjp_ds.validate import gpus_per_node_from_env
 
             check_host_memory(self.engine.module, self.ctx.dp_rank, self.ctx.dp_size, gpus_per_node_from_env() or 1)
+            nbytes = arena_bytes(self.engine.module, self.ctx.dp_rank, self.ctx.dp_size)
+            took = self.saver.reserve(nbytes)  # page-locked once here, not in the first save's stall
+            self.logger.event(self.state.step, "checkpoint_arena", gib=nbytes / 2**30, seconds=took,
+                              pinned=self.saver.arena.pinned)
         self.save_metrics: dict = {}  # the last save's stall and write time, for the next step's record
 
     # --- one step -------------------------------------------------------------------------------------------
@@ -241,60 +245,23 @@ class Trainer:
         return parts, lr
 
     def evaluate(self) -> dict:
-        """Mean validation loss over ``eval_batches`` global batches in the current step's precision; in an FP8
-        phase also on the same weights and batches with FP8 off, and FP8's penalty (``fp8_guard``)."""
-        from llmjp_ds.fp8_guard import penalty
+        """The validation after the current step: its losses (``valid_loss``, and in an FP8 phase the BF16
+        reference and FP8's penalty) and what the precision controller decides on them."""
+        return self.controller.validation(self.state.step, self._validation())
 
-        self.watchdog.beat("evaluation")
-        batches = self.micro_batches(self.valid_ds, 0)
-        out = {"valid_loss": self.runner.eval_loss(batches).item()}
-        if self.precision.in_fp8():
-            with self.precision.forced_bf16():
-                out["valid_loss_bf16"] = self.runner.eval_loss(batches).item()
-            out["fp8_penalty"] = penalty(out["valid_loss"], out["valid_loss_bf16"])
-        self.precision.commit_amax()
-        return out
-
-    def choose_recipe(self, step: int) -> None:
-        """``recipe: auto`` at its flip: evaluate each candidate recipe with the current weights on the
-        validation batches, flip to the one with the lowest penalty within ``max_penalty`` or stay in BF16."""
-        from llmjp_ds.fp8_guard import choose_recipe, penalty
-
+    def _validation(self, step: int | None = None):
+        """The function measuring the mean validation loss over ``eval_batches`` global batches in the precision
+        the schedule gives each micro-batch now (the batches read once)."""
         self.watchdog.beat("evaluation", step)
-        self.precision.begin_step(step)
         batches = self.micro_batches(self.valid_ds, 0)
-        with self.precision.forced_bf16():
-            bf16 = self.runner.eval_loss(batches).item()
-        penalties = {}
-        for recipe in self.precision.candidates(step):
-            with self.precision.trying(step, recipe):
-                penalties[recipe] = penalty(self.runner.eval_loss(batches).item(), bf16)
-            self.precision.commit_amax()
-        recipe, why = choose_recipe(penalties, self.cfg.precision.guard.max_penalty)
-        self.precision.switch_recipe(step, recipe, f"recipe auto: {why}", calibrate=False)
-        self.logger.event(step, "recipe_choice", chosen=recipe, reason=why, valid_loss_bf16=bf16,
-                          **{f"penalty_{r}": p for r, p in penalties.items()})
-        if self.ctx.rank == 0:
-            print(f"[llmjp-ds] recipe auto at step {step}: {recipe} ({why})", flush=True)
+        return lambda: self.runner.eval_loss(batches).item()
 
-    def _watch_penalty(self, metrics: dict) -> None:
-        """FP8's penalty too high for ``penalty_patience`` validations: warn, fall back along the chain, or BF16."""
-        if "fp8_penalty" not in metrics or not self.penalty.observe(metrics["fp8_penalty"]):
-            return
-        guard, step = self.cfg.precision.guard, self.state.step
-        now = self.precision.phase_at(step).label
-        action = guard.penalty_action
-        reason = (f"FP8 penalty {100 * metrics['fp8_penalty']:+.2f}% above max_penalty {100 * guard.max_penalty:.3g}%"
-                  f" for {guard.penalty_patience} validation{'s' if guard.penalty_patience > 1 else ''} in a row")
-        if action == "warn":
-            self.logger.event(step, "fp8_penalty", reason=reason, recipe=now)
-        else:
-            target = "bf16" if action == "bf16" else self.precision.next_fallback(step)
-            self.precision.switch_recipe(step, target, reason)
-            self.logger.event(step, "precision_fallback", reason=reason, to=target, **{"from": now})
+    def _event(self, step: int, kind: str, **fields) -> None:
+        self.logger.event(step, kind, **fields)
+
+    def _say(self, line: str) -> None:
         if self.ctx.rank == 0:
-            print(f"[llmjp-ds] step {step}: {reason}" + ("" if action == "warn" else f"; from {now} to {target}"),
-                  flush=True)
+            print(line, flush=True)
 
     # --- checkpoints ----------------------------------------------------------------------------------------
     def save(self, wait: bool = False) -> str:
@@ -309,8 +276,7 @@ class Trainer:
         self.watchdog.beat("checkpoint")
         self.commit_save(block=True)
         waited = time.perf_counter() - t0
-        client = {"train_state": dict(self.state.__dict__), "precision": self.precision.state_dict(),
-                  "guard": self.guard.state_dict(), "penalty": self.penalty.state_dict(),
+        client = {"train_state": dict(self.state.__dict__), **self.controller.state_dict(),
                   "wandb_run_id": self.logger.run_id, "rng": torch.get_rng_state()}
         tag = checkpoint.save(self.engine, self.run_dir, self.state.step, client, self.meta,
                               self.cfg.checkpoint.keep_last, rollbacks=self.precision.rollbacks, saver=self.saver)
@@ -339,13 +305,8 @@ class Trainer:
 
         client = checkpoint.load(self.engine, self.run_dir, tag)
         self.state = TrainState(**client["train_state"])
-        self._load_watchers(client)
+        self.controller.load_state_dict(client)
         return client
-
-    def _load_watchers(self, client: dict) -> None:
-        self.precision.load_state_dict(client.get("precision", {}))
-        self.guard.load_state_dict(client.get("guard", {}))
-        self.penalty.load_state_dict(client.get("penalty", {}))
 
     def _reshape(self, tag: str, saved) -> dict:
         """Resume checkpoint ``tag`` of another layout: rank 0 converts it once (``parallel.reshape``), every
@@ -368,33 +329,22 @@ class Trainer:
         self.precision.weights_changed()
         client = checkpoint.read_client_state(self.run_dir, tag)
         self.state = TrainState(**client["train_state"])
-        self._load_watchers(client)
+        self.controller.load_state_dict(client)
         self.engine.global_steps, self.engine.global_samples = self.state.step, self.state.consumed_samples
         return client
 
     def rollback(self, reason: str) -> None:
-        """Back to the newest checkpoint before the first bad step of an FP8 divergence; on in BF16."""
+        """Back to the checkpoint the precision controller names after a divergence; on as it says (BF16)."""
         from llmjp_ds import checkpoint
 
-        # a tag's number counts completed steps: tag N holds the state before step index N ran
         self.watchdog.beat("checkpoint")  # loading the good checkpoint
         self.commit_save(block=True)  # a background save of the diverging timeline lands first, then is discarded
-        first_bad = self.guard.first_bad_step if self.guard.first_bad_step is not None else self.state.step
-        good = [(s, t) for s, t in checkpoint.complete_tags(self.run_dir) if s <= first_bad]
-        if not good:
-            fail(f"loss diverged after the FP8 flip ({reason}) and there is no checkpoint before it to roll back "
-                 "to: lower checkpoint.interval so one is saved before the flip, or disable the guard")
-        good_step, good_tag = good[-1]
-        failed_step, rollbacks = self.state.step, self.precision.rollbacks + 1
+        failed_step = self.state.step
+        good_step, good_tag = self.controller.rollback_target(failed_step, reason,
+                                                              checkpoint.complete_tags(self.run_dir))
         loaded = checkpoint.load(self.engine, self.run_dir, good_tag)
-        self.precision.weights_changed()
         self.state.__dict__.update(loaded["train_state"])
-        self.guard.load_state_dict(loaded.get("guard", {}))
-        self.precision.fallback_from_step, self.precision.rollbacks = good_step, rollbacks
-        self.logger.event(failed_step, "rollback", reason=reason, to_step=good_step, tag=good_tag, fallback="bf16")
-        if self.ctx.rank == 0:
-            print(f"[llmjp-ds] FP8 divergence at step {failed_step} ({reason}): rolled back to {good_tag}, "
-                  "continuing in BF16", flush=True)
+        self.controller.rolled_back(failed_step, good_step, good_tag, reason, loaded)
         self.save(wait=True)
         if self.ctx.rank == 0:
             checkpoint.discard_after(self.run_dir, good_step)
@@ -427,11 +377,7 @@ class Trainer:
         import torch
 
         step = self.state.step
-        if self.precision.choice_pending(step):
-            self.choose_recipe(step)
-        phase = self.precision.describe(step)
-        if self.precision.is_flip_step(step):
-            self.logger.event(step, "precision_flip", **phase)
+        phase = self.controller.before_step(step, lambda: self._validation(step))
         t0 = time.perf_counter()
         self.watchdog.beat("data", step)
         parts, lr = self.train_step(step, self.micro_batches(self.train_ds, self.state.consumed_samples))
@@ -440,8 +386,9 @@ class Trainer:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         step_time = time.perf_counter() - t0
-        if self.guard.observe(step, lm_loss + z_loss, phase["precision"]):
-            self.rollback("non-finite loss" if not math.isfinite(lm_loss) else "loss spike")
+        diverged = self.controller.after_step(step, lm_loss, z_loss, phase)
+        if diverged:
+            self.rollback(diverged)
             return False
         self.state.step += 1
         self.state.consumed_samples += self.cfg.train.global_batch_size
@@ -467,14 +414,10 @@ class Trainer:
 
     def _step_metrics(self, phase: dict, step_time: float) -> dict:
         from llmjp_ds.metrics import peak_memory_gib
-        from llmjp_ds.precision import fp8_summary
 
-        metrics = {"peak_memory_gib": peak_memory_gib(), "consumed_samples": self.state.consumed_samples,
-                   "phase": phase["recipe"], "precision": phase["precision"], "emulated_fp8": phase["emulated"],
-                   "skipped_steps": self.state.skipped_total, **self.throughput.update(step_time)}
-        if self.cfg.precision.log_amax:
-            metrics.update(fp8_summary(self.engine.module))
-        return metrics
+        return {"peak_memory_gib": peak_memory_gib(), "consumed_samples": self.state.consumed_samples,
+                **self.controller.step_metrics(phase), "skipped_steps": self.state.skipped_total,
+                **self.throughput.update(step_time), **self.controller.amax_metrics(self.engine.module)}
 
     def _after_step(self, metrics: dict) -> bool:
         """Validation, logging and checkpointing after a step; True when a stop request ends the run."""
@@ -484,7 +427,6 @@ class Trainer:
         cfg, step = self.cfg, self.state.step
         if cfg.train.eval_interval and step % cfg.train.eval_interval == 0:
             metrics.update(self.evaluate())
-            self._watch_penalty(metrics)
         if step % cfg.logging.interval == 0 or step == cfg.train.steps:
             self.logger.log(step, metrics)
             if self.ctx.rank == 0 and cfg.logging.progress:

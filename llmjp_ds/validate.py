@@ -29,7 +29,7 @@ def validate_run(cfg: RunConfig, world_size: int | None = None, gpus_per_node: i
     _check_parallel(cfg, layout, shape.num_layers)
     _check_data(cfg)
     _check_logging(cfg)
-    from llmjp_ds.precision import AUTO, validate_phases
+    from llmjp_ds.precision.recipes import AUTO, validate_phases
 
     validate_phases(cfg.precision, shape.num_layers)
     if any(ph.recipe == AUTO for ph in cfg.precision.phases) and not cfg.train.eval_interval:

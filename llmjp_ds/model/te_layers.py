@@ -18,7 +18,7 @@ from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb
 
 from llmjp_ds.model.torch_layers import apply_rope as torch_apply_rope
 from llmjp_ds.model.torch_layers import sdpa  # noqa: F401  (the masked / KV-cache path, shared by both backends)
-from llmjp_ds.model.weight_cache import ReusesFP8Weights
+from llmjp_ds.model.weight_reuse import ReusesFP8Weights
 
 
 # MAIN_GRAD_WEIGHTS: the weights whose gradient TE's GEMM accumulates into ``main_grad``

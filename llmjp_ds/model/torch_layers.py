@@ -3,10 +3,10 @@
 Same parameter names, shapes, layout and math as TE's ``LayerNormLinear``, ``Linear``, ``LayerNormMLP``,
 ``DotProductAttention`` and ``RMSNorm`` (RMSNorm, no bias, SwiGLU with ``fc1 = [gate; up]``), so a state dict
 moves between the backends unchanged. Each module also carries TE's ``_extra_state`` entry: kept opaque when it
-comes from TE, and used for the emulated-FP8 scaling state on machines without TE (see ``llmjp_ds.precision``).
+comes from TE, and used for the emulated-FP8 scaling state on machines without TE (see ``llmjp_ds.precision.schedule``).
 
 Every matrix product goes through :func:`linear`, the one place FP8 emulation hooks in: a module given an
-emulator (``module.fp8_emulator``, see ``llmjp_ds.fp8_emulation``) routes its GEMMs through it.
+emulator (``module.fp8_emulator``, see ``llmjp_ds.precision.emulation``) routes its GEMMs through it.
 
 Tensor parallelism as TE does it (``tp``, ``parallel_mode``): a ``column`` module holds its rows of the weight
 (``[out / tp, in]``) and gathers its input from the sequence shards first (or takes the replicated input); a
@@ -44,7 +44,7 @@ class _ExtraState:
     """TE's ``_extra_state`` slot. A uint8 tensor is TE's own FP8 metadata (kept opaque, so a TE checkpoint
     survives a round trip through this backend); a float tensor is the emulated-FP8 amax history."""
 
-    fp8_emulator = None  # an llmjp_ds.fp8_emulation.FP8Emulator once the precision schedule attaches one
+    fp8_emulator = None  # an llmjp_ds.precision.emulation.FP8Emulator once the precision schedule attaches one
 
     def get_extra_state(self) -> torch.Tensor:
         emulated = getattr(self, "_fp8_emu_state", None)
@@ -198,5 +198,5 @@ def apply_rope(t: torch.Tensor, freqs: torch.Tensor, qkv_format: str = "bshd") -
 
 def checkpoint(function, *args):
     """Activation checkpointing (non-reentrant). Under emulated FP8 the schedule's emulator provides its own
-    (:meth:`llmjp_ds.fp8_emulation.FP8Emulator.checkpoint`), whose recompute runs in the forward's region."""
+    (:meth:`llmjp_ds.precision.emulation.FP8Emulator.checkpoint`), whose recompute runs in the forward's region."""
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)

@@ -88,7 +88,7 @@ SECTIONS = {
     ("Trainer.save", None): "checkpoint",
     ("Trainer.rollback", None): "checkpoint",
     ("Trainer.evaluate", None): "evaluation",
-    ("Trainer.choose_recipe", None): "evaluation",
+    ("PrecisionController.choose_recipe", None): "evaluation",
     ("MetricsLogger.log", None): "logging",
     ("ParallelContext.any_rank", None): "an any-rank check",
     ("ParallelContext.barrier", None): "a barrier",

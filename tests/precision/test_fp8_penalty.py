@@ -24,7 +24,7 @@ def _phases(recipe: str, fallback: str = "[]") -> str:
 def _model_and_schedule():
     from llmjp_ds.config import load_config
     from llmjp_ds.model import LlamaForCausalLM, model_config
-    from llmjp_ds.precision import PrecisionSchedule
+    from llmjp_ds.precision.schedule import PrecisionSchedule
 
     cfg = load_config(None, ["precision.emulate_fp8=true", _phases("delayed")], "demo")
     schedule = PrecisionSchedule(cfg.precision, "torch", 64)

@@ -7,8 +7,9 @@ import torch
 
 from llmjp_ds.config import GuardConfig, PhaseConfig, PrecisionConfig
 from llmjp_ds.errors import UserError
-from llmjp_ds.fp8_guard import DivergenceGuard
-from llmjp_ds.precision import PrecisionSchedule, validate_phases
+from llmjp_ds.precision.guards import DivergenceGuard
+from llmjp_ds.precision.recipes import validate_phases
+from llmjp_ds.precision.schedule import PrecisionSchedule
 
 
 def schedule(phases, tokens_per_step=1000, **kw):

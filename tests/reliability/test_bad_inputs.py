@@ -467,7 +467,7 @@ def test_fp8_on_a_gpu_before_sm89(monkeypatch):
     """FP8 phases with Transformer Engine on a GPU that cannot run FP8 (A100, sm80): not reproducible on a
     CPU-only machine through the CLI, so the schedule's check is called as the trainer calls it, before any
     process group, with the hardware probe answering 'no'."""
-    from llmjp_ds import precision
+    from llmjp_ds.precision import schedule as precision
     from llmjp_ds.config import load_config
     from llmjp_ds.errors import UserError
 

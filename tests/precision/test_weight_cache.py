@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from llmjp_ds.model.weight_cache import ReusesFP8Weights, WeightCache
+from llmjp_ds.model.weight_reuse import ReusesFP8Weights
+from llmjp_ds.precision.weight_cache import WeightCache
 
 
 class Base:
@@ -106,7 +107,7 @@ FP8 = "precision.phases=[{precision: bf16}, {precision: fp8, start_step: 2, reci
 
 def schedule_for(backend: str, *sets: str):
     from llmjp_ds.config import load_config
-    from llmjp_ds.precision import PrecisionSchedule
+    from llmjp_ds.precision.schedule import PrecisionSchedule
 
     cfg = load_config(None, list(sets), "demo")
     return PrecisionSchedule(cfg.precision, backend, 8 * 128)
@@ -132,7 +133,7 @@ def test_schedule_attaches_no_cache_on_the_torch_backend(sets):
 @pytest.mark.parametrize("sets,enabled", [((FP8,), True), ((FP8, "precision.fp8_weight_cache=false"), False),
                                           ((), False)], ids=["fp8", "fp8-cache-off", "bf16"])
 def test_schedule_attaches_the_cache_for_real_te_fp8_only(monkeypatch, sets, enabled):
-    import llmjp_ds.precision as precision
+    import llmjp_ds.precision.schedule as precision
 
     monkeypatch.setattr(precision, "fp8_hardware_available", lambda: True)  # as on an H200 with TE
     schedule, model = schedule_for("te", *sets), Model()

@@ -1,7 +1,7 @@
-"""What watches FP8 once it runs, and what it may change.
+"""What watches FP8 once it runs; what is done about it is :mod:`llmjp_ds.precision.controller`'s.
 
-* :class:`DivergenceGuard`: after a flip, a non-finite loss or a loss spike asks the trainer to roll back to the
-  last good checkpoint and continue in BF16.
+* :class:`DivergenceGuard`: after a flip, a non-finite loss or a loss spike asks for a rollback to the last good
+  checkpoint, to continue in BF16.
 * :class:`PenaltyMonitor`: FP8's loss penalty, ``valid_loss / valid_loss_bf16 - 1``, measured at every validation
   of an FP8 phase on the same weights and batches with FP8 off. Above ``max_penalty`` for ``penalty_patience``
   validations in a row it asks for the configured action: warn, step down the phase's fallback chain of

@@ -1,4 +1,4 @@
-"""The precision schedule: BF16 -> FP8 mid-run with Transformer Engine recipes, and the divergence guard.
+"""The precision schedule: what each micro-batch runs in, BF16 -> FP8 mid-run with Transformer Engine recipes.
 
 One place answers "what precision does micro-batch m of step s run in": :class:`PrecisionSchedule`, which also
 owns all precision state (the FP8 weight cache, the emulator). At setup it is attached to the model once
@@ -21,80 +21,23 @@ region). What happens there:
   as they carry TE's. Emulation reduces amax per rank (no cross-rank reduction). Layers kept in BF16 get no
   emulator.
 
-What watches FP8 once it runs (the divergence guard, the loss penalty, the choice of ``recipe: auto``) lives in
-:mod:`llmjp_ds.fp8_guard`.
+The phases and recipes are :mod:`llmjp_ds.precision.recipes`; what watches FP8 once it runs (the divergence
+guard, the loss penalty) is :mod:`llmjp_ds.precision.guards`; the decisions taken on what they see (the flip,
+``recipe: auto``, a fallback, a rollback to BF16) are :mod:`llmjp_ds.precision.controller`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 
 import torch
 
 from llmjp_ds.errors import fail
-from llmjp_ds.model.weight_cache import ReusesFP8Weights, WeightCache
-
-RECIPES = ("delayed", "current", "block")
-AUTO = "auto"  # the recipe chosen at the flip by measured penalty (llmjp_ds.fidelity)
-FORMATS = ("hybrid", "e4m3")
-PENALTY_ACTIONS = ("warn", "fallback", "bf16")
-
-
-def validate_phases(cfg, num_layers: int) -> None:
-    phases = cfg.phases
-    if phases[0].start_step != 0 or phases[0].start_tokens not in (None, 0):
-        fail("precision.phases[0] must start at step 0 (it is the precision the run begins in)")
-    previous = -1
-    for i, ph in enumerate(phases):
-        where = f"precision.phases[{i}]"
-        if ph.precision not in ("bf16", "fp8"):
-            fail(f"{where}.precision must be bf16 or fp8, got {ph.precision!r}")
-        if ph.recipe not in RECIPES + (AUTO,):
-            fail(f"{where}.recipe must be one of {', '.join(RECIPES + (AUTO,))}, got {ph.recipe!r}")
-        if not ph.candidates or any(r not in RECIPES for r in ph.candidates):
-            fail(f"{where}.candidates must be a non-empty list of {', '.join(RECIPES)}, got {ph.candidates}")
-        if any(r not in RECIPES + ("bf16",) for r in ph.fallback):
-            fail(f"{where}.fallback must list recipes ({', '.join(RECIPES)}) or bf16, got {ph.fallback}")
-        if ph.fp8_format not in FORMATS:
-            fail(f"{where}.fp8_format must be hybrid or e4m3, got {ph.fp8_format!r}")
-        if ph.amax_compute_algo not in ("max", "most_recent"):
-            fail(f"{where}.amax_compute_algo must be max or most_recent, got {ph.amax_compute_algo!r}")
-        if ph.amax_history_len < 1 or ph.calibration_steps < 0:
-            fail(f"{where}: amax_history_len must be >= 1 and calibration_steps >= 0")
-        if ph.start_tokens is None and i and ph.start_step <= previous:
-            fail(f"{where}.start_step={ph.start_step} must be after the previous phase's start ({previous})")
-        previous = ph.start_step if ph.start_tokens is None else previous
-    if cfg.bf16_first_layers + cfg.bf16_last_layers > num_layers:
-        fail(f"precision.bf16_first_layers + bf16_last_layers exceeds the model's {num_layers} layers")
-    guard = cfg.guard
-    if guard.penalty_action not in PENALTY_ACTIONS:
-        fail(f"precision.guard.penalty_action must be one of {', '.join(PENALTY_ACTIONS)}, got "
-             f"{guard.penalty_action!r}")
-    if not guard.max_penalty > 0 or guard.penalty_patience < 1:
-        fail(f"precision.guard.max_penalty must be > 0 and penalty_patience >= 1, got {guard.max_penalty} and "
-             f"{guard.penalty_patience}")
-
-
-@dataclass(frozen=True)
-class Phase:
-    index: int
-    precision: str
-    start_step: int
-    recipe: str = "delayed"
-    fp8_format: str = "hybrid"
-    amax_history_len: int = 1024
-    amax_compute_algo: str = "max"
-    margin: int = 0
-    calibration_steps: int = 1
-    candidates: tuple = RECIPES
-    fallback: tuple = ()
-
-    @property
-    def label(self) -> str:
-        return "bf16" if self.precision == "bf16" else f"fp8-{self.recipe}-{self.fp8_format}"
+from llmjp_ds.model.weight_reuse import ReusesFP8Weights
+from llmjp_ds.precision.recipes import AUTO, Phase, te_recipe
+from llmjp_ds.precision.weight_cache import WeightCache
 
 
 def fp8_hardware_available() -> bool:
@@ -137,12 +80,12 @@ class PrecisionSchedule:
         if self.emulated and not cfg.emulate_fp8:
             fail("FP8 phases need Transformer Engine on a CUDA GPU (sm89+); on this machine set "
                  "precision.emulate_fp8=true to run them as emulated FP8, or remove the fp8 phases")
-        # TE caches each FP8 weight cast for the rest of the step (llmjp_ds.model.weight_cache)
+        # TE caches each FP8 weight cast for the rest of the step (llmjp_ds.precision.weight_cache)
         self.weight_cache = WeightCache()
         self.caches_weights = backend == "te" and uses_fp8 and not self.emulated and cfg.fp8_weight_cache
         self.emulator = None
         if self.emulated:
-            from llmjp_ds.fp8_emulation import FP8Emulator
+            from llmjp_ds.precision.emulation import FP8Emulator
 
             self.emulator = FP8Emulator()
 
@@ -356,20 +299,6 @@ class _KeptInBF16:
     def exit(self, module, args, output):
         self.open.pop().__exit__(None, None, None)
         return output
-
-
-@functools.lru_cache(maxsize=None)
-def te_recipe(ph: Phase):
-    """TE's recipe object for a phase; one per phase (autocast runs per micro-batch)."""
-    from transformer_engine.common import recipe as R
-
-    fmt = R.Format.HYBRID if ph.fp8_format == "hybrid" else R.Format.E4M3
-    if ph.recipe == "delayed":
-        return R.DelayedScaling(fp8_format=fmt, amax_history_len=ph.amax_history_len,
-                                amax_compute_algo=ph.amax_compute_algo, margin=ph.margin)
-    if ph.recipe == "current":
-        return R.Float8CurrentScaling(fp8_format=fmt)
-    return R.Float8BlockScaling(fp8_format=R.Format.E4M3 if ph.fp8_format == "e4m3" else fmt)
 
 
 def fp8_summary(model) -> dict:

@@ -167,6 +167,12 @@ class IndexedDataset:
         return self.tokens[start:start + int(self.sequence_lengths[i])]
 
     # -- documents -------------------------------------------------------------------------------------
+    def attach(self, suffix: str, data: bytes) -> None:
+        """Write ``data`` as ``PREFIX + suffix`` in the same commit as the corpus: put in place after the ``.bin``
+        and before the ``.idx``, so an ``.idx`` under its final name always has it beside (an old one is removed
+        with the old ``.idx``)."""
+        self._sidecars[suffix] = data
+
     @property
     def num_documents(self) -> int:
         return len(self.document_indices) - 1
@@ -223,6 +229,7 @@ class IndexedDatasetWriter:
         self._bin = None
         self._bin_tmp: Path | None = None
         self.num_tokens = 0
+        self._sidecars: dict[str, bytes] = {}
         if np.issubdtype(self.dtype, np.integer):
             info = np.iinfo(self.dtype)
             self._lo, self._hi = int(info.min), int(info.max)
@@ -263,6 +270,12 @@ class IndexedDatasetWriter:
         self._documents.extend(range(last + 1, last + 1 + len(lengths)))
         self.num_tokens += flat.size
 
+    def attach(self, suffix: str, data: bytes) -> None:
+        """Write ``data`` as ``PREFIX + suffix`` in the same commit as the corpus: put in place after the ``.bin``
+        and before the ``.idx``, so an ``.idx`` under its final name always has it beside (an old one is removed
+        with the old ``.idx``)."""
+        self._sidecars[suffix] = data
+
     @property
     def num_documents(self) -> int:
         return len(self._documents) - 1
@@ -282,6 +295,7 @@ class IndexedDatasetWriter:
             self.abort()
             return
         idx_tmp = None
+        tmps: dict[str, Path] = {}
         try:
             self._bin.flush()
             os.fsync(self._bin.fileno())
@@ -291,15 +305,26 @@ class IndexedDatasetWriter:
                 f.write(self._index_bytes())
                 f.flush()
                 os.fsync(f.fileno())
+            for suffix, data in self._sidecars.items():
+                tmps[suffix] = temp_path_beside(self.prefix + suffix)
+                with open(tmps[suffix], "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
             check_output_free(self.prefix, self.force)  # someone may have written it while we worked
             # an old .idx must never sit beside the new .bin: drop it first, put the new .idx in place last
             remove_quietly(self.prefix + ".idx")
+            for suffix in tmps:
+                remove_quietly(self.prefix + suffix)
             os.replace(self._bin_tmp, self.prefix + ".bin")
+            for suffix, tmp in tmps.items():
+                os.replace(tmp, self.prefix + suffix)
             os.replace(idx_tmp, self.prefix + ".idx")
             fsync_dir(Path(self.prefix).parent)
         except BaseException:
-            if idx_tmp is not None:
-                remove_quietly(idx_tmp)
+            for tmp in [idx_tmp, *tmps.values()]:
+                if tmp is not None:
+                    remove_quietly(tmp)
             self.abort()
             raise
 

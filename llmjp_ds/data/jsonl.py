@@ -56,26 +56,6 @@ class _ReadError(Exception):
         super().__init__(exc.strerror or str(exc))
 
 
-def check_inputs(inputs) -> list[Path]:
-    if isinstance(inputs, (str, Path)):
-        inputs = [inputs]
-    paths = [Path(p) for p in inputs]
-    if not paths:
-        fail(f"no input files given: pass one or more {SUPPORTED} files with --input")
-    for p in paths:
-        if p.is_dir():
-            fail(f"input {p} is a directory: pass the jsonl files inside it (e.g. {p}/*.jsonl)")
-        if not p.exists():
-            fail(f"input {p} not found: check the path (jsonl, .jsonl.gz or .jsonl.zst)")
-        try:
-            with open(p, "rb") as f:
-                f.read(1)
-        except OSError as exc:
-            fail(f"cannot read input {p} ({exc.strerror}): check its permissions and the disk, or copy it "
-                 f"somewhere readable")
-    return paths
-
-
 def _new_decompressor(codec: str):
     if codec == "gzip":
         import zlib
@@ -292,17 +272,3 @@ def text_of_line(line: bytes, text_key: str) -> str | None:
                                             f"at character {exc.start} (half of a UTF-16 pair, not text); fix the "
                                             f"writer of the file or remove the line") from None
     return text
-
-
-def iter_documents(inputs, text_key: str = "text", skip_bad: bool = False) -> Iterator[tuple[Path, int, str]]:
-    """(file, line number, text) for every document; a bad line raises a one-line UserError unless skipped."""
-    for path in check_inputs(inputs):
-        for lineno, line, _ in iter_lines(path):
-            try:
-                text = text_of_line(line, text_key)
-            except BadLine as bad:
-                if skip_bad:
-                    continue
-                fail(stream_error(path) or f"{path}:{lineno}: {bad}, or pass --skip-bad to skip such lines")
-            if text is not None:
-                yield path, lineno, text

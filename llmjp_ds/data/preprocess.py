@@ -1,13 +1,17 @@
-"""``llmjp-ds preprocess``: jsonl (plain, .gz, .zst, .bz2, .xz) -> ``PREFIX_text_document.bin/.idx`` (Megatron MMIDIDX).
+"""``llmjp-ds preprocess``: jsonl, parquet and Arrow inputs -> ``PREFIX_text_document.bin/.idx`` (Megatron MMIDIDX).
 
 Each document becomes one sequence ``[bos] + sp.encode(text) + [eos]``, framed by ``Tokenizer.encode_documents``:
 byte for byte what Megatron-LM's ``tools/preprocess_data.py --tokenizer-type Llama2Tokenizer --append-eod`` writes
 for the same model (its ``eod`` is the model's ``eos_id``; an empty text still gives ``[bos, eos]``), so LLM-jp's
 corpora and ours mix.
 
-The main process reads raw lines and writes; worker processes parse json and tokenize chunks of ~1 MB. Results
-come back in input order, so any ``workers`` gives the same bytes. At most ``2 * workers + 2`` chunks are in flight,
-so memory stays flat however large the input. Output is written atomically (see ``IndexedDatasetWriter``): a
+Inputs are files, directories and globs (``inputs.py``). The main process reads jsonl lines and writes; worker
+processes parse json, read their own slices of parquet and Arrow files (``columnar.py``), and tokenize
+(``chunks.py``). Results come back in input order (``pool.py``), so any ``workers`` gives the same bytes, and the
+same documents give the same bytes whatever file format holds them. At most ``2 * workers + 2`` chunks (~1 MB of
+jsonl, or a parquet row group) are in flight, so memory stays flat however large the input. Beside the corpus,
+``PREFIX_text_document.json`` records the inputs in order, per input its documents, tokens and skipped rows, and
+the tokenizer's sha256, so a blend can be audited later. Output is written atomically (see ``IndexedDatasetWriter``): a
 failure at any point (a bad line, a truncated input, a full disk) leaves no temp file, no partial corpus and no
 directory that the run created.
 """
@@ -17,6 +21,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import hashlib
+import json
 import os
 import shutil
 import sys
@@ -24,9 +30,11 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
+from llmjp_ds.data.chunks import ChunkEncoder, Encoded, plan_columnar, tasks
 from llmjp_ds.data.indexed import IndexedDatasetWriter, best_dtype, check_output_free
+from llmjp_ds.data.inputs import SUPPORTED, Source, resolve_inputs
+from llmjp_ds.data.jsonl import stream_error
 from llmjp_ds.data.pool import ordered_map
-from llmjp_ds.data.jsonl import BadLine, check_inputs, iter_lines, stream_error, text_of_line
 from llmjp_ds.errors import fail
 
 OUTPUT_SUFFIX = "_text_document"
@@ -36,97 +44,6 @@ CHUNK_BYTES = 1 << 20
 def output_prefix_for(output_prefix: str | Path) -> str:
     """The corpus prefix ``preprocess`` writes for ``--output-prefix`` (Megatron's ``{prefix}_text_document``)."""
     return os.fspath(output_prefix) + OUTPUT_SUFFIX
-
-
-class ChunkEncoder:
-    """What a tokenizing worker runs on one chunk of lines: ``(path, first line number, lines)`` -> (tokens,
-    lengths, skipped {kind: n}, first skipped message, error), where error is None or (file, message).
-
-    Picklable and small (the tokenizer's path and the options); the tokenizer is loaded on first use and kept on
-    the object, so each worker process loads it once."""
-
-    def __init__(self, model_path: str, text_key: str, skip_bad: bool):
-        self.model_path, self.text_key, self.skip_bad = model_path, text_key, skip_bad
-        self._tok = None
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_tok": None}
-
-    @property
-    def tok(self):
-        if self._tok is None:
-            from llmjp_ds.data.tokenizer import load_tokenizer
-
-            self._tok = load_tokenizer(self.model_path)
-        return self._tok
-
-    def __call__(self, chunk: tuple[str, int, list[bytes]]):
-        path, first_lineno, lines = chunk
-        tok, key, skip_bad = self.tok, self.text_key, self.skip_bad
-        texts: list[str] = []
-        linenos: list[int] = []
-        skipped: dict[str, int] = {}
-        first_skip = None
-
-        def bad_line(lineno: int, bad: BadLine):
-            nonlocal first_skip
-            where = f"{path}:{lineno}"
-            if not skip_bad:
-                return path, f"{where}: {bad}, or pass --skip-bad to skip such lines"
-            skipped[bad.kind] = skipped.get(bad.kind, 0) + 1
-            first_skip = first_skip or f"{where}: {bad}"
-            return None
-
-        for n, line in enumerate(lines):
-            try:
-                text = text_of_line(line, key)
-            except BadLine as bad:
-                error = bad_line(first_lineno + n, bad)
-                if error:
-                    return None, None, skipped, None, error
-                continue
-            if text is not None:
-                texts.append(text)
-                linenos.append(first_lineno + n)
-        try:
-            flat, lengths = tok.encode_documents(texts)
-        except Exception:  # a text the tokenizer rejects: find it, and treat it as a bad line
-            kept = []
-            for lineno, text in zip(linenos, texts):
-                try:
-                    tok.encode_documents([text])
-                except Exception as exc:
-                    error = bad_line(lineno, BadLine("unencodable text", f"the tokenizer cannot encode {key!r} "
-                                                                         f"({type(exc).__name__}: {exc}); fix or "
-                                                                         f"remove the line"))
-                    if error:
-                        return None, None, skipped, None, error
-                    continue
-                kept.append(text)
-            flat, lengths = tok.encode_documents(kept)
-        return flat, lengths, skipped, first_skip, None
-
-
-def _chunks(paths: list[Path], chunk_bytes: int, progress):
-    """(path, first line number, lines) of about ``chunk_bytes`` each, never spanning two files."""
-    for path in paths:
-        lines: list[bytes] = []
-        size = 0
-        first = 1
-        last_raw = 0
-        for lineno, line, raw_pos in iter_lines(path):
-            if not lines:
-                first = lineno
-            lines.append(line)
-            size += len(line)
-            if size >= chunk_bytes:
-                yield str(path), first, lines
-                progress.update(raw_pos - last_raw)
-                last_raw = raw_pos
-                lines, size = [], 0
-        if lines:
-            yield str(path), first, lines
-        progress.update(path.stat().st_size - last_raw)
 
 
 def _missing_dirs(directory: Path) -> list[Path]:
@@ -172,14 +89,6 @@ def _write_failed(prefix: str, exc: OSError) -> NoReturn:
          f"the file-size limit or quota) or choose another --output-prefix, then run again; nothing was written")
 
 
-class _NoProgress:
-    def update(self, n):
-        pass
-
-    def close(self):
-        pass
-
-
 @contextlib.contextmanager
 def _output_errors(prefix: str):
     try:
@@ -188,59 +97,137 @@ def _output_errors(prefix: str):
         _write_failed(prefix, exc)
 
 
+class _Progress:
+    """One bar over the whole input (bytes: compressed for jsonl, by rows for columnar files), with documents/s
+    and tokens/s; silent when stderr is not a terminal (``progress=None``) or when off."""
+
+    def __init__(self, total: int, progress: bool | None):
+        self.bar = None
+        self.start, self.shown, self.documents, self.tokens = time.perf_counter(), 0.0, 0, 0
+        if progress is not False:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, file=sys.stderr, desc="preprocess",
+                            disable=None if progress is None else False, dynamic_ncols=True)
+
+    def update(self, nbytes: int, documents: int, tokens: int) -> None:
+        self.documents, self.tokens = self.documents + documents, self.tokens + tokens
+        if self.bar is None or self.bar.disable:
+            return
+        now = time.perf_counter()
+        if now - self.shown > 0.5:
+            seconds = max(now - self.start, 1e-9)
+            self.bar.set_postfix_str(f"{self.documents / seconds:,.0f} docs/s, {self.tokens / seconds:,.0f} "
+                                     f"tokens/s", refresh=False)
+            self.shown = now
+        self.bar.update(nbytes)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _add(total: dict, part: dict) -> None:
+    for kind, n in part.items():
+        total[kind] = total.get(kind, 0) + n
+
+
+class _Tally:
+    """Documents, tokens and skipped rows per input, the first skipped row, and the vocabulary check."""
+
+    def __init__(self, sources: list[Source], tok):
+        self.tok = tok
+        self.inputs = [{**s.describe(), "documents": 0, "tokens": 0, "skipped": {}} for s in sources]
+        self.first_skip = None
+
+    def take(self, enc: Encoded, sources: list[Source]) -> None:
+        if enc.error:
+            # garbage from a corrupt compressed stream looks like a bad line: blame the stream if it is bad
+            path = Path(enc.error[0])
+            jsonl = sources[enc.source].format == "jsonl"
+            fail((stream_error(path) if jsonl else None) or enc.error[1])
+        entry = self.inputs[enc.source]
+        _add(entry["skipped"], enc.skipped)
+        self.first_skip = self.first_skip or enc.first_skip
+        flat, vocab = enc.flat, self.tok.vocab_size
+        if flat.size and (int(flat.max()) >= vocab or int(flat.min()) < 0):
+            bad = int(flat.max()) if int(flat.max()) >= vocab else int(flat.min())
+            fail(f"token id {bad} is outside the vocabulary (size {vocab}) of {self.tok.model_path}: the "
+                 f"tokenizer file is corrupt; re-train or re-download it")
+        entry["documents"] += len(enc.lengths)
+        entry["tokens"] += int(flat.size)
+
+    def skipped(self) -> dict:
+        total: dict = {}
+        for entry in self.inputs:
+            _add(total, entry["skipped"])
+        return total
+
+
+def _summary(prefix: str, tok, tally: _Tally, text_key: str, dtype) -> dict:
+    """What ``PREFIX_text_document.json`` holds: enough to audit a blend (which files, in which order, with
+    which tokenizer, gave which documents)."""
+    return {
+        "corpus": prefix, "documents": sum(e["documents"] for e in tally.inputs),
+        "tokens": sum(e["tokens"] for e in tally.inputs), "skipped": tally.skipped(), "dtype": dtype.name,
+        "text_key": text_key,
+        "tokenizer": {"path": str(tok.model_path), "sha256": file_sha256(tok.model_path),
+                      "vocab_size": tok.vocab_size},
+        "inputs": tally.inputs,
+    }
+
+
 def preprocess(inputs: list[str | Path], tokenizer: str | Path, output_prefix: str | Path, workers: int = 1,
                text_key: str = "text", force: bool = False, skip_bad: bool = False, progress: bool | None = None,
                chunk_bytes: int = CHUNK_BYTES) -> dict:
-    """Tokenize jsonl files into ``{output_prefix}_text_document.bin/.idx``; returns statistics.
+    """Tokenize jsonl, parquet and Arrow inputs (files, directories, globs) into
+    ``{output_prefix}_text_document.bin/.idx`` and its ``.json`` summary; returns statistics.
 
-    ``progress``: None shows a bar when stderr is a terminal. Bad lines raise a one-line UserError naming
-    ``file:line``, unless ``skip_bad``, which counts them instead (``stats["skipped"]``).
+    ``progress``: None shows a bar when stderr is a terminal. Bad lines or rows raise a one-line UserError naming
+    the file and line (row), unless ``skip_bad``, which counts them instead (``stats["skipped_by_kind"]``).
     """
     from llmjp_ds.data.tokenizer import load_tokenizer
 
     start = time.perf_counter()
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         fail(f"--workers {workers}: need at least 1 (worker processes that tokenize)")
-    paths = check_inputs(inputs)
+    sources = resolve_inputs(inputs)
     tok = load_tokenizer(tokenizer)
     prefix = output_prefix_for(output_prefix)
     check_output_free(prefix, force)  # before hours of work, not after
     _check_output_dir(prefix)
+    plans = plan_columnar(sources, chunk_bytes, text_key, skip_bad)
     created = _missing_dirs(Path(prefix).parent)
     dtype = best_dtype(tok.vocab_size)
-
-    bar = _NoProgress()
-    if progress is not False:
-        from tqdm import tqdm
-
-        bar = tqdm(total=sum(p.stat().st_size for p in paths), unit="B", unit_scale=True, file=sys.stderr,
-                   desc="preprocess", disable=None if progress is None else False, dynamic_ncols=True)
-    skipped: dict[str, int] = {}
-    first_skip = None
+    bar = _Progress(sum(s.path.stat().st_size for s in sources), progress)
+    tally = _Tally(sources, tok)
     encoder = ChunkEncoder(str(tok.model_path), text_key, skip_bad)
     ok = False
     try:
-        results = ordered_map(encoder, _chunks(paths, chunk_bytes, bar), workers)
+        results = ordered_map(encoder, tasks(sources, plans, chunk_bytes), workers)
         # the inputs' read errors are UserErrors by now (jsonl.iter_lines): an OSError here is the output's
         with _output_errors(prefix), contextlib.closing(results), \
                 IndexedDatasetWriter(prefix, dtype, force=force) as writer:
-            for flat, lengths, chunk_skipped, chunk_first, error in results:
-                if error:
-                    # garbage from a corrupt compressed stream looks like a bad line: blame the stream if it is bad
-                    fail(stream_error(Path(error[0])) or error[1])
-                for kind, n in chunk_skipped.items():
-                    skipped[kind] = skipped.get(kind, 0) + n
-                first_skip = first_skip or chunk_first
-                if flat.size and (int(flat.max()) >= tok.vocab_size or int(flat.min()) < 0):
-                    bad = int(flat.max()) if int(flat.max()) >= tok.vocab_size else int(flat.min())
-                    fail(f"token id {bad} is outside the vocabulary (size {tok.vocab_size}) of {tok.model_path}: "
-                         f"the tokenizer file is corrupt; re-train or re-download it")
-                writer.add_documents(flat, lengths)
+            for enc in results:
+                tally.take(enc, sources)
+                writer.add_documents(enc.flat, enc.lengths)
+                bar.update(enc.progress, len(enc.lengths), int(enc.flat.size))
             if writer.num_documents == 0:
-                why = f" ({sum(skipped.values())} bad lines skipped, e.g. {first_skip})" if skipped else ""
-                fail(f"no documents in {', '.join(map(str, paths))}{why}: nothing to write; check the files and "
-                     f"--text-key {text_key!r}")
-            documents, tokens = writer.num_documents, writer.num_tokens
+                skipped = tally.skipped()
+                unit = "lines" if all(s.format == "jsonl" for s in sources) else "lines or rows"
+                why = f" ({sum(skipped.values())} bad {unit} skipped, e.g. {tally.first_skip})" if skipped else ""
+                fail(f"no documents in {', '.join(str(s.path) for s in sources)}{why}: nothing to write; check the "
+                     f"files and --text-key {text_key!r}")
+            summary = _summary(prefix, tok, tally, text_key, dtype)
+            writer.attach(".json", (json.dumps(summary, indent=1, ensure_ascii=False) + "\n").encode())
         ok = True
     finally:
         bar.close()
@@ -250,35 +237,46 @@ def preprocess(inputs: list[str | Path], tokenizer: str | Path, output_prefix: s
                     d.rmdir()
     seconds = time.perf_counter() - start
     return {
-        "prefix": prefix, "documents": documents, "tokens": tokens, "skipped": sum(skipped.values()),
-        "skipped_by_kind": skipped, "first_skipped": first_skip, "seconds": seconds,
-        "tokens_per_second": tokens / seconds if seconds > 0 else float("inf"), "dtype": dtype.name,
-        "vocab_size": tok.vocab_size, "workers": workers,
+        **{k: summary[k] for k in ("documents", "tokens", "inputs", "tokenizer")}, "prefix": prefix,
+        "skipped": sum(summary["skipped"].values()), "skipped_by_kind": summary["skipped"],
+        "first_skipped": tally.first_skip, "seconds": seconds, "dtype": dtype.name, "vocab_size": tok.vocab_size,
+        "tokens_per_second": summary["tokens"] / seconds if seconds > 0 else float("inf"), "workers": workers,
     }
+
+
+def _print_summary(stats: dict) -> None:
+    for entry in stats["inputs"]:
+        skipped = ", ".join(f"{n:,} {kind}" for kind, n in entry["skipped"].items())
+        print(f"  {entry['path']} ({entry['format']}): {entry['documents']:,} documents, {entry['tokens']:,} tokens"
+              f"{f'; skipped {skipped}' if skipped else ''}", file=sys.stderr)
+    print(f"wrote {stats['prefix']}.bin/.idx/.json: {stats['documents']:,} documents, {stats['tokens']:,} tokens "
+          f"({stats['dtype']}) from {len(stats['inputs'])} inputs in {stats['seconds']:.1f} s, "
+          f"{stats['tokens_per_second']:,.0f} tokens/s with {stats['workers']} workers", file=sys.stderr)
+    if stats["skipped"]:
+        kinds = ", ".join(f"{n} {kind}" for kind, n in stats["skipped_by_kind"].items())
+        unit = "lines" if all(e["format"] == "jsonl" for e in stats["inputs"]) else "lines or rows"
+        print(f"skipped {stats['skipped']:,} bad {unit} ({kinds}); first: {stats['first_skipped']}", file=sys.stderr)
 
 
 def cli_main(argv: list[str], verb: str = "preprocess") -> int:
     parser = argparse.ArgumentParser(
         prog=f"llmjp-ds {verb}",
-        description="Tokenize jsonl into a Megatron-LM indexed corpus PREFIX_text_document.bin/.idx "
-                    "([bos] + pieces + [eos] per document, as Megatron's --append-eod).")
-    parser.add_argument("--input", nargs="+", required=True, metavar="FILE",
-                        help="jsonl, .jsonl.gz, .jsonl.zst, .jsonl.bz2 or .jsonl.xz")
+        description="Tokenize jsonl, parquet or Arrow datasets into a Megatron-LM indexed corpus "
+                    "PREFIX_text_document.bin/.idx ([bos] + pieces + [eos] per document, as Megatron's "
+                    "--append-eod), with a PREFIX_text_document.json summary.")
+    parser.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                        help=f"files, directories or globs (quoted), mixed: {SUPPORTED}")
     parser.add_argument("--tokenizer", required=True,
                         help="SentencePiece .model, or a directory holding tokenizer.model")
-    parser.add_argument("--output-prefix", required=True, help="writes PREFIX_text_document.bin and .idx")
+    parser.add_argument("--output-prefix", required=True, help="writes PREFIX_text_document.bin, .idx and .json")
     parser.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)))
-    parser.add_argument("--text-key", default="text", help="json key holding the document text (default: text)")
+    parser.add_argument("--text-key", default="text",
+                        help="json key or column holding the document text (default: text)")
     parser.add_argument("--force", action="store_true", help="replace an existing output")
     parser.add_argument("--skip-bad", action="store_true",
-                        help="skip lines that are not json objects with a string text key, and count them")
+                        help="skip lines or rows without a string text (and unparsable lines), and count them")
     args = parser.parse_args(argv)
     stats = preprocess(args.input, args.tokenizer, args.output_prefix, workers=args.workers, text_key=args.text_key,
                        force=args.force, skip_bad=args.skip_bad)
-    print(f"wrote {stats['prefix']}.bin/.idx: {stats['documents']:,} documents, {stats['tokens']:,} tokens "
-          f"({stats['dtype']}) in {stats['seconds']:.1f} s, {stats['tokens_per_second']:,.0f} tokens/s with "
-          f"{stats['workers']} workers", file=sys.stderr)
-    if stats["skipped"]:
-        kinds = ", ".join(f"{n} {kind}" for kind, n in stats["skipped_by_kind"].items())
-        print(f"skipped {stats['skipped']:,} bad lines ({kinds}); first: {stats['first_skipped']}", file=sys.stderr)
+    _print_summary(stats)
     return 0

@@ -125,7 +125,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 def _training_chunks(inputs, text_key: str, max_chars: int = 2000):
     """Yield pieces of documents for the SentencePiece trainer: whole lines (newline kept, so that ``\\n`` is
     learnt as a piece), packed up to ``max_chars``. Bad lines are skipped; preprocess is where they are reported."""
-    from llmjp_ds.data.jsonl import iter_documents
+    from llmjp_ds.data.inputs import iter_documents
 
     for _, _, text in iter_documents(inputs, text_key, skip_bad=True):
         buf = ""
@@ -154,9 +154,9 @@ def train_tokenizer(inputs: list[str | Path], output_dir: str | Path, vocab_size
     import sentencepiece as spm
 
     from llmjp_ds.io_utils import ensure_writable_dir, write_bytes_atomic
-    from llmjp_ds.data.jsonl import check_inputs
+    from llmjp_ds.data.inputs import resolve_inputs
 
-    inputs = check_inputs(inputs)
+    inputs = [s.path for s in resolve_inputs(inputs)]
     output_dir = Path(output_dir)
     if (output_dir / MODEL_FILE).exists() and not force:
         fail(f"{output_dir / MODEL_FILE} already exists: choose another --output-dir, or pass --force to replace it")
@@ -357,12 +357,14 @@ def cli_main(argv: list[str], verb: str = "train-tokenizer") -> int:
     parser = argparse.ArgumentParser(
         prog=f"llmjp-ds {verb}",
         description="Train a SentencePiece unigram tokenizer (byte fallback, LLM-jp v3 special pieces) from jsonl, "
-                    "and save it as a Hugging Face tokenizer directory. With --from-model, only convert an "
+                    "parquet or Arrow datasets, and save it as a Hugging Face tokenizer directory. With --from-model, only convert an "
                     "existing .model (e.g. LLM-jp's) into that directory.")
-    parser.add_argument("--input", nargs="+", default=[], metavar="FILE", help="jsonl, .jsonl.gz or .jsonl.zst files")
+    parser.add_argument("--input", nargs="+", default=[], metavar="PATH",
+                        help="files, directories or globs (quoted), mixed: jsonl (plain or compressed), parquet, Arrow")
     parser.add_argument("--output-dir", required=True, help="directory for tokenizer.model + HF tokenizer files")
     parser.add_argument("--vocab-size", type=int, default=8000)
-    parser.add_argument("--text-key", default="text", help="json key holding the document text (default: text)")
+    parser.add_argument("--text-key", default="text",
+                        help="json key or column holding the document text (default: text)")
     parser.add_argument("--max-sentences", type=int, default=None,
                         help="sample at most this many text chunks (~2,000 characters each) for training")
     parser.add_argument("--from-model", default=None, metavar="MODEL",
@@ -378,7 +380,8 @@ def cli_main(argv: list[str], verb: str = "train-tokenizer") -> int:
         save_hf_tokenizer(source, target)
     else:
         if not args.input:
-            fail("no --input given: pass jsonl files to train on, or --from-model MODEL to convert a model")
+            fail("no --input given: pass files (jsonl, parquet, Arrow) to train on, or --from-model MODEL to "
+                 "convert a model")
         train_tokenizer(args.input, args.output_dir, args.vocab_size, args.text_key, args.max_sentences,
                         force=args.force, quiet=True)
     tok = load_tokenizer(args.output_dir)

@@ -56,3 +56,56 @@ def write_corpus(prefix: Path, docs, dtype=np.uint16) -> str:
 def labelled_corpus(prefix: Path, lengths, label_base: int = 10) -> str:
     """A corpus whose document d is ``len`` copies of ``label_base + d``: every sample says where it came from."""
     return write_corpus(prefix, [np.full(n, label_base + d, dtype=np.int64) for d, n in enumerate(lengths)])
+
+
+# --- columnar files, written by pyarrow itself ---------------------------------------------------------------
+
+def _table(records, text_key: str = "text", large: bool = False):
+    import pyarrow as pa
+
+    texts = [r.get(text_key) if isinstance(r, dict) else r for r in records]
+    columns = {text_key: pa.array(texts, type=pa.large_string() if large else pa.string()),
+               "id": pa.array(range(len(texts)), type=pa.int64())}
+    return pa.table(columns)
+
+
+def write_parquet(path: Path, records, row_group_size: int = 50, compression: str = "snappy",
+                  large: bool = False, text_key: str = "text") -> Path:
+    """``records`` (dicts with a text key, or texts; None is a null) as parquet, with an extra ``id`` column."""
+    import pyarrow.parquet as pq
+
+    pq.write_table(_table(records, text_key, large), path, row_group_size=row_group_size, compression=compression)
+    return path
+
+
+def write_arrow_stream(path: Path, table, batch_rows: int = 1000, metadata: dict | None = None) -> Path:
+    import pyarrow as pa
+
+    schema = table.schema.with_metadata(metadata or {})
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        for batch in table.to_batches(max_chunksize=batch_rows):
+            writer.write_batch(batch)
+    return path
+
+
+def write_saved_dataset(directory: Path, records, shards: int = 2, batch_rows: int = 1000) -> Path:
+    """What ``datasets.Dataset.save_to_disk(directory, num_shards=shards)`` writes: ``data-0000i-of-0000n.arrow``
+    (Arrow IPC *stream* format, record batches of ``writer_batch_size`` = 1000 rows, the features in the schema's
+    ``huggingface`` metadata), ``dataset_info.json`` (the features) and ``state.json`` (the shards in order)."""
+    table = _table(records)
+    directory.mkdir(parents=True)
+    features = {"text": {"dtype": "string", "_type": "Value"}, "id": {"dtype": "int64", "_type": "Value"}}
+    meta = {"huggingface": json.dumps({"info": {"features": features}})}
+    names, n = [], table.num_rows
+    bounds = [n * i // shards for i in range(shards + 1)]
+    for i in range(shards):
+        name = f"data-{i:05d}-of-{shards:05d}.arrow"
+        write_arrow_stream(directory / name, table.slice(bounds[i], bounds[i + 1] - bounds[i]), batch_rows, meta)
+        names.append(name)
+    (directory / "dataset_info.json").write_text(json.dumps({"citation": "", "description": "", "features": features,
+                                                              "homepage": "", "license": ""}, indent=2))
+    (directory / "state.json").write_text(json.dumps({
+        "_data_files": [{"filename": name} for name in names], "_fingerprint": "0123456789abcdef",
+        "_format_columns": None, "_format_kwargs": {}, "_format_type": None, "_output_all_columns": False,
+        "_split": None}, indent=2, sort_keys=True))
+    return directory

@@ -70,7 +70,8 @@ def test_two_workers_equal_one_byte_for_byte(tmp_path, trained_tokenizer, corpus
 
 
 def _final_files(tmp_path) -> list[str]:
-    return sorted(p for p in os.listdir(tmp_path) if p.endswith((".bin", ".idx")) or p.startswith("."))
+    return sorted(p for p in os.listdir(tmp_path) if p.endswith((".bin", ".idx", "_text_document.json")) or
+                  p.startswith("."))
 
 
 BAD_LINES = [
@@ -301,7 +302,7 @@ def test_every_codec_reads_to_the_end_and_refuses_a_cut(tmp_path, trained_tokeni
     """Two members (gzip members, zstd frames, bz2/xz streams, as pigz/pbzip2/pixz write): the whole file gives the
     plain file's corpus; cut anywhere but at the member boundary, it is refused as truncated (also train-tokenizer's
     reader)."""
-    from llmjp_ds.data.jsonl import iter_documents
+    from llmjp_ds.data.inputs import iter_documents
 
     records = _text_records(150, seed=1)
     data = _lines(records)
@@ -375,8 +376,9 @@ def test_unreadable_inputs_and_bad_worker_counts(tmp_path, trained_tokenizer):
     for workers in (0, -2):
         with pytest.raises(UserError, match=f"^--workers {workers}: need at least 1"):
             preprocess([src], trained_tokenizer, tmp_path / "out", workers=workers)
-    with pytest.raises(UserError, match="is a directory: pass the jsonl files inside it"):
-        preprocess([tmp_path], trained_tokenizer, tmp_path / "out")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="directory .*empty holds no input files"):
+        preprocess([tmp_path / "empty"], trained_tokenizer, tmp_path / "out")
     if os.path.exists("/proc/self/mem"):  # exists, and every read fails (EIO): unreadable even for root
         with pytest.raises(UserError, match=r"^cannot read input /proc/self/mem \(Input/output error\)"):
             preprocess(["/proc/self/mem"], trained_tokenizer, tmp_path / "out")
@@ -442,7 +444,7 @@ def test_write_error_is_one_line_and_leaves_nothing(tmp_path, trained_tokenizer,
 
     src = write_jsonl(tmp_path / "in.jsonl", [{"text": f"document {i} " * 50} for i in range(50)])
     old = preprocess([src], trained_tokenizer, tmp_path / "out")
-    before = {s: open(old["prefix"] + s, "rb").read() for s in (".bin", ".idx")}
+    before = {s: open(old["prefix"] + s, "rb").read() for s in (".bin", ".idx", ".json")}
     real_open = builtins.open
     monkeypatch.setattr(indexed, "open", lambda path, mode="r", *a, **k: _FailingFile(
         real_open(path, mode, *a, **k), err, at) if "w" in mode and str(path).endswith(".tmp") else
@@ -453,5 +455,6 @@ def test_write_error_is_one_line_and_leaves_nothing(tmp_path, trained_tokenizer,
     assert message.startswith(f"cannot write {old['prefix']}.bin/.idx: {os.strerror(err)} "
                               f"({errno.errorcode[err]}); "), message
     assert " free there: free space" in message and "\n" not in message
-    assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "out_text_document.bin", "out_text_document.idx"]
-    assert {s: open(old["prefix"] + s, "rb").read() for s in (".bin", ".idx")} == before
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "out_text_document.bin", "out_text_document.idx",
+                                            "out_text_document.json"]
+    assert {s: open(old["prefix"] + s, "rb").read() for s in (".bin", ".idx", ".json")} == before

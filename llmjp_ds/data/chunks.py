@@ -19,7 +19,7 @@ from llmjp_ds.data.inputs import Source
 from llmjp_ds.data.jsonl import BadLine, iter_lines, text_of_line
 from llmjp_ds.errors import fail
 
-ENCODE_CHARS = 1 << 20
+ENCODE_CHARS = 1 << 18
 
 
 @dataclass

@@ -23,7 +23,7 @@ from llmjp_ds.errors import fail
 PARQUET_MAGIC = b"PAR1"
 ARROW_FILE_MAGIC = b"ARROW1"
 ARROW_STREAM_CONTINUATION = b"\xff\xff\xff\xff"
-_BATCH_ROWS = 4096  # rows per batch when streaming a parquet row group
+_BATCH_ROWS = 1024  # rows per batch when streaming a parquet row group
 
 
 @dataclass(frozen=True)

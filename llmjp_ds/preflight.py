@@ -147,7 +147,8 @@ def memory_line(cfg, layout, gas: int, capacity_gib: float, ranks_per_node: int 
 
     model_config = model_config_of(cfg)
     if layout.pipeline > 1:
-        from llmjp_ds.model.pipeline import flops_weights, stage_bounds
+        from llmjp_ds.model.pipeline import flops_weights
+        from llmjp_ds.parallel.pipeline import stage_bounds
 
         bounds = stage_bounds(flops_weights(model_config, seq_len_of(cfg, model_config)), layout.pipeline)
         layers = stage_layers(bounds, model_config.num_hidden_layers)

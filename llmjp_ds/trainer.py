@@ -214,14 +214,10 @@ class Trainer:
         self.meta = checkpoint.CheckpointMeta.for_run(cfg, self.model_config, self.layout.data)
         self.saver = checkpoint.AsyncSaver() if cfg.checkpoint.async_save else None
         if self.saver is not None:
-            from llmjp_ds.checkpoint.async_save import arena_bytes, check_host_memory
+            from llmjp_ds.checkpoint.async_save import check_host_memory
             from llmjp_ds.validate import gpus_per_node_from_env
 
             check_host_memory(self.engine.module, self.ctx.dp_rank, self.ctx.dp_size, gpus_per_node_from_env() or 1)
-            nbytes = arena_bytes(self.engine.module, self.ctx.dp_rank, self.ctx.dp_size)
-            took = self.saver.reserve(nbytes)  # page-locked once here, not in the first save's stall
-            self.logger.event(self.state.step, "checkpoint_arena", gib=nbytes / 2**30, seconds=took,
-                              pinned=self.saver.arena.pinned)
         self.save_metrics: dict = {}  # the last save's stall and write time, for the next step's record
 
     # --- one step -------------------------------------------------------------------------------------------
@@ -312,6 +308,7 @@ class Trainer:
         """Resume checkpoint ``tag`` of another layout: rank 0 converts it once (``parallel.reshape``), every
         rank reads its parameters from the conversion."""
         from llmjp_ds import checkpoint
+        from llmjp_ds.parallel.deepspeed_internals import set_progress
         from llmjp_ds.parallel.reshape import CONVERTED, convert, load_converted
 
         n = self.model_config.num_hidden_layers
@@ -330,7 +327,7 @@ class Trainer:
         client = checkpoint.read_client_state(self.run_dir, tag)
         self.state = TrainState(**client["train_state"])
         self.controller.load_state_dict(client)
-        self.engine.global_steps, self.engine.global_samples = self.state.step, self.state.consumed_samples
+        set_progress(self.engine, self.state.step, self.state.consumed_samples)
         return client
 
     def rollback(self, reason: str) -> None:

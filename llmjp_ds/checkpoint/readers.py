@@ -17,6 +17,8 @@ import torch
 from llmjp_ds.checkpoint.safe_load import load_checkpoint_file, vet_files
 from llmjp_ds.checkpoint.store import CheckpointMeta, checkpoint_dir, vet_tag
 from llmjp_ds.errors import fail
+from llmjp_ds.parallel.deepspeed_internals import (MODEL_STATES_GLOB, PIPELINE_LAYER_GLOB, model_states_file,
+                                                   pipeline_layer_ranks)
 
 
 @contextlib.contextmanager
@@ -54,7 +56,7 @@ def load(engine, run_dir, tag: str) -> dict:
 def read_client_state(run_dir, tag: str) -> dict:
     """The trainer's own state saved with checkpoint ``tag`` (train state, precision, guard, wandb id), read
     without an engine (a resume on another layout)."""
-    state = load_checkpoint_file(vet_tag(run_dir, tag) / "mp_rank_00_model_states.pt")
+    state = load_checkpoint_file(vet_tag(run_dir, tag) / model_states_file(0))
     return {k: state[k] for k in ("train_state", "precision", "guard", "penalty", "wandb_run_id", "rng")
             if k in state}
 
@@ -68,8 +70,8 @@ def read_model_state(run_dir, tag: str, marker: CheckpointMeta) -> dict[str, tor
     if marker.pipeline_stages > 1:
         n = marker.model_config["num_hidden_layers"]
         shards: list[dict] = [{} for _ in range(marker.tensor_parallel)]
-        for f in sorted(d.glob("layer_*-model_*states.pt")):
-            idx, tp_rank = _pipeline_file_ranks(f.name)
+        for f in sorted(d.glob(PIPELINE_LAYER_GLOB)):
+            idx, tp_rank = pipeline_layer_ranks(f.name)
             for name, tensor in load_checkpoint_file(f).items():
                 shards[tp_rank][pipeline_name_to_ours(idx, n, name)] = tensor
         return tp_merge_state_dicts(shards)
@@ -80,16 +82,9 @@ def read_model_state(run_dir, tag: str, marker: CheckpointMeta) -> dict[str, tor
 
         with contextlib.redirect_stdout(open(os.devnull, "w")):
             return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir(run_dir)), tag=tag)
-    files = sorted(d.glob("mp_rank_*_model_states.pt"))
+    files = sorted(d.glob(MODEL_STATES_GLOB))
     if len(files) < marker.tensor_parallel or not files:
         fail(f"{d} has {len(files)} model states files for tensor_parallel={marker.tensor_parallel}: the checkpoint "
              "is incomplete")
     return tp_merge_state_dicts([load_checkpoint_file(f)["module"] for f in files[:marker.tensor_parallel]])
-
-
-def _pipeline_file_ranks(name: str) -> tuple[int, int]:
-    """(layer index, TP rank) of DeepSpeed's ``layer_XX-model_states.pt`` / ``layer_XX-model_YY-model_states.pt``."""
-    parts = name.split("-")
-    layer = int(parts[0].split("_")[1])
-    return layer, (int(parts[1].split("_")[1]) if len(parts) == 3 else 0)
 

@@ -1,11 +1,15 @@
 """The pipeline-parallel split, visible in one place: embedding | decoder layers | final norm + head.
 
-The stages are DeepSpeed ``LayerSpec``s of the same classes the HF model is made of, so each rank builds only
-its own layers. Activations travel between stages as one ``[b, s, h]`` tensor; RoPE angles are recomputed per
-layer from the sequence length (cheap, and nothing extra crosses a stage boundary).
+The pipeline's layers are the same classes the HF model is made of, listed as :class:`StageLayer`s (a class and
+its arguments, built only on the stage that holds it), with each one's training FLOPs for the partition. Plain
+data and PyTorch modules: ``parallel/pipeline.py`` turns them into DeepSpeed's ``LayerSpec``s and the
+``PipelineModule``. Activations travel between stages as one ``[b, s, h]`` tensor; RoPE angles are recomputed
+per layer from the sequence length (cheap, and nothing extra crosses a stage boundary).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -57,62 +61,29 @@ class PipelineLoss:
 
 
 def flops_weights(config, seq_len: int) -> list[float]:
-    """Training FLOPs per token of each item of :func:`layer_specs`: the embedding (a lookup: 0), every decoder
+    """Training FLOPs per token of each item of :func:`pipeline_layers`: the embedding (a lookup: 0), every decoder
     layer, and the final norm + head (the logits GEMMs). At llmjp3-1.8B the head costs ~3 decoder layers."""
     layer, logits = layer_and_logits_flops_for(config, seq_len)
     return [0.0] + [layer] * config.num_hidden_layers + [logits]
 
 
-def stage_bounds(weights: list[float], num_stages: int) -> list[int]:
-    """Where the stages start in the layer specs (``num_stages + 1`` bounds): DeepSpeed's linear partition,
-    which makes the stages' summed weights as even as the cuts allow."""
-    from deepspeed.runtime.utils import partition_balanced
+@dataclass(frozen=True)
+class StageLayer:
+    """One item of the pipeline's layer list: a module class and its arguments (``build()`` makes it)."""
 
-    return [int(b) for b in partition_balanced(weights=weights, num_parts=num_stages)]
+    typename: type
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
 
-
-def pipeline_module_class():
-    """``PipelineModule`` whose forward (one micro-batch on this stage) runs inside ``micro_batch_context()``
-    (the precision schedule's per-micro-batch context, handed over once at setup), and which knows one more
-    ``partition_method``:
-    ``flops`` cuts the layers where each stage's training FLOPs (``partition_weights``, from
-    :func:`flops_weights`) are most even, so the last stage's head counts; DeepSpeed's ``type:`` methods
-    count decoder layers only."""
-    import contextlib
-
-    from deepspeed.pipe import PipelineModule
-
-    class PrecisionPipelineModule(PipelineModule):
-        micro_batch_context = staticmethod(contextlib.nullcontext)
-
-        def __init__(self, *args, partition_weights=None, **kwargs):
-            object.__setattr__(self, "_partition_weights", partition_weights)
-            super().__init__(*args, **kwargs)
-
-        def _partition_layers(self, method="uniform"):
-            if method.lower() != "flops":
-                return super()._partition_layers(method)
-            if self._partition_weights is None or len(self._partition_weights) != len(self._layer_specs):
-                raise ValueError("partition_method 'flops' needs partition_weights, one per layer spec")
-            self.parts = stage_bounds(self._partition_weights, self.num_stages)
-            stage = self._topo.get_coord(self.global_rank).pipe
-            if self.global_rank == 0:
-                print(f"[llmjp-ds] pipeline stages by training FLOPs: layer specs {self.parts}", flush=True)
-            self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
-
-        def forward(self, forward_input):
-            with self.micro_batch_context():
-                return super().forward(forward_input)
-
-    return PrecisionPipelineModule
+    def build(self) -> torch.nn.Module:
+        return self.typename(*self.args, **self.kwargs)
 
 
-def layer_specs(config, backend: str, params_dtype=None, fp8_head: bool = False, tp=None,
-                recompute_core: bool = False) -> list:
-    """The stages' layers; ``tp``: the tensor-parallel group every layer is split over (None: whole layers)."""
-    from deepspeed.pipe import LayerSpec
-
-    return ([LayerSpec(EmbeddingPipe, config, backend, params_dtype, tp)]
-            + [LayerSpec(DecoderLayerPipe, config, i, backend, params_dtype, tp, recompute_core)
+def pipeline_layers(config, backend: str, params_dtype=None, fp8_head: bool = False, tp=None,
+                    recompute_core: bool = False) -> list[StageLayer]:
+    """The pipeline's layers in order; ``tp``: the tensor-parallel group every layer is split over (None: whole
+    layers)."""
+    return ([StageLayer(EmbeddingPipe, (config, backend, params_dtype, tp))]
+            + [StageLayer(DecoderLayerPipe, (config, i, backend, params_dtype, tp, recompute_core))
                for i in range(config.num_hidden_layers)]
-            + [LayerSpec(FinalNormHeadPipe, config, backend, params_dtype, fp8_head=fp8_head, tp=tp)])
+            + [StageLayer(FinalNormHeadPipe, (config, backend, params_dtype), {"fp8_head": fp8_head, "tp": tp})])

@@ -1,6 +1,6 @@
-"""Building the model on this rank: the HF model (no pipeline) or a ``PipelineModule`` of the same layer classes,
-seeded per layer so every layout starts from the same weights, HF weights loaded into it, and DeepSpeed's
-engine around it."""
+"""Building the model on this rank: the HF model (no pipeline) or a ``PipelineModule`` of the same layer classes
+(``parallel/pipeline.py``), seeded per layer so every layout starts from the same weights, HF weights loaded into
+it, and DeepSpeed's engine around it."""
 
 from __future__ import annotations
 
@@ -8,11 +8,10 @@ from pathlib import Path
 
 import torch
 
-from llmjp_ds.config import RunConfig, seq_len_of
-from llmjp_ds.model.hf_adapter import pipeline_name_to_ours
+from llmjp_ds.config import RunConfig
 from llmjp_ds.model.tensor_parallel import sum_sequence_parallel_grads
-from llmjp_ds.parallel.context import topology
 from llmjp_ds.parallel.layout import Layout
+from llmjp_ds.parallel.pipeline import our_names, pipeline_module, seeded_layer_specs, shard_of
 
 
 def build_model(cfg: RunConfig, model_config, backend: str, checkpoint_fn=None, tp=None, layout: Layout | None = None):
@@ -45,73 +44,15 @@ def build_model(cfg: RunConfig, model_config, backend: str, checkpoint_fn=None, 
         model.checkpoint_fn = checkpoint_fn
         sum_sequence_parallel_grads(model, tp)
         return model, None
-    from llmjp_ds.model.pipeline import PipelineLoss, flops_weights, pipeline_module_class
+    from llmjp_ds.model.pipeline import PipelineLoss
+    from llmjp_ds.parallel.deepspeed_internals import local_layers
 
     loss = PipelineLoss(cfg.model.z_loss, loss_kwargs["fused_loss"], tp)
-    module = pipeline_module_class()(
-        layers=seeded_layer_specs(model_config, backend, cfg.train.seed, fp8_head, tp, selective),
-        num_stages=cfg.parallel.pipeline_stages,
-        topology=None if tp is None else topology(layout),
-        loss_fn=loss,
-        partition_method=cfg.parallel.partition_method,
-        partition_weights=flops_weights(model_config, seq_len_of(cfg, model_config)),
-        activation_checkpoint_interval=1 if full else 0,
-        activation_checkpoint_func=checkpoint_fn,
-        checkpointable_layers=["DecoderLayerPipe"])
+    module = pipeline_module(cfg, model_config, backend, checkpoint_fn, loss, tp, layout)
     if cfg.model.init_from_hf:
-        load_hf_into_layers(list(zip(range(module._local_start, module._local_stop), module.forward_funcs)),
-                            cfg.model.init_from_hf, model_config, tp)
+        load_hf_into_layers(local_layers(module), cfg.model.init_from_hf, model_config, tp)
     sum_sequence_parallel_grads(module, tp)
     return module, loss
-
-
-def _share(name: str, tensor: torch.Tensor, tp) -> torch.Tensor:
-    """This rank's TP shard of the whole ``tensor`` of our ``name`` (all of it without tensor parallelism)."""
-    from llmjp_ds.model.hf_adapter import tp_shard
-
-    return tensor if tp is None else tp_shard(name, tensor, tp.rank, tp.size)
-
-
-def _our_names(index: int, num_layers: int, layer_state: dict) -> dict[str, str]:
-    """Pipeline layer ``index``'s weight names (its FP8 state left out) -> ours."""
-    return {name: pipeline_name_to_ours(index, num_layers, name) for name in layer_state
-            if not name.endswith("_extra_state")}
-
-
-def _layer_seed(seed: int, layer_index: int) -> int:
-    return (seed << 20) + layer_index
-
-
-def seeded_layer_specs(model_config, backend: str, seed: int, fp8_head: bool = False, tp=None,
-                       recompute_core: bool = False) -> list:
-    """The pipeline's layer specs, each built right after seeding torch with (seed, its index): a stage builds
-    only its own layers, so without this its weights would depend on where the partition cuts (and differ
-    from the single-process model built from the same seed). Under TP a layer is built whole from its seed
-    and this rank keeps its shard (``hf_adapter.tp_shard``): every TP size starts from the same weights."""
-    from deepspeed.pipe import LayerSpec
-
-    from llmjp_ds.model.pipeline import layer_specs
-
-    n = model_config.num_hidden_layers
-
-    class SeededLayerSpec(LayerSpec):
-        def __init__(self, spec, whole, index: int):
-            super().__init__(spec.typename, *spec.module_args, **spec.module_kwargs)
-            self.whole, self.index = whole, index
-
-        def build(self, log=False):
-            torch.manual_seed(_layer_seed(seed, self.index))
-            if tp is None:
-                return super().build(log)
-            whole = self.whole.build().state_dict()
-            layer = super().build(log)
-            layer.load_state_dict({name: _share(ours, whole[name], tp)
-                                   for name, ours in _our_names(self.index, n, whole).items()}, strict=False)
-            return layer
-
-    specs = layer_specs(model_config, backend, fp8_head=fp8_head, tp=tp, recompute_core=recompute_core)
-    wholes = layer_specs(model_config, backend, fp8_head=fp8_head) if tp is not None else specs
-    return [SeededLayerSpec(spec, whole, i) for i, (spec, whole) in enumerate(zip(specs, wholes))]
 
 
 def _layers_of(model) -> list:
@@ -131,8 +72,8 @@ def init_like_pipeline(model, model_config, backend: str, seed: int, fp8_head: b
     n = model_config.num_hidden_layers
     for idx, spec in enumerate(seeded_layer_specs(model_config, backend, seed, fp8_head)):
         state = spec.build().state_dict()
-        result = model.load_state_dict({ours: _share(ours, state[name], tp)
-                                        for name, ours in _our_names(idx, n, state).items()}, strict=False)
+        result = model.load_state_dict({ours: shard_of(ours, state[name], tp)
+                                        for name, ours in our_names(idx, n, state).items()}, strict=False)
         if result.unexpected_keys:
             raise RuntimeError(f"pipeline layer {idx} does not map onto the model: {result.unexpected_keys[:3]}")
 
@@ -145,8 +86,8 @@ def load_hf_into_layers(layers, hf_dir: str, model_config, tp=None) -> None:
     whole = from_hf_state_dict(read_hf_tensors(Path(hf_dir)), model_config)
     n = model_config.num_hidden_layers
     for idx, layer in layers:
-        layer.load_state_dict({name: _share(ours, whole[ours], tp)
-                               for name, ours in _our_names(idx, n, layer.state_dict()).items()}, strict=False)
+        layer.load_state_dict({name: shard_of(ours, whole[ours], tp)
+                               for name, ours in our_names(idx, n, layer.state_dict()).items()}, strict=False)
 
 
 def initialize(cfg: RunConfig, model, layout: Layout, mpu=None):

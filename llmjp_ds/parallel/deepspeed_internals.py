@@ -33,10 +33,26 @@ read from DeepSpeed 0.19.8's ``runtime/zero/stage_1_and_2.py``, ``runtime/bf16_o
 checkpoint (model states, ZeRO optimizer shards, pipeline layer files) through ``engine.checkpoint_engine``'s
 ``save(state_dict, path)`` and ``load(path, map_location)``; ``TorchCheckpointEngine.load`` calls
 ``torch.load(weights_only=False)``. The readers of the ZeRO-1 format below take the loader as an argument.
+
+**Checkpoint file names** (:func:`model_states_file`, :data:`MODEL_STATES_GLOB`, :data:`PIPELINE_LAYER_GLOB`,
+:func:`pipeline_layer_ranks`, :func:`zero_checkpoint_ranks`), read from DeepSpeed 0.19.8's ``runtime/engine.py``
+(``_get_ckpt_name``, ``_get_zero_ckpt_name``) and ``runtime/pipe/module.py`` (``ckpt_layer_path``): what
+``checkpoint/`` and ``parallel/reshape.py`` look for in a tag directory.
+
+**The pipeline module** (:func:`pipeline_module_class`, :func:`local_layers`, :func:`partition_balanced`,
+:func:`set_stage_forward_context`), read from DeepSpeed 0.19.8's ``runtime/pipe/module.py`` and
+``runtime/utils.py``: ``PipelineModule._partition_layers(method)`` (overridden for ``partition_method: flops``),
+with ``_layer_specs``, ``_topo``, ``global_rank``, ``num_stages``, ``parts`` and ``_set_bounds(start, stop)``;
+``_local_start`` / ``_local_stop`` (this stage's layer indices) beside ``forward_funcs``; ``partition_balanced``.
+
+**The engine's progress counters** (:func:`set_progress`), read from DeepSpeed 0.19.8's ``runtime/engine.py``:
+``global_steps`` and ``global_samples``, which a resume through ``load_checkpoint`` restores and a resume on
+another layout must set itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 from pathlib import Path
 
@@ -103,8 +119,94 @@ def fuse_grad_accumulation(optimizer, modules) -> int:
     return fused
 
 
+# --- the pipeline module ---------------------------------------------------------------------------------------
+
+def partition_balanced(weights: list[float], num_parts: int) -> list[int]:
+    """DeepSpeed's linear partition: ``num_parts + 1`` bounds that make the parts' summed weights as even as the
+    cuts allow."""
+    from deepspeed.runtime.utils import partition_balanced as balanced  # DeepSpeed 0.19.8: runtime/utils.py
+
+    return [int(b) for b in balanced(weights=weights, num_parts=num_parts)]
+
+
+def pipeline_module_class():
+    """``PipelineModule`` whose forward (one micro-batch on this stage) runs inside ``micro_batch_context()``
+    (the precision schedule's per-micro-batch context, set once by :func:`set_stage_forward_context`), and which
+    knows one more ``partition_method``: ``flops`` cuts the layers where each stage's training FLOPs
+    (``partition_weights``, one per layer spec) are most even, so the last stage's head counts; DeepSpeed's
+    ``type:`` methods count decoder layers only."""
+    from deepspeed.pipe import PipelineModule
+
+    class PrecisionPipelineModule(PipelineModule):
+        micro_batch_context = staticmethod(contextlib.nullcontext)
+
+        def __init__(self, *args, partition_weights=None, **kwargs):
+            object.__setattr__(self, "_partition_weights", partition_weights)
+            super().__init__(*args, **kwargs)
+
+        # DeepSpeed 0.19.8: PipelineModule.__init__ calls self._partition_layers(method=partition_method), which
+        # sets self.parts and this stage's bounds through self._set_bounds(start, stop)
+        def _partition_layers(self, method="uniform"):
+            if method.lower() != "flops":
+                return super()._partition_layers(method)
+            if self._partition_weights is None or len(self._partition_weights) != len(self._layer_specs):
+                raise ValueError("partition_method 'flops' needs partition_weights, one per layer spec")
+            self.parts = partition_balanced(self._partition_weights, self.num_stages)
+            stage = self._topo.get_coord(self.global_rank).pipe
+            if self.global_rank == 0:
+                print(f"[llmjp-ds] pipeline stages by training FLOPs: layer specs {self.parts}", flush=True)
+            self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+        def forward(self, forward_input):
+            with self.micro_batch_context():
+                return super().forward(forward_input)
+
+    return PrecisionPipelineModule
+
+
+def set_stage_forward_context(engine, context) -> None:
+    """Run every forward the pipeline engine makes of its stage module (one micro-batch) inside ``context()``."""
+    engine.module.micro_batch_context = context
+
+
+def local_layers(module) -> list[tuple[int, torch.nn.Module]]:
+    """(layer spec index, built module) of each layer this pipeline stage holds."""
+    # DeepSpeed 0.19.8: PipelineModule._local_start / _local_stop bound this stage's slice of the layer specs,
+    # whose built modules are forward_funcs in the same order
+    return list(zip(range(module._local_start, module._local_stop), module.forward_funcs))
+
+
+# --- the engine's progress counters ---------------------------------------------------------------------------
+
+def set_progress(engine, steps: int, samples: int) -> None:
+    """The engine's own count of optimizer steps and samples (what ``load_checkpoint`` restores)."""
+    engine.global_steps, engine.global_samples = steps, samples  # DeepSpeed 0.19.8: runtime/engine.py
+
+
+# --- checkpoint file names --------------------------------------------------------------------------------------
+
+# DeepSpeed 0.19.8: runtime/engine.py _get_ckpt_name (model states, per model-parallel rank) and
+# runtime/pipe/module.py ckpt_layer_path (one file per pipeline layer, -model_{tp:02d} under TP)
+MODEL_STATES_GLOB = "mp_rank_*_model_states.pt"
+PIPELINE_LAYER_GLOB = "layer_*-model_*states.pt"
+
+
+def model_states_file(mp_rank: int = 0) -> str:
+    """The model-states file of model-parallel rank ``mp_rank`` (rank 0's holds the client state)."""
+    return f"mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def pipeline_layer_ranks(name: str) -> tuple[int, int]:
+    """(layer index, TP rank) of a pipeline layer file, ``layer_XX-model_states.pt`` or
+    ``layer_XX-model_YY-model_states.pt``."""
+    parts = name.split("-")
+    layer = int(parts[0].split("_")[1])
+    return layer, (int(parts[1].split("_")[1]) if len(parts) == 3 else 0)
+
+
 # --- the ZeRO-1 checkpoint format, for a resume on another layout ---------------------------------------------
 
+# DeepSpeed 0.19.8: runtime/engine.py _get_zero_ckpt_name (bf16_ before the BF16_Optimizer's)
 _OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
 
@@ -148,7 +250,7 @@ def zero_checkpoint_params(tag_dir, stages: int, data: int, tensor: int, load):
 
 def _rank_params(tag_dir: Path, mp: int, data: int, load) -> dict[str, dict[str, torch.Tensor]]:
     """One model-parallel rank's parameters, their slices gathered from the ``data`` ZeRO-1 partitions."""
-    shapes = load(tag_dir / f"mp_rank_{mp:02d}_model_states.pt")["param_shapes"]
+    shapes = load(tag_dir / model_states_file(mp))["param_shapes"]
     parts: dict[str, dict[str, list]] = {}
     for dp in range(data):
         osd = _optim_state(next(tag_dir.glob(f"*zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt")), load)

@@ -139,7 +139,7 @@ def layout_memory(shape, stage_layers: list[int], data: int, micro_batch: int, s
 
 def stage_layers(bounds: list[int], num_layers: int) -> list[int]:
     """Decoder layers per stage from the pipeline's cut points over its layer specs (the embedding is spec 0,
-    the head spec ``num_layers + 1``; ``bounds`` as ``model.pipeline.stage_bounds`` returns them)."""
+    the head spec ``num_layers + 1``; ``bounds`` as ``parallel.pipeline.stage_bounds`` returns them)."""
     return [len([i for i in range(lo, hi) if 1 <= i <= num_layers]) for lo, hi in zip(bounds, bounds[1:])]
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from llmjp_ds.parallel.context import ParallelContext
+from llmjp_ds.parallel.deepspeed_internals import set_stage_forward_context
 
 
 def _no_watchdog(phase: str) -> None:
@@ -80,7 +81,7 @@ class PipelineRunner(StepRunner):
     def __init__(self, engine, precision, ctx: ParallelContext, loss):
         super().__init__(engine, precision, ctx)
         self.loss = loss
-        engine.module.micro_batch_context = self._micro_batch
+        set_stage_forward_context(engine, self._micro_batch)
 
     def _micro_batch(self):
         """The stage's forward of one micro-batch; after it the stage's 1F1B schedule goes on to backward work."""

@@ -1,5 +1,7 @@
 """The package's shape, enforced: no import cycles (function-level imports included), rooms import only the
-floors below them, no function longer than ~80 lines, and no module-level mutable state."""
+floors below them, DeepSpeed only where the parallel wiring lives (never in ``model/`` or ``data/``), no function
+longer than ~80 lines, and no module-level mutable state (no ``global``, and no module-level name rebound or
+mutated after import). Each rule is also run on a planted violation, so a rule that stops seeing is noticed."""
 
 from __future__ import annotations
 
@@ -129,18 +131,128 @@ def _is_constant_name(name: str) -> bool:
     return name.isupper() or name.startswith("__")
 
 
+NO_DEEPSPEED = ("model", "data")  # the lower floors: plain PyTorch and data, usable without DeepSpeed
+MUTATING_METHODS = {"append", "extend", "insert", "update", "setdefault", "add", "discard", "remove", "pop",
+                    "popitem", "clear", "sort", "reverse"}
+
+
+def deepspeed_imports(tree: ast.Module) -> list[str]:
+    """Every ``import deepspeed...`` / ``from deepspeed... import`` in ``tree``, function-level ones included."""
+    found = []
+    for node in ast.walk(tree):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else [
+            node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+        found += [f"line {node.lineno}: {n}" for n in names if n == "deepspeed" or n.startswith("deepspeed.")]
+    return found
+
+
+def _module_names(tree: ast.Module) -> dict[str, int]:
+    """Names bound by assignment at module level -> how many top-level statements bind them."""
+    counts: dict[str, int] = {}
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AnnAssign, ast.AugAssign)) else []
+        for t in targets:
+            for n in ast.walk(t):
+                if isinstance(n, ast.Name):
+                    counts[n.id] = counts.get(n.id, 0) + 1
+    return counts
+
+
+def _local_names(fn) -> set[str]:
+    args = fn.args
+    names = {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg] if a}
+    return names | {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+
+
+def _root_name(node) -> str | None:
+    """``X`` of ``X``, ``X[k]``, ``X.a``, ``X[k].a`` ..."""
+    while isinstance(node, (ast.Subscript, ast.Attribute)):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _mutations(scope, shared: set[str]) -> list[tuple[int, str]]:
+    """(line, name) of every write through a module-level name of ``shared`` in ``scope`` (a function body or
+    the module's top level): item or attribute assignment, ``del X[k]``, augmented assignment, a mutating
+    method call (``X.append(...)``, ``X.update(...)`` ...)."""
+    found = []
+    for node in ast.walk(scope):
+        targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target] if isinstance(
+            node, (ast.AugAssign, ast.AnnAssign)) else []
+        for t in targets:
+            if isinstance(t, (ast.Subscript, ast.Attribute)) or isinstance(node, ast.AugAssign):
+                name = _root_name(t)
+                if name in shared:
+                    found.append((node.lineno, name))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and (
+                node.func.attr in MUTATING_METHODS):
+            name = _root_name(node.func.value)
+            if name in shared:
+                found.append((node.lineno, name))
+    return found
+
+
+def module_state_problems(tree: ast.Module) -> list[str]:
+    """What makes module-level state mutable: a ``global`` statement, a lower-case module-level name bound to a
+    list, dict or set, a module-level name bound twice at the top level, and any write through a module-level
+    name after its binding (in a function that does not bind the name itself, or at the top level)."""
+    problems = [f"line {n.lineno}: global {', '.join(n.names)}" for n in ast.walk(tree) if isinstance(n, ast.Global)]
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, ast.AnnAssign) and node.value is not None else []
+        value = getattr(node, "value", None)
+        mutable = isinstance(value, (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp))
+        problems += [f"line {node.lineno}: module-level mutable {t.id}" for t in targets
+                     if isinstance(t, ast.Name) and mutable and not _is_constant_name(t.id)]
+    names = _module_names(tree)
+    problems += [f"module-level {name} bound {count} times" for name, count in names.items()
+                 if count > 1 and name != "__all__"]
+    shared = set(names)
+    writes = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        writes += _mutations(node, shared)
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            writes += _mutations(fn, shared - _local_names(fn))
+    problems += sorted({f"line {line}: {name} written after import" for line, name in writes})
+    return problems
+
+
+def test_no_deepspeed_in_the_lower_floors():
+    found = [f"{name} {where}" for name, tree in _modules().items() if _room(name) in NO_DEEPSPEED
+             for where in deepspeed_imports(tree)]
+    assert not found, found
+
+
 def test_no_module_level_mutable_state():
-    """No ``global`` statement anywhere, and module-level names bound to a list, dict or set (or an instance)
-    are UPPER_CASE tables that nothing assigns to after import."""
-    problems = []
-    for name, tree in _modules().items():
-        problems += [f"{name}: global {', '.join(n.names)}" for n in ast.walk(tree) if isinstance(n, ast.Global)]
-        for node in tree.body:
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
-                node, ast.AnnAssign) and node.value is not None else []
-            value = getattr(node, "value", None)
-            mutable = isinstance(value, (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp))
-            for t in targets:
-                if isinstance(t, ast.Name) and mutable and not _is_constant_name(t.id):
-                    problems.append(f"{name}: module-level mutable {t.id}")
+    """No ``global`` statement anywhere; module-level names bound to a list, dict or set (or an instance) are
+    UPPER_CASE tables, and nothing rebinds or writes through any module-level name after import."""
+    problems = [f"{name}: {p}" for name, tree in _modules().items() for p in module_state_problems(tree)]
     assert not problems, problems
+
+
+PLANTED = {
+    "deepspeed": ("def build():\n    from deepspeed.pipe import LayerSpec\n    return LayerSpec\n", deepspeed_imports),
+    "global": ("_count = 0\ndef bump():\n    global _count\n    _count += 1\n", module_state_problems),
+    "lower-case table": ("_STATE = None\n_cache = {}\n", module_state_problems),
+    "item assignment": ("_STATE = {}\ndef init(x):\n    _STATE['x'] = x\n", module_state_problems),
+    "method call": ("REGISTRY = []\ndef register(f):\n    REGISTRY.append(f)\n    return f\n",
+                    module_state_problems),
+    "update": ("TABLE = {}\nTABLE.update(a=1)\n", module_state_problems),
+    "augmented": ("LIMIT = 1\nLIMIT += 1\n", module_state_problems),
+    "rebound": ("MODE = 'a'\nMODE = 'b'\n", module_state_problems),
+    "attribute": ("CONFIG = object()\ndef set_mode(m):\n    CONFIG.mode = m\n", module_state_problems),
+}
+
+
+def test_each_rule_sees_a_planted_violation():
+    missed = [case for case, (source, rule) in PLANTED.items() if not rule(ast.parse(source))]
+    assert not missed, f"rules that saw nothing: {missed}"
+
+
+def test_a_local_of_the_same_name_is_not_module_state():
+    source = "TABLE = {'a': 1}\ndef f():\n    TABLE = {}\n    TABLE['b'] = 2\n    return TABLE\n"
+    assert module_state_problems(ast.parse(source)) == []

@@ -23,19 +23,22 @@ from llmjp_ds.errors import fail
 PARQUET_MAGIC = b"PAR1"
 ARROW_FILE_MAGIC = b"ARROW1"
 ARROW_STREAM_CONTINUATION = b"\xff\xff\xff\xff"
-_BATCH_ROWS = 1024  # rows per batch when streaming a parquet row group
+ARROW_EOS = ARROW_STREAM_CONTINUATION + b"\x00\x00\x00\x00"  # what a stream writer's close() appends
+_BATCH_ROWS = 1024  # rows turned into Python strings at a time
+SPLIT = 4  # at most this many slices per parquet row group (each worker reading one decodes the whole group)
 
 
 @dataclass(frozen=True)
 class Slice:
-    """Part of one columnar file: parquet row groups ``[start, stop)`` or Arrow record batches ``[start, stop)``,
-    whose first row is ``first_row`` of the file."""
+    """Part of one columnar file: rows ``[start, stop)`` of parquet row group ``group``, or Arrow record batches
+    ``[start, stop)``; its first row is row ``first_row`` of the file."""
     path: str
     format: str  # "parquet" | "arrow"
     start: int
     stop: int
     first_row: int
     rows: int
+    group: int = -1
 
 
 def _pyarrow():
@@ -56,8 +59,9 @@ def _unreadable(path, what: str, exc: Exception) -> None:
 
 
 def plan_parquet(path: Path, chunk_bytes: int, text_key: str) -> tuple[list[Slice], BadLine | None]:
-    """Slices of whole row groups, consecutive small ones packed up to ``chunk_bytes`` of uncompressed data, and
-    what is wrong with the file's text column (None if nothing)."""
+    """Slices of row groups: a row group of ``B`` uncompressed bytes is cut into ``min(SPLIT, B / chunk_bytes)``
+    runs of rows, so that a file of a few large row groups still feeds every worker; and what is wrong with the
+    file's text column (None if nothing)."""
     pa = _pyarrow()
     try:
         pf = pa.parquet.ParquetFile(path)
@@ -65,14 +69,14 @@ def plan_parquet(path: Path, chunk_bytes: int, text_key: str) -> tuple[list[Slic
         problem = _column_problem(pa, pf.schema_arrow, text_key)
     except (pa.ArrowException, OSError) as exc:
         _unreadable(path, "parquet file", exc)
-    slices, start, first, rows, size = [], 0, 0, 0, 0
-    for i in range(meta.num_row_groups):
-        group = meta.row_group(i)
-        rows += group.num_rows
-        size += group.total_byte_size
-        if size >= chunk_bytes or i == meta.num_row_groups - 1:
-            slices.append(Slice(str(path), "parquet", start, i + 1, first, rows))
-            start, first, rows, size = i + 1, first + rows, 0, 0
+    slices, first = [], 0
+    for g in range(meta.num_row_groups):
+        rows = meta.row_group(g).num_rows
+        pieces = max(1, min(SPLIT, rows, -(-meta.row_group(g).total_byte_size // chunk_bytes)))
+        bounds = [rows * k // pieces for k in range(pieces + 1)]
+        slices += [Slice(str(path), "parquet", bounds[k], bounds[k + 1], first + bounds[k], bounds[k + 1] - bounds[k],
+                         g) for k in range(pieces)]
+        first += rows
     return slices, problem
 
 
@@ -95,20 +99,23 @@ def plan_arrow(path: Path, chunk_bytes: int, text_key: str) -> tuple[list[Slice]
     slices, start, first, rows, size, n = [], 0, 0, 0, 0, 0
     try:
         with pa.memory_map(str(path)) as source:
-            tail = source.size() >= 8 and source.read_at(8, source.size() - 8)
+            stream = source.read_at(len(ARROW_FILE_MAGIC), 0) != ARROW_FILE_MAGIC
             schema, batches = _open_arrow(pa, source)
             problem = _column_problem(pa, schema, text_key)
-            stream = source.read_at(len(ARROW_FILE_MAGIC), 0) != ARROW_FILE_MAGIC
+            end = source.tell()  # where the last message read ends
             for n, batch in enumerate(batches, 1):
+                end = source.tell()
                 batch.validate()
                 rows += batch.num_rows
                 size += batch.nbytes
                 if size >= chunk_bytes:
                     slices.append(Slice(str(path), "arrow", start, n, first, rows))
                     start, first, rows, size = n, first + rows, 0, 0
+            complete = not stream or (source.size() == end + len(ARROW_EOS) and
+                                      source.read_at(len(ARROW_EOS), end) == ARROW_EOS)
     except (pa.ArrowException, OSError) as exc:
         _unreadable(path, "Arrow file", exc)
-    if stream and not (tail and tail[-4:] == b"\x00\x00\x00\x00"):
+    if not complete:
         fail(f"{path} ends without the Arrow stream's end-of-stream marker (truncated after {first + rows:,} rows: an "
              f"interrupted download or copy?): re-fetch it, or save the dataset again")
     if n > start:
@@ -160,24 +167,27 @@ def read_rows(piece: Slice, text_key: str, cache: dict) -> Iterator[tuple[int, o
         else:
             yield from _arrow_rows(pa, piece, text_key)
     except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:
-        what = "row groups" if piece.format == "parquet" else "record batches"
+        what = f"row group {piece.group}" if piece.format == "parquet" else \
+            f"record batches {piece.start}-{piece.stop - 1}"
         msg = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-        fail(f"{piece.path}: {what} {piece.start}-{piece.stop - 1} cannot be read ({msg}): the file is corrupt; "
-             f"re-fetch it, or write it again")
+        fail(f"{piece.path}: {what} cannot be read ({msg}): the file is corrupt; re-fetch it, or write it again")
 
 
 def _parquet_rows(pa, piece: Slice, text_key: str, cache: dict):
-    pf = cache.get(piece.path)
-    if pf is None:
-        cache.clear()  # one open file per worker
-        pf = cache[piece.path] = pa.parquet.ParquetFile(piece.path)
+    """The slice's rows; ``cache`` keeps the open file and the last row group's text column (one per worker)."""
+    if cache.get("path") != piece.path:
+        cache.clear()
+        cache.update(path=piece.path, file=pa.parquet.ParquetFile(piece.path))
+    pf = cache["file"]
     problem = _column_problem(pa, pf.schema_arrow, text_key)
-    groups = list(range(piece.start, piece.stop))
     if problem is not None:
-        columns = ([None] * pf.metadata.row_group(g).num_rows for g in groups)
+        columns = iter([[None] * piece.rows])
     else:
-        columns = (b.column(0) for b in pf.iter_batches(_BATCH_ROWS, row_groups=groups, columns=[text_key],
-                                                        use_threads=False))
+        if cache.get("group") != piece.group:
+            cache["column"] = pf.read_row_group(piece.group, columns=[text_key], use_threads=False).column(0)
+            cache["group"] = piece.group
+        column = cache["column"].slice(piece.start, piece.rows)
+        columns = (column.slice(at, _BATCH_ROWS) for at in range(0, piece.rows, _BATCH_ROWS))
     yield from _texts(columns, problem, piece.first_row, text_key)
 
 

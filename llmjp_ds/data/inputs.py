@@ -135,9 +135,9 @@ def resolve_inputs(inputs) -> list[Source]:
         for path in _expand(arg):
             key = os.path.realpath(path)
             if key in seen:
-                fail(f"input {path} is given twice (also as {seen[key]}): list each file once, so no document is "
-                     f"counted twice")
-            seen[key] = path
+                fail(f"input {path} is given twice (by --input {str(seen[key])!r} and {str(arg)!r}): list each file "
+                     f"once, so no document is counted twice")
+            seen[key] = arg
             sources.append(Source(path, format_of(path)))
     return sources
 

@@ -39,15 +39,46 @@ CASES: list[Case] = [
          ("docs.jsonl:1: no 'body' key (keys: text); pick the key with --text-key",)),
     Case("preprocess-empty-input", _pp("{tmp}/data/empty.jsonl"),
          ("no documents in", "empty.jsonl: nothing to write; check the files and --text-key 'text'")),
-    Case("preprocess-input-is-directory", _pp("{tmp}/data"),
-         ("input", "data is a directory: pass the jsonl files inside it",)),
+    Case("preprocess-input-dir-empty", _pp("{tmp}/data/empty_dir"),
+         ("directory", "data/empty_dir holds no input files (jsonl (plain, .gz, .zst, .bz2, .xz), parquet, Arrow",)),
+    Case("preprocess-glob-matches-nothing", _pp("{tmp}/data/*.nomatch"),
+         ("--input '", "data/*.nomatch' matches no file: check the pattern")),
+    Case("preprocess-input-twice", L("preprocess", "--input", "{tmp}/data/shards", "{tmp}/data/shards/a.parquet",
+                                     "--tokenizer", "{tok}", "--output-prefix", "{tmp}/data/out_x"),
+         ("data/shards/a.parquet is given twice (by --input '", "data/shards' and '", "list each file once")),
     Case("preprocess-input-unreadable", _pp("/proc/self/mem"),
          ("cannot read input /proc/self/mem (Input/output error)",)),
     Case("preprocess-workers-zero", _pp("{tmp}/docs.jsonl", "out_x", "--workers", "0"),
          ("--workers 0: need at least 1",)),
     Case("preprocess-output-dir-is-a-file", _pp("{tmp}/docs.jsonl", "a_file/out"),
          ("data/a_file is a file, not a directory; choose another --output-prefix",)),
+    # --- preprocess: parquet and Arrow ---------------------------------------------------------------------
+    Case("preprocess-parquet-cut-footer", _pp("{tmp}/data/cut.parquet"),
+         ("data/cut.parquet is not a readable parquet file (Parquet magic bytes not found in footer",
+          "the file is truncated or corrupt", "re-fetch it")),
+    Case("preprocess-parquet-misnamed", _pp("{tmp}/data/lines.parquet"),
+         ("data/lines.parquet is named .parquet but does not start with PAR1", "re-fetch it, or rename it")),
+    Case("preprocess-arrow-shard-corrupt", _pp("{tmp}/data/ds_bad", "out_x", "--workers", "2"),
+         ("data/ds_bad/data-00001-of-00002.arrow: record batches", "cannot be read (Invalid UTF8 sequence",
+          "the file is corrupt; re-fetch it")),
+    Case("preprocess-arrow-shard-truncated", _pp("{tmp}/data/ds_cut"),
+         ("data/ds_cut/data-00000-of-00002.arrow ends without the Arrow stream's end-of-stream marker (truncated "
+          "after", "re-fetch it, or save the dataset again")),
+    Case("preprocess-arrow-state-lists-missing-shard", _pp("{tmp}/data/ds_missing"),
+         ("ds_missing/state.json lists data-00001-of-00002.arrow, which is missing: the dataset is incomplete",)),
+    Case("preprocess-arrow-dataset-dict", _pp("{tmp}/data/ds_dict"),
+         ("data/ds_dict is a datasets DatasetDict (splits: train): pass one split's directory",)),
+    Case("preprocess-column-missing", _pp("{tmp}/data/shards", "out_x", "--text-key", "body"),
+         ("data/shards/a.parquet: no 'body' column (columns: text, id); pick the column with --text-key",
+          "or pass --skip-bad to skip such rows")),
+    Case("preprocess-column-not-string", _pp("{tmp}/data/numbers.parquet"),
+         ("data/numbers.parquet: column 'text' holds int64, not strings", "or pass --skip-bad")),
+    Case("preprocess-column-null", _pp("{tmp}/data/nulls.parquet", "out_x", "--workers", "2"),
+         ("data/nulls.parquet: row 2: 'text' is null, not a string", "or pass --skip-bad to skip such rows")),
     # --- train-tokenizer ----------------------------------------------------------------------------------
+    Case("train-tokenizer-parquet-cut-footer",
+         L("train-tokenizer", "--input", "{tmp}/data/cut.parquet", "--output-dir", "{tmp}/data/tok_x"),
+         ("data/cut.parquet is not a readable parquet file", "re-fetch it")),
     Case("train-tokenizer-max-sentences-negative",
          L("train-tokenizer", "--input", "{tmp}/docs.jsonl", "--output-dir", "{tmp}/data/tok_x", "--max-sentences",
            "-5"), ("--max-sentences -5 is out of range: pass a count of text chunks from 1",)),
@@ -112,7 +143,38 @@ def prepare(ctx) -> None:
                        ("run_ok", b'{"step": 1, "loss": 3.0}\n{"step": 2, "loss": 2.0}\n')):
         (d / name).mkdir()
         (d / name / "metrics.jsonl").write_bytes(text)
+    _columnar(d, data)
     (d / "hosts_bom").write_bytes(b"\xef\xbb\xbfnode-a slots=8\nnode-b slots=8\n")
     (d / "hosts_utf16").write_bytes("node-a slots=8\n".encode("utf-16"))
     (d / "hosts_latin1").write_bytes("node-a slots=8\nnodé-b slots=8\n".encode("latin-1"))
     (d / "hosts_nul").write_bytes(b"node-a slots=8\nnode\x00-b slots=8\n")
+
+
+def _columnar(d, data: bytes) -> None:
+    """Parquet files and save_to_disk directories, good and broken."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.data.data_helpers import write_parquet, write_saved_dataset
+
+    records = [json.loads(line) for line in data.splitlines()[:400]]
+    (d / "empty_dir").mkdir()
+    (d / "shards").mkdir()
+    write_parquet(d / "shards" / "a.parquet", records[:200], row_group_size=50)
+    write_parquet(d / "shards" / "b.parquet", records[200:], row_group_size=50)
+    whole = (d / "shards" / "a.parquet").read_bytes()
+    (d / "cut.parquet").write_bytes(whole[:-100])  # a download cut before the footer
+    (d / "lines.parquet").write_bytes(data[:1000])
+    pq.write_table(pa.table({"text": list(range(20))}), d / "numbers.parquet")
+    write_parquet(d / "nulls.parquet", ["a", "b", None, "c"], row_group_size=2)
+    for name in ("ds_bad", "ds_cut", "ds_missing"):
+        write_saved_dataset(d / name, records, shards=2, batch_rows=50)
+    shard = d / "ds_bad" / "data-00001-of-00002.arrow"
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 3:len(raw) // 3 + 64] = b"\xff" * 64
+    shard.write_bytes(bytes(raw))
+    shard = d / "ds_cut" / "data-00000-of-00002.arrow"
+    shard.write_bytes(shard.read_bytes()[:-8])  # cut at a batch boundary: only the end-of-stream marker is gone
+    (d / "ds_missing" / "data-00001-of-00002.arrow").unlink()
+    write_saved_dataset(d / "ds_dict" / "train", records[:10], shards=1)
+    (d / "ds_dict" / "dataset_dict.json").write_text(json.dumps({"splits": ["train"]}))

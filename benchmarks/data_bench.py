@@ -1,10 +1,15 @@
 """Measurements of the data layer quoted in docs/data.md.
 
     python benchmarks/data_bench.py preprocess --tokenizer MODEL [--repeat 2] [--workers 1 2]
+    python benchmarks/data_bench.py formats --tokenizer MODEL [--megabytes 250] [--workers 14] [--work-dir DIR]
     python benchmarks/data_bench.py access --prefix PREFIX [--seq-len 4096] [--samples 20000]
     python benchmarks/data_bench.py index [--tokens 1e9] [--seq-len 4096] [--mean-doc 600]
     python benchmarks/data_bench.py blend [--samples 1e7]
     python benchmarks/data_bench.py corpus-loss --tokenizer DIR [--steps 300]
+
+``formats`` writes the real-text corpus of ``benchmarks/real_text_corpus.py`` (the Python sources on this machine)
+as jsonl.gz, as parquet (row groups of ~8 MB of text) and as a ``datasets.save_to_disk``-style Arrow directory,
+preprocesses each with the same workers, checks the three corpora are byte-identical and prints one table.
 
 ``index`` synthesises a corpus: a real ``.idx`` with random (log-normal) document lengths and a sparse ``.bin``
 (``truncate``, no 2 GB written), then times ``build_datasets`` in a fresh process and reports its peak RSS.
@@ -59,6 +64,71 @@ def bench_preprocess(args) -> None:
                   f"({src.stat().st_size / 1e6 / stats['seconds']:.1f} MB/s of jsonl)")
     finally:
         shutil.rmtree(work)
+
+
+def _formats_inputs(work: Path, megabytes: float) -> dict[str, Path]:
+    """The real-text corpus as jsonl.gz, parquet and a save_to_disk-style Arrow directory (same documents)."""
+    import json
+
+    import pyarrow as pa
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from real_text_corpus import write_jsonl, write_parquet_copy
+
+    plain = work / "sources.jsonl"
+    docs, size = write_jsonl(plain, int(megabytes * 2**20))
+    with open(plain, "rb") as src, gzip.open(work / "sources.jsonl.gz", "wb", compresslevel=6) as out:
+        shutil.copyfileobj(src, out, 1 << 20)
+    groups = write_parquet_copy(plain, work / "sources.parquet")
+    table = pa.parquet.read_table(work / "sources.parquet")
+    saved = work / "saved"
+    saved.mkdir()
+    shards, n = 4, table.num_rows
+    names = [f"data-{i:05d}-of-{shards:05d}.arrow" for i in range(shards)]
+    for i, name in enumerate(names):  # datasets' ArrowWriter: IPC stream, batches of 1000 rows
+        part = table.slice(n * i // shards, n * (i + 1) // shards - n * i // shards)
+        with pa.OSFile(str(saved / name), "wb") as sink, pa.ipc.new_stream(sink, part.schema) as writer:
+            for batch in part.to_batches(max_chunksize=1000):
+                writer.write_batch(batch)
+    (saved / "state.json").write_text(json.dumps({"_data_files": [{"filename": x} for x in names]}))
+    (saved / "dataset_info.json").write_text(json.dumps({"features": {"text": {"dtype": "string",
+                                                                               "_type": "Value"}}}))
+    plain.unlink()
+    print(f"input: {docs:,} documents, {size / 1e6:.1f} MB of text (Python sources on this machine); parquet in "
+          f"{groups} row groups, Arrow in {shards} shards", flush=True)
+    return {"jsonl.gz": work / "sources.jsonl.gz", "parquet": work / "sources.parquet", "arrow": saved}
+
+
+def bench_formats(args) -> None:
+    try:
+        import pyarrow.parquet  # noqa: F401
+    except ImportError:
+        print("data_bench formats: pyarrow is not installed; pip install pyarrow (a core dependency of llmjp-ds)")
+        sys.exit(2)
+    from llmjp_ds.data.preprocess import preprocess
+
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-formats-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        inputs = _formats_inputs(work, args.megabytes)
+        rows, reference = [], None
+        for name, src in inputs.items():
+            for rep in range(args.repeat):
+                stats = preprocess([src], args.tokenizer, work / f"out_{name}", workers=args.workers, force=True,
+                                   progress=False)
+                data = [open(stats["prefix"] + s, "rb").read() for s in (".bin", ".idx")]
+                reference = reference or data
+                size = sum(f.stat().st_size for f in ([src] if src.is_file() else src.iterdir()))
+                rows.append((name, rep + 1, size / 1e6, stats["documents"], stats["tokens"], stats["seconds"],
+                             stats["tokens_per_second"], "yes" if data == reference else "NO"))
+        print(f"\npreprocess with --workers {args.workers} ({os.cpu_count()} CPUs), tokenizer {args.tokenizer}")
+        print(f"{'format':<9} {'run':>3} {'input MB':>9} {'documents':>10} {'tokens':>12} {'seconds':>8} "
+              f"{'tokens/s':>12} {'same bytes':>10}")
+        for name, rep, mb, docs, tokens, seconds, rate, same in rows:
+            print(f"{name:<9} {rep:>3} {mb:>9.1f} {docs:>10,} {tokens:>12,} {seconds:>8.2f} {rate:>12,.0f} {same:>10}")
+    finally:
+        if not args.work_dir:
+            shutil.rmtree(work)
 
 
 def bench_access(args) -> None:
@@ -242,6 +312,12 @@ def main() -> None:
     p.add_argument("--tokenizer", required=True)
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    p = sub.add_parser("formats")
+    p.add_argument("--tokenizer", required=True)
+    p.add_argument("--megabytes", type=float, default=250.0)
+    p.add_argument("--workers", type=int, default=max(1, min(14, os.cpu_count() or 1)))
+    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--work-dir", default=None, help="keep the inputs and outputs here (default: a temp dir)")
     p = sub.add_parser("access")
     p.add_argument("--prefix", required=True)
     p.add_argument("--seq-len", type=int, default=4096)
@@ -260,7 +336,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    {"preprocess": bench_preprocess, "access": bench_access, "index": bench_index, "blend": bench_blend,
+    {"preprocess": bench_preprocess, "formats": bench_formats, "access": bench_access, "index": bench_index, "blend": bench_blend,
      "corpus-loss": bench_corpus_loss}[args.what](args)
 
 

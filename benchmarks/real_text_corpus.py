@@ -3,7 +3,8 @@ installed packages and standard library, for FP8 fidelity runs that must not mem
 
     python benchmarks/real_text_corpus.py --output-dir DIR --tokenizer LLM_JP_V3_MODEL [--megabytes 250]
 
-Writes ``DIR/sources.jsonl`` (one document per source file, in a fixed order, up to ``--megabytes`` of text)
+Writes ``DIR/sources.jsonl`` (one document per source file, in a fixed order, up to ``--megabytes`` of text;
+with ``--parquet`` also ``DIR/sources.parquet``, the same documents in row groups of ~``--row-group-mb``)
 and preprocesses it with ``llmjp-ds preprocess`` into ``DIR/python_text_document.{bin,idx}``; prints the blend
 prefix. The bundled demo corpus cannot serve here: it is a few MB, which a small model learns by heart within
 a few hundred steps, and the FP8 penalty then measures the precision of memorisation (docs/precision.md).
@@ -49,17 +50,45 @@ def write_jsonl(path: Path, budget_bytes: int) -> tuple[int, int]:
     return docs, size
 
 
+def write_parquet_copy(jsonl: Path, parquet: Path, row_group_mb: float = 8.0) -> int:
+    """The documents of ``jsonl`` as a parquet file with one ``text`` column (snappy), in row groups of about
+    ``row_group_mb`` of text, as hub shards are; returns the number of row groups."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    budget = int(row_group_mb * 2**20)
+    schema = pa.schema([("text", pa.string())])
+    groups = 0
+    with open(jsonl, encoding="utf-8") as src, pq.ParquetWriter(str(parquet), schema, compression="snappy") as out:
+        texts, size = [], 0
+        for line in src:
+            texts.append(json.loads(line)["text"])
+            size += len(texts[-1].encode())
+            if size >= budget:
+                out.write_table(pa.table({"text": texts}, schema=schema), row_group_size=len(texts))
+                texts, size, groups = [], 0, groups + 1
+        if texts:
+            out.write_table(pa.table({"text": texts}, schema=schema), row_group_size=len(texts))
+            groups += 1
+    return groups
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--output-dir", required=True)
     p.add_argument("--tokenizer", required=True, help="SentencePiece .model (the LLM-jp v3 tokenizer)")
     p.add_argument("--megabytes", type=float, default=250.0)
     p.add_argument("--workers", type=int, default=max(1, min(14, os.cpu_count() or 1)))
+    p.add_argument("--parquet", action="store_true", help="also write DIR/sources.parquet (the same documents)")
+    p.add_argument("--row-group-mb", type=float, default=8.0)
     a = p.parse_args(argv)
     out = Path(a.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     docs, size = write_jsonl(out / "sources.jsonl", int(a.megabytes * 2**20))
     print(f"{docs} source files, {size / 2**20:.0f} MB of text", flush=True)
+    if a.parquet:
+        groups = write_parquet_copy(out / "sources.jsonl", out / "sources.parquet", a.row_group_mb)
+        print(f"{out / 'sources.parquet'}: the same documents in {groups} row groups", flush=True)
     prefix = out / "python"
     subprocess.run([sys.executable, "-m", "llmjp_ds.cli", "preprocess", "--input", str(out / "sources.jsonl"),
                     "--tokenizer", a.tokenizer, "--output-prefix", str(prefix), "--workers", str(a.workers),

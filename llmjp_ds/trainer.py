@@ -214,10 +214,14 @@ class Trainer:
         self.meta = checkpoint.CheckpointMeta.for_run(cfg, self.model_config, self.layout.data)
         self.saver = checkpoint.AsyncSaver() if cfg.checkpoint.async_save else None
         if self.saver is not None:
-            from llmjp_ds.checkpoint.async_save import check_host_memory
+            from llmjp_ds.checkpoint.async_save import arena_bytes, check_host_memory
             from llmjp_ds.validate import gpus_per_node_from_env
 
             check_host_memory(self.engine.module, self.ctx.dp_rank, self.ctx.dp_size, gpus_per_node_from_env() or 1)
+            nbytes = arena_bytes(self.engine.module, self.ctx.dp_rank, self.ctx.dp_size)
+            took = self.saver.reserve(nbytes)  # page-locked once here, not in the first save's stall
+            self.logger.event(self.state.step, "checkpoint_arena", gib=nbytes / 2**30, seconds=took,
+                              pinned=self.saver.arena.pinned)
         self.save_metrics: dict = {}  # the last save's stall and write time, for the next step's record
 
     # --- one step -------------------------------------------------------------------------------------------

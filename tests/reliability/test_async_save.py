@@ -138,3 +138,66 @@ def test_a_snapshot_is_not_changed_by_the_next_step():
     assert torch.equal(copy["module"]["w"], torch.ones(4)) and torch.equal(copy["module"]["view"], torch.ones(2))
     assert copy["groups"][0]["lr"] == 0.1 and isinstance(copy["module"], OrderedDict)
     assert nbytes(copy) == (4 + 2 + 4) * 4
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"module": {"w": torch.randn(300, 7, generator=g).bfloat16(), "b": torch.randn(5, generator=g)},
+            "optimizer": {"exp_avg": torch.randn(1000, generator=g), "empty": torch.zeros(0), "step": 4}}
+
+
+def _saved_bytes(state, where) -> bytes:
+    """torch.save's bytes (the archive records the file's name: one name for all)."""
+    where.mkdir()
+    torch.save(state, where / "state.pt")
+    return (where / "state.pt").read_bytes()
+
+
+def test_arena_snapshots_save_the_same_bytes_and_are_reused(tmp_path):
+    """Tensors cut from the arena serialise exactly as plainly copied ones (each owns only its slice: a shared
+    storage would write the whole arena with every tensor), and the next save reuses the same memory."""
+    from llmjp_ds.checkpoint.async_save import PinnedArena, nbytes, snapshot
+
+    first, second = _state(0), _state(1)
+    arena = PinnedArena(nbytes(first) + 8 * PinnedArena.ALIGN, pin=False)
+    copy = snapshot(first, pinned=False, arena=arena)
+    assert arena.used >= nbytes(first)
+    assert _saved_bytes(copy, tmp_path / "a") == _saved_bytes(snapshot(first, pinned=False), tmp_path / "b")
+    used = arena.used
+    arena.reset()
+    again = snapshot(second, pinned=False, arena=arena)
+    assert arena.used == used  # the same bytes again, not more
+    assert again["module"]["w"].data_ptr() == copy["module"]["w"].data_ptr()
+    _saved_bytes(again, tmp_path / "c")
+    loaded = torch.load(tmp_path / "c" / "state.pt", weights_only=True)
+    assert torch.equal(loaded["module"]["w"], second["module"]["w"]) and loaded["optimizer"]["step"] == 4
+
+
+def test_a_snapshot_larger_than_the_arena_takes_fresh_memory_for_the_rest(tmp_path):
+    from llmjp_ds.checkpoint.async_save import PinnedArena, snapshot
+
+    state = _state(2)
+    arena = PinnedArena(300 * 7 * 2, pin=False)  # room for the first tensor only
+    copy = snapshot(state, pinned=False, arena=arena)
+    state["optimizer"]["exp_avg"].add_(1)
+    assert torch.equal(copy["module"]["w"], _state(2)["module"]["w"])
+    assert torch.equal(copy["optimizer"]["exp_avg"], _state(2)["optimizer"]["exp_avg"])
+    assert _saved_bytes(copy, tmp_path / "a") == _saved_bytes(_state(2), tmp_path / "b")
+
+
+def test_a_large_write_in_parallel_ranges_is_torch_saves_file_and_its_hash(tmp_path, monkeypatch):
+    """save_hashed splits each large buffer over threads writing their ranges at once: the file is byte for byte
+    what torch.save writes to a plain file object, and the manifest entry is that file's size and xxh3."""
+    from llmjp_ds.checkpoint import manifest
+
+    monkeypatch.setattr(manifest, "PARALLEL_MIN", 1 << 16)  # the big tensors take the parallel path, the rest not
+    g = torch.Generator().manual_seed(0)
+    state = {"big": torch.randn(1 << 18, generator=g), "odd": torch.randn(100_003, generator=g).bfloat16(),
+             "small": torch.arange(7), "step": 3}
+    (tmp_path / "ours").mkdir()
+    (tmp_path / "plain").mkdir()
+    entry = manifest.save_hashed(state, tmp_path / "ours" / "state.pt")
+    with open(tmp_path / "plain" / "state.pt", "wb") as f:  # a file object (a path gives other zip headers)
+        torch.save(state, f)
+    assert (tmp_path / "ours" / "state.pt").read_bytes() == (tmp_path / "plain" / "state.pt").read_bytes()
+    assert entry == manifest.digest(tmp_path / "ours" / "state.pt")

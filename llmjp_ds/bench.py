@@ -1,4 +1,4 @@
-"""``llmjp-ds bench``: training throughput of the product's full step against transformers + DeepSpeed.
+"""``llmjp-ds bench``: training throughput of the product's full step against Megatron-Core and transformers.
 
 Every variant runs in its own process (a clean GPU). The ``ours`` variants drive the trainer itself: a
 :class:`llmjp_ds.trainer.Trainer` of the shape's run preset builds the model and the engine (the bundled
@@ -8,9 +8,13 @@ pretraining uses), on micro-batches of random token ids already on the GPU. One 
 passes + the optimizer step.
 
 Variants: ``ours-bf16``, ``ours-fp8-delayed`` (DelayedScaling, HYBRID), ``ours-fp8-current``
-(Float8CurrentScaling), ``ours-fp8-block`` (Float8BlockScaling), ``peer-bf16`` (transformers'
-``LlamaForCausalLM``, sdpa attention, called as HF users call it, with ``labels``) under the same DeepSpeed
-config and optimizer. ``--set`` changes the run config of the ``ours`` variants (ablations: e.g.
+(Float8CurrentScaling), ``ours-fp8-block`` (Float8BlockScaling); the peers of :mod:`llmjp_ds.bench_peers`:
+``peer-mcore-bf16``, ``peer-mcore-fp8-delayed``, ``peer-mcore-fp8-param`` (Megatron-Core at its best settings),
+``peer-bf16`` (transformers + DeepSpeed, as an HF user would write it), and at a decoder-only shape
+(``172b-tp4-stage``: one GPU's share of a 172B TP4 x PP16 middle stage) ``ref-te-layer-*`` (plain
+``te.TransformerLayer`` forward + backward). "vs peer" names the best peer of the row's precision at its shape
+(BF16: ``peer-mcore-bf16`` or ``ref-te-layer-bf16``; FP8 delayed: the better of ``peer-mcore-fp8-delayed`` and
+``-fp8-param``, or ``ref-te-layer-fp8-delayed``). ``--set`` changes the run config of the ``ours`` variants (ablations: e.g.
 ``--set model.fused_loss=false``). With ``--set parallel.tensor_parallel=N`` each ``ours`` variant runs as N
 processes on N GPUs (torchrun), one tensor-parallel group: its TFLOP/s per GPU against one GPU running 1/N of
 the work is the TP efficiency (e.g. ``--set "model.overrides={num_layers: 4}"`` at TP2 against the default
@@ -33,14 +37,29 @@ import subprocess
 import sys
 import time
 
+from llmjp_ds.bench_peers import MCORE_VARIANTS, TE_LAYER_VARIANTS
+
 SHAPES = {
     # name: (run preset, model overrides, micro batch)
     "172b-slice": ("llmjp3-172b", {"num_layers": 2}, 1),
+    # one GPU's share of a middle stage of LLM-jp-3 172B at TP4 x PP16: 6 layers, 96 / 4 heads, 16 / 4 KV heads,
+    # FFN 38464 / 4; decoder layers only (STAGE_SHAPES)
+    "172b-tp4-stage": ("llmjp3-172b", {"num_layers": 6, "num_attention_heads": 24, "num_key_value_heads": 4,
+                                       "ffn_hidden_size": 9616, "head_dim": 128}, 1),
     "llmjp3-1.8b": ("llmjp3-1.8b", {}, 2),
     "llmjp3-3.7b": ("llmjp3-3.7b", {}, 1),
 }
-TEST_SHAPES = {"tiny": ("demo", {}, 2)}  # CPU smoke test of the harness (tests/test_bench.py)
-VARIANTS = ("ours-bf16", "peer-bf16", "ours-fp8-delayed", "ours-fp8-current", "ours-fp8-block")
+TEST_SHAPES = {"tiny": ("demo", {}, 2), "tiny-stage": ("demo", {"head_dim": 16}, 2)}  # CPU tests (test_bench.py)
+STAGE_SHAPES = {"172b-tp4-stage", "tiny-stage"}  # no embedding, no head: FLOPs of the decoder layers only
+VARIANTS = ("ours-bf16", "peer-mcore-bf16", "peer-bf16", "ours-fp8-delayed", "peer-mcore-fp8-delayed",
+            "peer-mcore-fp8-param", "ours-fp8-current", "ours-fp8-block", *TE_LAYER_VARIANTS)
+DEFAULT_VARIANTS = ("ours-bf16", "peer-mcore-bf16", "peer-bf16", "ours-fp8-delayed", "peer-mcore-fp8-delayed",
+                    "peer-mcore-fp8-param")
+STAGE_VARIANTS = ("ours-bf16", "ours-fp8-delayed", "ours-fp8-current", *TE_LAYER_VARIANTS)
+# the rows "vs peer" compares a precision with, best first found
+PEERS = {"bf16": ("peer-mcore-bf16", "ref-te-layer-bf16"),
+         "fp8-delayed": ("peer-mcore-fp8-delayed", "peer-mcore-fp8-param", "ref-te-layer-fp8-delayed"),
+         "fp8-current": ("ref-te-layer-fp8-current",)}
 
 # kernel name fragments (lower case) -> category; the first rule that matches wins. FP8 casts are TE kernels:
 # torch's own elementwise kernels carry "LoadWithCast" in their names and are not casts to FP8.
@@ -148,7 +167,7 @@ def bench_config(shape: str, variant: str, gas: int, sets: list[str] = ()):
     from llmjp_ds.config import RunConfig, apply_set, build, merge, preset_dict
 
     preset, overrides, micro = {**SHAPES, **TEST_SHAPES}[shape]
-    if "fp8" in variant:
+    if variant.startswith("ours-fp8"):  # the peers set their precision themselves
         phases = [{"precision": "fp8", "start_step": 0, "recipe": variant.rsplit("-", 1)[1], "fp8_format": "hybrid"}]
     else:
         phases = [{"precision": "bf16"}]
@@ -163,59 +182,40 @@ def bench_config(shape: str, variant: str, gas: int, sets: list[str] = ()):
     return build(RunConfig, data)
 
 
-def peer_module(lm):
-    """transformers' ``LlamaForCausalLM`` behind the trainer's call signature; it is called as HF users call it,
-    with ``labels`` (shifted inside)."""
-    import types
-
-    import torch
-
-    class PeerLM(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lm = lm
-
-        def forward(self, input_ids, shift_labels):
-            loss = self.lm(input_ids=input_ids, labels=input_ids).loss
-            return types.SimpleNamespace(loss=loss, lm_loss=loss, z_loss=torch.zeros_like(loss))
-
-    return PeerLM()
-
-
-def _engine_for(cfg, variant: str):
+def _engine_for(cfg, variant: str, shape: str):
     """(the step function ``step(i, batches) -> [lm_loss, z_loss]``, the model config) of one variant: ours
-    through the Trainer; the peer as a user wires transformers and DeepSpeed (the same JSON and optimizer, none
-    of our engine code) under the same step runner."""
+    through the Trainer (at a decoder-only shape on :func:`~llmjp_ds.bench_peers.stage_model`), a peer from
+    :mod:`llmjp_ds.bench_peers`."""
+    from llmjp_ds import bench_peers
     from llmjp_ds.trainer import Trainer
 
     trainer = Trainer(cfg, cfg.parallel.tensor_parallel)
-    if variant.startswith("ours"):
-        trainer.build_engine()
-        return (lambda i, batches: trainer.train_step(i, batches)[0]), trainer.model_config
-    import deepspeed
-    import torch
-    import transformers
+    if variant in MCORE_VARIANTS:
+        return bench_peers.mcore_peer(cfg, trainer, variant)
+    if variant in TE_LAYER_VARIANTS:
+        return bench_peers.te_layer_reference(cfg, trainer, variant)
+    if not variant.startswith("ours"):
+        return bench_peers.hf_peer(cfg, trainer)
+    model = None
+    if shape in STAGE_SHAPES:
+        import torch
 
-    from llmjp_ds.optim import build_optimizer, schedule_lr, set_lr
-    from llmjp_ds.parallel.context import ParallelContext
-    from llmjp_ds.parallel.ds_config import build_ds_config
-    from llmjp_ds.parallel.runners import EngineRunner
+        trainer.start()
+        seq = cfg.data.seq_len or trainer.model_config.max_position_embeddings
+        torch.manual_seed(cfg.train.seed)
+        model = bench_peers.stage_model(trainer.model_config, trainer.backend, cfg.train.micro_batch_size, seq,
+                                        trainer.ctx.device)
+    trainer.build_engine(model)
+    return (lambda i, batches: trainer.train_step(i, batches)[0]), trainer.model_config
 
-    ctx = ParallelContext.start(trainer.layout)
-    torch.manual_seed(cfg.train.seed)
-    config = trainer.model_config
-    config._attn_implementation = "sdpa"
-    with ctx.device:
-        model = peer_module(transformers.LlamaForCausalLM(config))
-    engine, *_ = deepspeed.initialize(model=model, optimizer=build_optimizer(model, cfg.optim),
-                                      config=build_ds_config(cfg, trainer.layout))
-    runner = EngineRunner(engine, trainer.precision, ctx)
 
-    def step(i, batches):
-        set_lr(engine.optimizer, schedule_lr(i, cfg.optim, cfg.train.steps))
-        return runner.train_step(batches)
+def flops_per_token(shape: str, config, seq: int) -> float:
+    """Model FLOPs per token of a shape: every layer and the logits, or the decoder layers only."""
+    from llmjp_ds.model.flops import flops_per_token_for, layer_and_logits_flops_for
 
-    return step, config
+    if shape in STAGE_SHAPES:
+        return layer_and_logits_flops_for(config, seq)[0] * config.num_hidden_layers
+    return flops_per_token_for(config, seq)
 
 
 def run_one(shape: str, variant: str, steps: int, warmup: int, gas: int, sets: list[str] = (),
@@ -223,10 +223,9 @@ def run_one(shape: str, variant: str, steps: int, warmup: int, gas: int, sets: l
     import torch
 
     from llmjp_ds.metrics import Throughput
-    from llmjp_ds.model.flops import flops_per_token_for
 
     cfg = bench_config(shape, variant, gas, sets)
-    train_step, config = _engine_for(cfg, variant)
+    train_step, config = _engine_for(cfg, variant, shape)
     seq = cfg.data.seq_len or config.max_position_embeddings
     micro = cfg.train.micro_batch_size
     cuda = torch.cuda.is_available()
@@ -253,7 +252,7 @@ def run_one(shape: str, variant: str, steps: int, warmup: int, gas: int, sets: l
         losses.append(float(parts[0]))
     step_s = statistics.median(times)
     world = cfg.parallel.tensor_parallel
-    rates = Throughput(flops_per_token_for(config, seq), gas * micro * seq, world)
+    rates = Throughput(flops_per_token(shape, config, seq), gas * micro * seq, world)
     stats = torch.cuda.memory_stats() if cuda else {}
     result = {"shape": shape, "variant": variant, "micro_batch": micro, "gas": gas, "seq_len": seq,
               "step_s": step_s, **rates.update(step_s),
@@ -326,24 +325,43 @@ def _synced_step(step, sync) -> dict:
     return sync_summary(sites)
 
 
+def precision_of(variant: str) -> str:
+    """``bf16``, ``fp8-delayed``, ... of a variant name (``peer-mcore-fp8-param`` is FP8 delayed)."""
+    if variant == "peer-mcore-fp8-param":
+        return "fp8-delayed"
+    return "bf16" if variant.endswith("bf16") else "fp8-" + variant.rsplit("-", 1)[1]
+
+
+def vs_peer(r: dict, same: list[dict]) -> str:
+    """``1.05x peer-mcore-bf16``: an ``ours`` row against the fastest peer of its precision at its shape."""
+    if not r["variant"].startswith("ours"):
+        return ""
+    peers = [x for x in same if x["variant"] in PEERS.get(precision_of(r["variant"]), ())]
+    if not peers:
+        return ""
+    best = max(peers, key=lambda x: x["tflops_per_gpu"])
+    return f"{r['tflops_per_gpu'] / best['tflops_per_gpu']:.2f}x {best['variant']}"
+
+
 def table(results: list[dict]) -> str:
     head = ("| shape | variant | tokens/s | TFLOP/s per GPU | MFU | peak mem GiB | alloc retries | vs peer | "
-            "vs ours-bf16 |")
-    lines = [head, "|" + "---|" * 9]
+            "vs transformers + DeepSpeed | vs ours-bf16 |")
+    lines = [head, "|" + "---|" * 10]
     for r in results:
         label = r["variant"] + (f" ({', '.join(r['sets'])})" if r.get("sets") else "")
         if "error" in r:
-            lines.append(f"| {r['shape']} | {label} | failed: {r['error']} | | | | | | |")
+            lines.append(f"| {r['shape']} | {label} | failed: {r['error']} | | | | | | | |")
             continue
         same = [x for x in results if x["shape"] == r["shape"] and "error" not in x and not x.get("sets")]
-        peer = next((x for x in same if x["variant"] == "peer-bf16"), None)
+        hf = next((x for x in same if x["variant"] == "peer-bf16"), None)
         base = next((x for x in same if x["variant"] == "ours-bf16"), None)
-        vs_peer = f"{r['tflops_per_gpu'] / peer['tflops_per_gpu']:.2f}x" if peer and r is not peer else ""
+        vs_hf = (f"{r['tflops_per_gpu'] / hf['tflops_per_gpu']:.2f}x"
+                 if hf and r is not hf and r["variant"].startswith("ours") else "")
         vs_base = (f"{r['tflops_per_gpu'] / base['tflops_per_gpu']:.2f}x"
                    if base and r is not base and r["variant"].startswith("ours") else "")
         lines.append(f"| {r['shape']} | {label} | {r['tokens_per_s']:,.0f} | {r['tflops_per_gpu']:.0f} | "
-                     f"{100 * r.get('mfu', 0.0):.1f}% | {r['peak_mem_gib']:.1f} | {r['alloc_retries']} | {vs_peer} | "
-                     f"{vs_base} |")
+                     f"{100 * r.get('mfu', 0.0):.1f}% | {r['peak_mem_gib']:.1f} | {r['alloc_retries']} | "
+                     f"{vs_peer(r, same)} | {vs_hf} | {vs_base} |")
     return "\n".join(lines)
 
 
@@ -352,7 +370,8 @@ def cli_main(argv: list[str], verb: str = "bench") -> int:
 
     p = argparse.ArgumentParser(prog=f"llmjp-ds {verb}", description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="172b-slice,llmjp3-1.8b", help=f"comma list of {', '.join(SHAPES)}")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    p.add_argument("--variants", help=f"comma list of {', '.join(VARIANTS)} (default: {', '.join(DEFAULT_VARIANTS)}; "
+                   f"at a decoder-only shape {', '.join(STAGE_VARIANTS)})")
     p.add_argument("--steps", type=int, default=4, help="timed steps per variant (median reported)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--gas", type=int, default=8, help="gradient accumulation steps")
@@ -367,13 +386,11 @@ def cli_main(argv: list[str], verb: str = "bench") -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print("RESULT " + json.dumps(result), flush=True)
         return 0
-    shapes, variants = a.shapes.split(","), a.variants.split(",")
+    shapes = a.shapes.split(",")
     for s in shapes:
         if s not in SHAPES:
             fail(f"unknown shape {s!r}: choose from {', '.join(SHAPES)}")
-    for v in variants:
-        if v not in VARIANTS:
-            fail(f"unknown variant {v!r}: choose from {', '.join(VARIANTS)}")
+    runs = [(s, v) for s in shapes for v in variants_for(s, a.variants)]
     if a.steps < 1 or a.warmup < 0 or a.gas < 1:
         fail("--steps and --gas must be at least 1 and --warmup at least 0")
     from llmjp_ds.validate import validate_run
@@ -381,14 +398,15 @@ def cli_main(argv: list[str], verb: str = "bench") -> int:
     for shape in shapes:  # a bad --set fails here, not in every variant's process
         cfg = bench_config(shape, "ours-bf16", a.gas, a.sets)
         validate_run(cfg, cfg.parallel.tensor_parallel)
-        if cfg.parallel.tensor_parallel > 1 and "peer-bf16" in variants:
-            fail("the peer runs on one GPU: drop peer-bf16 from --variants with parallel.tensor_parallel > 1 (its "
-                 "reference is the same bench at tensor_parallel=1 on 1/N of the work)")
+        peers = [v for s, v in runs if s == shape and not v.startswith("ours")]
+        if cfg.parallel.tensor_parallel > 1 and peers:
+            fail(f"the peers run on one GPU: drop {', '.join(peers)} from --variants with parallel.tensor_parallel "
+                 "> 1 (their reference is the same bench at tensor_parallel=1 on 1/N of the work)")
     import torch
 
     if not torch.cuda.is_available():
         fail("llmjp-ds bench measures GPU training throughput: run it on a CUDA machine with Transformer Engine")
-    results = [measure(shape, variant, a) for shape in shapes for variant in variants]
+    results = [measure(shape, variant, a) for shape, variant in runs]
     print(table(results))
     for r in results:
         if "profile" in r:
@@ -398,6 +416,25 @@ def cli_main(argv: list[str], verb: str = "bench") -> int:
 
         write_bytes_atomic(a.json, json.dumps(results, indent=2).encode())
     return 0
+
+
+def variants_for(shape: str, asked: str | None) -> list[str]:
+    """The variants to run at ``shape``: those asked for (all valid there), else the shape's defaults. A
+    decoder-only shape has no model for the whole-model peers; the TE-layer reference runs only there."""
+    from llmjp_ds.errors import fail
+
+    stage = shape in STAGE_SHAPES
+    if asked is None:
+        return list(STAGE_VARIANTS if stage else DEFAULT_VARIANTS)
+    variants = asked.split(",")
+    for v in variants:
+        if v not in VARIANTS:
+            fail(f"unknown variant {v!r}: choose from {', '.join(VARIANTS)}")
+        if stage != (v.startswith("ours") or v in TE_LAYER_VARIANTS) and (stage or v in TE_LAYER_VARIANTS):
+            where = "a decoder-only shape such as 172b-tp4-stage" if v in TE_LAYER_VARIANTS else "a whole-model shape"
+            fail(f"variant {v!r} runs only at {where}, not at {shape!r}: choose from "
+                 f"{', '.join(STAGE_VARIANTS if stage else (x for x in VARIANTS if x not in TE_LAYER_VARIANTS))}")
+    return variants
 
 
 def measure(shape: str, variant: str, a) -> dict:

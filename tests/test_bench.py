@@ -248,10 +248,11 @@ def test_cli_bad_set_key_is_a_one_line_error():
 # --- the harness on CPU: real DeepSpeed steps on the tiny shape ------------------------------------------------
 
 GAS, STEPS, WARMUP = 2, 2, 1
-RUNS = {
-    "ours": ("ours-bf16", []),
-    "ours-unfused": ("ours-bf16", ["parallel.fused_grad_accumulation=false"]),
-    "peer": ("peer-bf16", []),
+RUNS = {  # key: (shape, variant, --set)
+    "ours": ("tiny", "ours-bf16", []),
+    "ours-unfused": ("tiny", "ours-bf16", ["parallel.fused_grad_accumulation=false"]),
+    "peer": ("tiny", "peer-bf16", []),
+    "stage": ("tiny-stage", "ours-bf16", []),
 }
 
 
@@ -259,8 +260,8 @@ RUNS = {
 def harness(tmp_path_factory):
     """The three ``--one tiny`` runs, started together (one thread each) and parsed once for the module."""
     procs = {}
-    for key, (variant, sets) in RUNS.items():
-        cmd = [sys.executable, "-m", "llmjp_ds.bench", "--one", "tiny", variant, "--steps", str(STEPS),
+    for key, (shape, variant, sets) in RUNS.items():
+        cmd = [sys.executable, "-m", "llmjp_ds.bench", "--one", shape, variant, "--steps", str(STEPS),
                "--warmup", str(WARMUP), "--gas", str(GAS)] + [a for s in sets for a in ("--set", s)]
         procs[key] = subprocess.Popen(cmd, cwd=REPO, env=_cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True)
@@ -294,7 +295,7 @@ def tiny_vocab() -> int:
 @pytest.mark.parametrize("key", ["ours", "peer"])
 def test_harness_first_loss_is_that_of_a_uniform_guess(harness, key):
     r = result_of(harness, key)
-    assert r["variant"] == RUNS[key][0] and r["shape"] == "tiny" and r["device"] == "cpu"
+    assert r["variant"] == RUNS[key][1] and r["shape"] == "tiny" and r["device"] == "cpu"
     assert len(r["losses"]) == WARMUP + STEPS
     assert all(math.isfinite(x) for x in r["losses"])
     assert abs(r["losses"][0] - math.log(tiny_vocab())) < 0.5
@@ -328,3 +329,72 @@ def test_harness_fused_accumulation_trains_like_deepspeeds(harness):
     assert fused["losses"][0] == unfused["losses"][0]
     assert fused["losses"][1:] == pytest.approx(unfused["losses"][1:], rel=2e-3)
     assert fused["losses"][1] != fused["losses"][0]  # the optimizer stepped: later losses depend on the gradients
+
+
+@pytest.mark.timeout(300)
+def test_harness_stage_shape_trains_our_decoder_layers_alone(harness):
+    """``tiny-stage``: our decoder layers without embedding and head, through the trainer's engine. Its first
+    loss is that of the same layers built in-process (same seed, bf16 as the engine holds them), its FLOPs are
+    the decoder layers' only, and the optimizer stepped."""
+    from llmjp_ds.bench_peers import stage_model
+    from llmjp_ds.model.flops import layer_and_logits_flops_for
+    from llmjp_ds.model.shapes import model_config
+
+    r = result_of(harness, "stage")
+    cfg = bench.bench_config("tiny-stage", "ours-bf16", GAS)
+    config = model_config("tiny", head_dim=16)
+    seq, micro = cfg.data.seq_len, cfg.train.micro_batch_size
+    torch.manual_seed(cfg.train.seed)
+    with torch.no_grad():
+        ref = stage_model(config, "torch", micro, seq, "cpu").bfloat16()(None, None).loss.item()
+    assert r["losses"][0] == pytest.approx(ref, rel=1e-3)
+    assert r["losses"][1] != r["losses"][0]
+    flops = layer_and_logits_flops_for(config, seq)[0] * config.num_hidden_layers
+    assert r["tflops_per_gpu"] == pytest.approx(flops * r["tokens_per_s"] / 1e12, rel=1e-6)
+
+
+# --- the table and the variants of a shape ----------------------------------------------------------------------
+
+def _row(shape, variant, tflops):
+    return {"shape": shape, "variant": variant, "tflops_per_gpu": tflops, "tokens_per_s": 1.0, "peak_mem_gib": 1.0,
+            "alloc_retries": 0, "sets": []}
+
+
+def test_vs_peer_names_the_fastest_peer_of_the_rows_precision():
+    rows = [_row("s", "ours-bf16", 560), _row("s", "peer-mcore-bf16", 500), _row("s", "peer-bf16", 400),
+            _row("s", "ours-fp8-delayed", 880), _row("s", "peer-mcore-fp8-delayed", 780),
+            _row("s", "peer-mcore-fp8-param", 800), _row("s", "ours-fp8-current", 700)]
+    cells = {r["variant"]: bench.vs_peer(r, rows) for r in rows}
+    assert cells["ours-bf16"] == "1.12x peer-mcore-bf16"
+    assert cells["ours-fp8-delayed"] == "1.10x peer-mcore-fp8-param"
+    assert cells["ours-fp8-current"] == "" and cells["peer-mcore-bf16"] == ""  # no peer of that precision
+    text = bench.table(rows)
+    assert "| 1.12x peer-mcore-bf16 | 1.40x |  |" in text  # vs peer, vs transformers + DeepSpeed, vs ours-bf16
+    stage = [_row("t", "ours-fp8-current", 870), _row("t", "ref-te-layer-fp8-current", 867)]
+    assert bench.vs_peer(stage[0], stage) == "1.00x ref-te-layer-fp8-current"
+
+
+def test_variants_of_a_shape_and_their_errors(capsys):
+    from llmjp_ds.errors import UserError
+
+    assert bench.variants_for("172b-slice", None) == list(bench.DEFAULT_VARIANTS)
+    assert bench.variants_for("172b-tp4-stage", None) == list(bench.STAGE_VARIANTS)
+    assert bench.variants_for("172b-tp4-stage", "ours-bf16,ref-te-layer-bf16") == ["ours-bf16", "ref-te-layer-bf16"]
+    for shape, variant in (("172b-slice", "ref-te-layer-bf16"), ("172b-tp4-stage", "peer-mcore-bf16"),
+                           ("172b-tp4-stage", "peer-bf16"), ("172b-slice", "ours-fp9")):
+        with pytest.raises((UserError, SystemExit)):
+            bench.variants_for(shape, variant)
+    assert bench.precision_of("peer-mcore-fp8-param") == "fp8-delayed"
+
+
+def test_stage_shape_is_one_gpus_share_of_the_172b_tp4_middle_stage():
+    """The per-GPU GEMMs of TP4: 96 / 4 query heads and 16 / 4 KV heads of 128, FFN 38464 / 4, hidden whole."""
+    from llmjp_ds.config import model_config_of
+
+    full = model_config_of(bench.bench_config("172b-slice", "ours-bf16", 8))
+    stage = model_config_of(bench.bench_config("172b-tp4-stage", "ours-bf16", 8))
+    assert stage.hidden_size == full.hidden_size and stage.num_hidden_layers == 96 // 16
+    assert stage.num_attention_heads * 4 == full.num_attention_heads
+    assert stage.num_key_value_heads * 4 == full.num_key_value_heads
+    assert stage.intermediate_size * 4 == full.intermediate_size
+    assert stage.head_dim == full.hidden_size // full.num_attention_heads == 128

@@ -6,6 +6,8 @@
 #   source .whl/env.sh && bash benchmarks/device/perf.sh main-grad   # this build, profiled; DeepSpeed's timer on
 #   source .whl/env.sh && bash benchmarks/device/perf.sh release     # the table of docs/performance.md
 #   source .whl/env.sh && bash benchmarks/device/perf.sh syncs       # host synchronisations per step (1.8B)
+#   source .whl/env.sh && bash benchmarks/device/perf.sh mcore       # ours against Megatron-Core, both shapes
+#   source .whl/env.sh && bash benchmarks/device/perf.sh stage       # 172b-tp4-stage against te.TransformerLayer
 # Ablations: DeepSpeed's fp32 accumulation after backward instead of in the grad hook, the eager loss, no FP8
 # weight cache; `slice` also runs the step without the fused gradient accumulation.
 set -uo pipefail
@@ -59,5 +61,11 @@ case "${1:-slice}" in
       --set parallel.ds_config=benchmarks/ds_configs/zero1-accumulate-after-backward.json
     bench slice-eager-loss "${S[@]}" --variants ours-bf16 --set model.fused_loss=false
     bench slice-no-weight-cache "${S[@]}" --variants ours-fp8-delayed --set precision.fp8_weight_cache=false ;;
+  mcore)  # the Megatron-Core peer's table: both whole-model shapes, the default variants, one call
+    bench mcore --shapes 172b-slice,llmjp3-1.8b --steps 3 --warmup 2 ;;
+  mcore-1.8b)  # the same at one shape (half the time)
+    bench mcore-1.8b --shapes llmjp3-1.8b --steps 3 --warmup 2 ;;
+  stage)  # one GPU's share of a 172B TP4 x PP16 middle stage: our full step against te.TransformerLayer fwd + bwd
+    bench stage --shapes 172b-tp4-stage --steps 3 --warmup 2 ;;
 esac
 cat "$OUT/summary.md"

@@ -1,4 +1,6 @@
-"""Fixtures shared by the whole suite: small model configs and the path to the shared LLM-jp assets."""
+"""Fixtures shared by the whole suite: small model configs, the path to the shared LLM-jp assets, and the
+trainer's CPU runs that ``tests/train/`` and ``tests/parallel/`` share (``tests/runs.py``, once per session).
+Subprocesses are started through one launcher, ``tests/launch.py``."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.runs import exports, flip_runs, runs, train_env  # noqa: F401  (session fixtures of two suites)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("LLMJP_DS_SHARED", REPO.parent / "shared"))

@@ -7,11 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.launch import subprocess_env
+
 
 @pytest.fixture(scope="module")
 def env():
-    """The environment of a training subprocess: one thread, the shared corpus cache and DeepSpeed extensions."""
-    e = dict(os.environ, OMP_NUM_THREADS="1", LLMJP_DS_CACHE=os.environ.get(
-        "LLMJP_DS_CACHE", str(Path.home() / ".cache" / "llmjp-ds")))
-    e.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "llmjp-ds" / "torch_extensions"))
-    return e
+    """The environment of a training subprocess (:func:`tests.launch.subprocess_env`) with the shared corpus cache
+    and DeepSpeed extensions."""
+    home = Path.home() / ".cache" / "llmjp-ds"
+    return subprocess_env(LLMJP_DS_CACHE=os.environ.get("LLMJP_DS_CACHE", str(home)),
+                          TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(home / "torch_extensions")))

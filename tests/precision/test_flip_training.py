@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.launch import run, train_argv
 
 TINY = ("model.overrides={hidden_size: 64, num_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, "
         "ffn_hidden_size: 128}")
@@ -21,10 +22,7 @@ BASE = [TINY, "data.seq_len=32", "train.global_batch_size=4", "train.micro_batch
 
 
 def train(env, run_dir: Path, *sets: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "llmjp_ds.train", "--set", f"run_dir={run_dir}"]
-    for s in [*BASE, *sets]:
-        cmd += ["--set", s]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = run(train_argv(run_dir, BASE, *sets), timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

@@ -1,9 +1,9 @@
 """Helpers of the reliability tests: real CLI subprocesses on a tiny fp32 model, their metrics, kills.
 
-Every training here is a subprocess (``python -m llmjp_ds.train``), as a user or a scheduler would start it,
-on the bundled corpus (prepared once into ``$LLMJP_DS_CACHE``, default ``~/.cache/llmjp-ds``) with a 2-layer,
-64-wide model, fp32, one process: deterministic to the bit, so a resumed run must log exactly the losses of an
-uninterrupted one. A start costs ~6 s (torch, transformers, DeepSpeed), so the tests keep the number of runs
+Every training here is a subprocess (``python -m llmjp_ds.train``, started through :mod:`tests.launch`), as a
+user or a scheduler would start it, on the bundled corpus (prepared once into ``$LLMJP_DS_CACHE``, default
+``~/.cache/llmjp-ds``) with a 2-layer, 64-wide model, fp32, one process: deterministic to the bit, so a resumed
+run must log exactly the losses of an uninterrupted one. A start costs ~6 s (torch, transformers, DeepSpeed), so the tests keep the number of runs
 small. Processes are started in their own session and killed by process group (the preprocess pool's workers
 die with their parent, as on a lost node).
 """
@@ -16,14 +16,16 @@ import os
 import queue
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests import launch
+from tests.launch import REPO, run, subprocess_env
+
+__all__ = ["REPO", "run", "subprocess_env"]  # the suite's launcher (tests/launch.py), imported from here too
 
 # the tiny fp32 run every reliability test trains (bundled corpus and tokenizer; vocab 8064 >= its 8000 pieces)
 TINY = [
@@ -40,33 +42,12 @@ DRILL = TINY + [f"train.steps={DRILL_STEPS}", "checkpoint.interval=1", "checkpoi
 DEEPSPEED_STARTED = ("Initializing TorchBackend", "[rank0]", "deepspeed_shm_comm")
 
 
-def subprocess_env(**extra) -> dict:
-    env = dict(os.environ)
-    # a lone process: no launcher variables, so the trainer picks a free rendezvous port (colleagues' jobs on
-    # this machine may hold 29500)
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", WANDB_SILENT="true", TOKENIZERS_PARALLELISM="false")
-    env.pop("LLMJP_DS_DEBUG", None)
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
-
-
 def train_argv(run_dir, sets=DRILL, *more: str) -> list[str]:
-    argv = [sys.executable, "-m", "llmjp_ds.train", "--set", f"run_dir={run_dir}"]
-    for s in [*sets, *more]:
-        argv += ["--set", s]
-    return argv
-
-
-def run(argv, timeout: float = 240, env=None, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env or subprocess_env(),
-                          cwd=kwargs.pop("cwd", REPO), **kwargs)
+    return launch.train_argv(run_dir, sets, *more)
 
 
 def run_train(run_dir, sets=DRILL, *more: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    result = run(train_argv(run_dir, sets, *more), timeout=timeout)
-    return result
+    return run(train_argv(run_dir, sets, *more), timeout=timeout)
 
 
 def check_ok(result: subprocess.CompletedProcess) -> None:

@@ -25,7 +25,7 @@ ENDS_WITHIN = 60  # seconds: the issue's bound for a failed rank to end the job
 
 def torchrun(nproc: int, run_dir, *sets: str, script: list[str] | None = None, nnodes: int = 1, node_rank: int = 0,
              port: int | None = None) -> list[str]:
-    from tests.train.conftest import free_port
+    from tests.launch import free_port
 
     argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
             f"--master_port={port or free_port()}"]
@@ -179,7 +179,7 @@ def test_a_single_process_save_under_a_size_limit_fails_cleanly_and_resumes_exac
 def test_a_run_directory_that_is_not_shared_is_refused(bundled, tmp_path):
     """Two 'nodes' (torchrun --nnodes=2 on one machine) whose relative run_dir resolves to two directories, as a
     node-local path does on a cluster: rank 1 cannot read rank 0's token, and the job ends before writing."""
-    from tests.train.conftest import free_port
+    from tests.launch import free_port
 
     port, procs = free_port(), []
     for node in (0, 1):

@@ -67,7 +67,7 @@ def copy_run(run_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
 
 def two_processes(run_dir: Path, *sets: str):
     """(argv, env) of a 2-rank torchrun training."""
-    from tests.train.conftest import free_port
+    from tests.launch import free_port
 
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
             *train_argv(run_dir, [*TINY, *STEPS, *sets])[1:]]  # ... -m llmjp_ds.train --set ...

@@ -20,7 +20,8 @@ import json
 import pytest
 import torch
 
-from .conftest import cli, read_json, subprocess_env, trail
+from tests.launch import subprocess_env
+from tests.runs import cli, read_json, trail
 
 pytestmark = pytest.mark.slow
 

@@ -17,14 +17,14 @@ The tolerances leave ~100x headroom for other CPUs' summation orders. A real lay
 over ranks, a micro-batch dropped or read twice, a stage's weights initialised differently: 8.5e-4 at step 1
 before the layer-seeded init) moves the loss by 1e-4 or more within these steps. Under TP the grad norm also
 checks that DeepSpeed counts the split weights on every TP rank and the replicated norms once, and the loss
-that the sequence-parallel norms' gradients are summed over the TP group (tests/train/test_tensor_parallel.py).
+that the sequence-parallel norms' gradients are summed over the TP group (tests/parallel/test_tensor_parallel_runs.py).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from .conftest import STEPS, max_rel_diff, trail
+from tests.runs import STEPS, max_rel_diff, trail
 
 pytestmark = pytest.mark.slow
 

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from .conftest import COMMON_SETS, N, STEPS, cli, max_rel_diff, read_json, trail
+from tests.runs import COMMON_SETS, N, STEPS, cli, max_rel_diff, read_json, trail
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import FLIP_AT, N, STEPS, max_rel_diff, trail
+from tests.runs import FLIP_AT, N, STEPS, max_rel_diff, trail
 from .test_equivalence import LOSS_RTOL
 
 pytestmark = pytest.mark.slow

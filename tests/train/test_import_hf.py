@@ -11,7 +11,8 @@ import pytest
 import torch
 import transformers
 
-from tests.train.conftest import COMMON_SETS, cli, free_port, run_command, subprocess_env, trail
+from tests.launch import free_port, run_command, subprocess_env
+from tests.runs import COMMON_SETS, cli, trail
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .conftest import LAYOUTS, trail
+from tests.runs import LAYOUTS, trail
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ import torch
 
 from llmjp_ds import checkpoint
 
-from .conftest import N, STEPS, read_json, trail
+from tests.runs import N, STEPS, read_json, trail
 
 pytestmark = pytest.mark.slow
 

@@ -17,8 +17,8 @@ import pytest
 
 from llmjp_ds.metrics import read_metrics
 
-from .conftest import FLIP, LAYOUTS, N, STEPS, max_rel_diff, run_train, trail
-from .test_equivalence import GRAD_NORM_RTOL, LOSS_RTOL
+from tests.runs import FLIP, LAYOUTS, N, STEPS, max_rel_diff, run_train, trail
+from tests.train.test_equivalence import GRAD_NORM_RTOL, LOSS_RTOL
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,6 @@
 """Tensor parallelism (with sequence parallelism, the default) on CPU over gloo, against one process.
 
-TP2, TP2 x PP2 and TP2 x DP2 (ZeRO-1) train the tiny fp32 model of ``conftest`` with the same seed, data and
+TP2, TP2 x PP2 and TP2 x DP2 (ZeRO-1) train the tiny fp32 model of ``tests/runs.py`` with the same seed, data and
 global batch as the one-process run; ``test_equivalence`` compares their trails. Every TP size starts from the
 same weights (each layer is built whole from its seed and split, ``hf_adapter.tp_shard``), so the trails differ
 only by the order of fp32 sums: the split GEMMs' partial sums, the vocabulary-parallel log-sum-exp.
@@ -29,8 +29,8 @@ import torch
 
 from llmjp_ds import checkpoint
 
-from .conftest import FLIP, FLIP_AT, N, STEPS, max_rel_diff, run_train, trail
-from .test_export import LOGITS_RTOL, _probe_logits
+from tests.runs import FLIP, FLIP_AT, N, STEPS, max_rel_diff, run_train, trail
+from tests.train.test_export import LOGITS_RTOL, _probe_logits
 
 pytestmark = pytest.mark.slow
 

@@ -1,12 +1,12 @@
-"""Fixtures of the trainer's CPU acceptance tests (several processes over gloo).
+"""The trainer's CPU acceptance runs (several processes over gloo), shared by ``tests/train/`` and
+``tests/parallel/`` (their fixtures are registered in ``tests/conftest.py``); launched through :mod:`tests.launch`.
 
 * ``train_env`` (session): one ``LLMJP_DS_CACHE`` for the session, so the bundled corpus and tokenizer are
   prepared once (~40 s), and a stable ``TORCH_EXTENSIONS_DIR`` (``$TORCH_EXTENSIONS_DIR`` if set, else
   ``~/.cache/llmjp-ds/torch_extensions``), so DeepSpeed's ``deepspeed_shm_comm`` op compiles once (~22 s), not
   once per session or per process. Both are warmed before the first run, so no test pays for them mid-run.
-* :func:`run_train` launches ``python -m llmjp_ds.train`` (1 process) or ``python -m torch.distributed.run
-  --nproc_per_node=N -m llmjp_ds.train`` as a subprocess with a tiny fp32 model, and fails the test with the
-  subprocess's stderr tail on a non-zero exit or a timeout (every process it started is killed then).
+* :func:`run_train` trains the tiny fp32 model of :data:`COMMON_SETS` in 1 or N processes
+  (:func:`tests.launch.train_argv`), failing the test with the stderr tail on a non-zero exit or a timeout.
 * ``runs`` (session): the uninterrupted ``2N``-step run and the ``N`` + resume-to-``2N`` run of each parallel
   layout, each launched at most once per session and shared by the resume, equivalence and export tests
   (10 uninterrupted runs + 3 resumed pairs: 9 two-process launches, 4 four-process launches and 3 one-process
@@ -17,19 +17,16 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.launch import CLI_TIMEOUT, free_port, run_command, subprocess_env, train_argv
+
 N = 3  # the resume point; every run's LR schedule spans 2N steps (optim.decay_steps), so stopping at N is harmless
 STEPS = 2 * N
 TRAIN_TIMEOUT = 300  # seconds per launch (a 2-process run takes ~15 s on 2 idle cores)
-CLI_TIMEOUT = 300
 
 TINY_MODEL = "{hidden_size: 64, num_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, ffn_hidden_size: 128}"
 # vocab stays at the tiny preset's 8064 rows: the bundled tokenizer has 8000 pieces
@@ -68,105 +65,19 @@ build_shm_op()
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def subprocess_env(**extra: str) -> dict:
-    env = dict(os.environ)
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)  # a test process that set these for in-process runs must not leak them
-    env.update(OMP_NUM_THREADS="1", WANDB_SILENT="true", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    env.update(extra)
-    return env
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
-
-
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL what we launched: torchrun's workers run in sessions of their own, so kill each child's process
-    group, then the launcher's."""
-    for child in _children(proc.pid):
-        for kill in (os.killpg, os.kill):
-            try:
-                kill(child, signal.SIGKILL)
-                break
-            except (ProcessLookupError, PermissionError):
-                continue
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
-def tail(path: Path, chars: int = 4000) -> str:
-    text = path.read_text(errors="replace") if path.is_file() else ""
-    return text[-chars:]
-
-
-def run_command(cmd: list[str], log_prefix: Path, *, env: dict | None = None, timeout: float = CLI_TIMEOUT,
-                check: bool = True) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in a session of its own, stdout/stderr to ``<log_prefix>.out/.err``; kill everything it
-    started on timeout. ``check``: fail the test (with the stderr tail) on a non-zero exit."""
-    out, err = log_prefix.with_suffix(".out"), log_prefix.with_suffix(".err")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
-    with open(out, "w") as fo, open(err, "w") as fe:
-        proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, env=env or subprocess_env(), start_new_session=True)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_tree(proc)
-            pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n--- stderr tail ---\n{tail(err)}\n"
-                        f"--- stdout tail ---\n{tail(out, 2000)}", pytrace=False)
-        finally:
-            if proc.poll() is None:  # interrupted (pytest-timeout, Ctrl-C): leave nothing running
-                _kill_tree(proc)
-    result = subprocess.CompletedProcess(cmd, proc.returncode, out.read_text(errors="replace"),
-                                         err.read_text(errors="replace"))
-    result.wall_s = time.monotonic() - t0
-    if check and proc.returncode != 0:
-        pytest.fail(f"exit code {proc.returncode}: {' '.join(cmd)}\n--- stderr tail ---\n{tail(err)}\n"
-                    f"--- stdout tail ---\n{tail(out, 2000)}", pytrace=False)
-    return result
-
-
-_launches = 0
-
-
 def run_train(tmp, nproc: int, *sets: str, timeout: float = TRAIN_TIMEOUT) -> Path:
     """Train in ``<tmp>/run`` (a second call with the same ``tmp`` resumes from ``latest``) with the tiny fp32
     setup of :data:`COMMON_SETS` plus ``sets``; returns the run directory. Needs the ``train_env`` fixture."""
-    global _launches
     if "LLMJP_DS_CACHE" not in os.environ:
         raise RuntimeError("run_train needs the train_env fixture (LLMJP_DS_CACHE unset)")
     tmp = Path(tmp)
     run_dir = tmp / "run"
-    port = str(free_port())
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "llmjp_ds.train"]
-        env = subprocess_env(MASTER_PORT=port)
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}",
-               "-m", "llmjp_ds.train"]
-        env = subprocess_env()
-    for value in (f"run_dir={run_dir}", *COMMON_SETS, *sets):
-        cmd += ["--set", value]
-    _launches += 1
-    run_command(cmd, tmp / f"train-{_launches:02d}", env=env, timeout=timeout)
+    port = free_port()
+    # one process gets its port in the environment (the trainer would pick one), torchrun on its command line
+    env = subprocess_env(MASTER_PORT=port) if nproc == 1 else subprocess_env()
+    launches = len(list(tmp.glob("train-*.err"))) if tmp.is_dir() else 0
+    run_command(train_argv(run_dir, COMMON_SETS, *sets, nproc=nproc, port=port),
+                tmp / f"train-{launches + 1:02d}", env=env, timeout=timeout)
     return run_dir
 
 

@@ -200,7 +200,7 @@ def test_preflight_prints_the_busiest_gpu_of_the_configured_layout(sets, config,
     import sys
     from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-m", "llmjp_ds.cli", "preflight", "--hostfile", "hostfiles/h100",
                           "--preset", "llmjp3-172b", *[a for s in sets for a in ("--set", s)]],
                          cwd=repo, capture_output=True, text=True, timeout=110)

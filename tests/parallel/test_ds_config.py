@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DS_CONFIGS = REPO / "ds_configs"
 HOSTFILES = REPO / "hostfiles"
 

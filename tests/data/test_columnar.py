@@ -251,3 +251,11 @@ def test_memory_stays_at_a_row_group_not_the_file(tmp_path, trained_tokenizer):
     large, large_text = _peak_growth(tmp_path, trained_tokenizer, 8)
     assert large_text > 30e6
     assert large - small < 0.25 * (large_text - small_text), (small, large, small_text, large_text)
+
+
+def test_train_tokenizer_reads_every_format_the_same(same_documents):
+    """train-tokenizer's document iterator gives the same texts, in the same order, from every container."""
+    records, inputs = same_documents
+    want = [r["text"] for r in records]
+    for name, src in inputs.items():
+        assert [text for _, _, text in iter_documents([src])] == want, name

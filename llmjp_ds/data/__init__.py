@@ -1,8 +1,12 @@
-"""The data layer: jsonl -> SentencePiece ids -> Megatron .bin/.idx -> shuffled, blended training windows.
+"""The data layer: jsonl / parquet / Arrow -> SentencePiece ids -> Megatron .bin/.idx -> shuffled, blended windows.
 
     tokenizer.py   train / load SentencePiece models (LLM-jp v3 layout), save them as HF tokenizers
-    jsonl.py       read jsonl / .gz / .zst, and say exactly which line is bad
-    preprocess.py  `llmjp-ds preprocess`: jsonl -> PREFIX_text_document.bin/.idx (parallel, atomic)
+    inputs.py      --input as files, directories and globs -> ordered jsonl / parquet / Arrow sources
+    jsonl.py       read jsonl / .gz / .zst / .bz2 / .xz, and say exactly which line is bad
+    columnar.py    parquet and Arrow IPC (datasets.save_to_disk) with pyarrow: plan into slices, read a slice
+    chunks.py      the units of preprocessing and the worker that tokenizes one
+    pool.py        an ordered process pool (results in input order, bounded in flight)
+    preprocess.py  `llmjp-ds preprocess`: inputs -> PREFIX_text_document.bin/.idx + .json (parallel, atomic)
     indexed.py     the Megatron MMIDIDX format: IndexedDataset (reader), IndexedDatasetWriter
     dataset.py     GPT windows of seq_len + 1 tokens, per-epoch shuffles, weighted blends, cached indices
     corpus/        the bundled demo corpus (ja, en, code); regenerate with `python -m benchmarks.corpus_gen`

@@ -12,7 +12,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "demo": ("llmjp_ds.demo", "train the tiny model on the bundled corpus end to end and export it"),
     "train": ("llmjp_ds.train", "pretrain (or resume) a run; same as `deepspeed llmjp_ds/train.py`"),
     "train-tokenizer": ("llmjp_ds.data.tokenizer", "train a SentencePiece unigram tokenizer in LLM-jp v3 layout"),
-    "preprocess": ("llmjp_ds.data.preprocess", "jsonl -> Megatron-LM .bin/.idx corpus"),
+    "preprocess": ("llmjp_ds.data.preprocess", "jsonl, parquet or Arrow datasets -> Megatron-LM .bin/.idx corpus"),
     "export": ("llmjp_ds.checkpoint", "export a training checkpoint as a Hugging Face Llama model"),
     "import-hf": ("llmjp_ds.checkpoint", "start a run from a Hugging Face Llama checkpoint"),
     "preflight": ("llmjp_ds.preflight", "check a DeepSpeed hostfile and a run config for it, starting nothing"),

@@ -336,8 +336,8 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    {"preprocess": bench_preprocess, "formats": bench_formats, "access": bench_access, "index": bench_index, "blend": bench_blend,
-     "corpus-loss": bench_corpus_loss}[args.what](args)
+    {"preprocess": bench_preprocess, "formats": bench_formats, "access": bench_access, "index": bench_index,
+     "blend": bench_blend, "corpus-loss": bench_corpus_loss}[args.what](args)
 
 
 if __name__ == "__main__":

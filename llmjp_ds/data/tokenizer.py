@@ -357,8 +357,8 @@ def cli_main(argv: list[str], verb: str = "train-tokenizer") -> int:
     parser = argparse.ArgumentParser(
         prog=f"llmjp-ds {verb}",
         description="Train a SentencePiece unigram tokenizer (byte fallback, LLM-jp v3 special pieces) from jsonl, "
-                    "parquet or Arrow datasets, and save it as a Hugging Face tokenizer directory. With --from-model, only convert an "
-                    "existing .model (e.g. LLM-jp's) into that directory.")
+                    "parquet or Arrow datasets, and save it as a Hugging Face tokenizer directory. With --from-model, "
+                    "only convert an existing .model (e.g. LLM-jp's) into that directory.")
     parser.add_argument("--input", nargs="+", default=[], metavar="PATH",
                         help="files, directories or globs (quoted), mixed: jsonl (plain or compressed), parquet, Arrow")
     parser.add_argument("--output-dir", required=True, help="directory for tokenizer.model + HF tokenizer files")

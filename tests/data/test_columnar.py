@@ -100,8 +100,8 @@ def test_a_directory_is_its_shards_in_sorted_order(tmp_path, trained_tokenizer, 
     one = preprocess([write_jsonl(tmp_path / "all.jsonl", records)], trained_tokenizer, tmp_path / "one")
     assert _bytes(by_dir["prefix"]) == _bytes(by_hand["prefix"]) == _bytes(by_glob["prefix"]) == _bytes(one["prefix"])
     order = [e["path"] for e in json.loads(open(by_dir["prefix"] + ".json").read())["inputs"]]
-    assert order == [str(d / "a-0.parquet"), str(d / "a-1.jsonl.gz"), *(str(d / "b" / "saved" / f"data-0000{i}-of-00003.arrow")
-                                                                        for i in range(3)), str(d / "b" / "x.parquet")]
+    shards = [str(d / "b" / "saved" / f"data-0000{i}-of-00003.arrow") for i in range(3)]
+    assert order == [str(d / "a-0.parquet"), str(d / "a-1.jsonl.gz"), *shards, str(d / "b" / "x.parquet")]
 
 
 def test_the_summary_beside_the_corpus(tmp_path, trained_tokenizer, corpus_texts):

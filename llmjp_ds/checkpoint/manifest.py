@@ -16,59 +16,31 @@ import xxhash
 CHUNK = 16 << 20
 
 
-# a write this large is split over this many threads writing their ranges at once (os.pwrite releases the GIL):
-# one stream into a file reached 1.3 GB/s on the H200 machine's disk, four together 1.9 GB/s
-STREAMS = 4
-PARALLEL_MIN = 64 << 20
-
-
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    while view.nbytes:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
-
-
 class _HashingFile:
-    """A write-only file that hashes what passes through (torch.save writes through ``write``), in order, and
-    writes each large buffer as ``STREAMS`` ranges at once; every range is written before ``write`` returns,
-    so the caller's buffer is never read after it."""
+    """A write-only file that hashes what passes through (torch.save writes through ``write``)."""
 
-    def __init__(self, fd: int, pool):
-        self.fd, self.pool, self.hash, self.size = fd, pool, xxhash.xxh3_64(), 0
+    def __init__(self, f):
+        self.f, self.hash, self.size = f, xxhash.xxh3_64(), 0
 
     def write(self, data) -> int:
-        view = memoryview(data).cast("B")
+        view = memoryview(data)
         self.hash.update(view)
-        n = view.nbytes
-        if n >= PARALLEL_MIN:
-            part = -(-n // STREAMS)
-            futures = [self.pool.submit(_pwrite_all, self.fd, view[i:i + part], self.size + i)
-                       for i in range(0, n, part)]
-            for f in futures:
-                f.result()
-        else:
-            _pwrite_all(self.fd, view, self.size)
-        self.size += n
-        return n
+        self.size += view.nbytes
+        return self.f.write(view)
 
     def flush(self) -> None:
-        pass
+        self.f.flush()
 
 
 def save_hashed(obj, path) -> dict:
     """``torch.save(obj, path)``, fsynced; returns ``{"size", "xxh3"}`` of the bytes written."""
-    from concurrent.futures import ThreadPoolExecutor
-
     import torch
 
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        with ThreadPoolExecutor(max_workers=STREAMS, thread_name_prefix="llmjp-ds-pwrite") as pool:
-            out = _HashingFile(fd, pool)
-            torch.save(obj, out)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with open(path, "wb") as f:
+        out = _HashingFile(f)
+        torch.save(obj, out)
+        f.flush()
+        os.fsync(f.fileno())
     return {"size": out.size, "xxh3": out.hash.hexdigest()}
 
 

@@ -35,9 +35,9 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 from llmjp_ds.bench_peers import MCORE_VARIANTS, TE_LAYER_VARIANTS
+from llmjp_ds.bench_profile import host_profiled_step, profile_table, profiled_step, synced_step, timed
 
 SHAPES = {
     # name: (run preset, model overrides, micro batch)
@@ -60,107 +60,6 @@ STAGE_VARIANTS = ("ours-bf16", "ours-fp8-delayed", "ours-fp8-current", *TE_LAYER
 PEERS = {"bf16": ("peer-mcore-bf16", "ref-te-layer-bf16"),
          "fp8-delayed": ("peer-mcore-fp8-delayed", "peer-mcore-fp8-param", "ref-te-layer-fp8-delayed"),
          "fp8-current": ("ref-te-layer-fp8-current",)}
-
-# kernel name fragments (lower case) -> category; the first rule that matches wins. FP8 casts are TE kernels:
-# torch's own elementwise kernels carry "LoadWithCast" in their names and are not casts to FP8.
-KERNEL_CATEGORIES = (
-    ("communication", ("nccl",)),
-    ("memcpy/memset", ("memcpy", "memset")),
-    ("attention", ("flash", "fmha", "sdpa", "attn", "cudnn")),
-    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul")),
-    ("optimizer", ("multi_tensor", "adam", "foreach")),
-    ("norm", ("rmsnorm", "rms_norm", "layernorm", "layer_norm")),
-    ("rope", ("rope", "rotary")),
-    ("compiled (loss)", ("triton",)),
-    ("elementwise/reduce", ("at::native", "elementwise", "reduce", "vectorized", "embedding", "softmax", "scatter",
-                            "gather")),
-    ("fp8 cast/transpose", ("cast", "quantize", "transpose", "amax", "scale")),
-    ("activation", ("swiglu", "silu", "gated_act", "act_kernel")),
-)
-
-
-def kernel_category(name: str) -> str:
-    low = name.lower()
-    for category, fragments in KERNEL_CATEGORIES:
-        if any(f in low for f in fragments):
-            return category
-    return "other"
-
-
-def profile_summary(kernels: list[tuple[str, float]], wall_s: float, top: int = 12) -> dict:
-    """GPU time per kernel category and the heaviest kernels, from ``(kernel name, microseconds)`` pairs of one
-    step. ``share`` is of the summed kernel time; ``idle_share`` is the part of the wall time no kernel covered
-    (kernels of one stream do not overlap; the step runs on one)."""
-    busy_us = sum(us for _, us in kernels)
-    by_cat: dict[str, float] = {}
-    by_name: dict[str, list] = {}
-    for name, us in kernels:
-        cat = kernel_category(name)
-        by_cat[cat] = by_cat.get(cat, 0.0) + us
-        entry = by_name.setdefault(name, [0.0, 0])
-        entry[0] += us
-        entry[1] += 1
-    cats = sorted(by_cat.items(), key=lambda kv: -kv[1])
-    heavy = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
-    return {"wall_ms": wall_s * 1e3, "gpu_busy_ms": busy_us / 1e3, "kernels": len(kernels),
-            "idle_share": max(0.0, 1.0 - busy_us / 1e6 / wall_s) if wall_s else 0.0,
-            "categories": [{"category": c, "ms": us / 1e3, "share": us / busy_us if busy_us else 0.0}
-                           for c, us in cats],
-            "top_kernels": [{"kernel": n[:110], "ms": v[0] / 1e3, "calls": v[1], "category": kernel_category(n)}
-                            for n, v in heavy]}
-
-
-def host_summary(rows, wall_s: float, top: int = 15) -> dict:
-    """The host's share of one step by Python function, from cProfile rows ``(file, line, function, calls,
-    self seconds, cumulative seconds)``: the heaviest by self time (where the interpreter is busy) and by
-    cumulative time (which call paths cost). cProfile slows Python calls, so shares matter, not absolutes."""
-    def entry(r):
-        return {"function": f"{_short_path(r[0])}:{r[1]}({r[2]})", "calls": r[3], "self_ms": r[4] * 1e3,
-                "cum_ms": r[5] * 1e3}
-
-    return {"wall_ms": wall_s * 1e3,
-            "by_self": [entry(r) for r in sorted(rows, key=lambda r: -r[4])[:top]],
-            "by_cumulative": [entry(r) for r in sorted(rows, key=lambda r: -r[5])[:top]]}
-
-
-def _short_path(path: str) -> str:
-    return path.replace("\\", "/").split("site-packages/")[-1].split("/llmjp_ds/")[-1]
-
-
-def sync_summary(sites: list[tuple[str, int]], top: int = 10) -> dict:
-    """How often one step made the host wait for the GPU, from the ``(file, line)`` of each synchronising call
-    (CUDA's sync debug mode reports each as a warning at the Python line that made it). A few per step (the
-    optimizer's norm and overflow checks) cost little; one per micro-batch stalls the host's queueing of
-    kernels as often as there are micro-batches."""
-    counts: dict[str, int] = {}
-    for path, line in sites:
-        where = f"{_short_path(path)}:{line}"
-        counts[where] = counts.get(where, 0) + 1
-    return {"count": len(sites),
-            "sites": [{"where": w, "calls": n} for w, n in sorted(counts.items(), key=lambda kv: -kv[1])[:top]]}
-
-
-def profile_table(result: dict) -> str:
-    p = result["profile"]
-    lines = [f"profile {result['shape']} {result['variant']}: step {p['wall_ms']:.0f} ms, kernels "
-             f"{p['gpu_busy_ms']:.0f} ms in {p.get('kernels', 0):,} kernels, GPU idle {100 * p['idle_share']:.1f}%",
-             "| category | ms per step | share of kernel time |", "|---|---|---|"]
-    lines += [f"| {c['category']} | {c['ms']:.1f} | {100 * c['share']:.1f}% |" for c in p["categories"]]
-    lines += ["| top kernel | category | ms | calls |", "|---|---|---|---|"]
-    lines += [f"| `{k['kernel']}` | {k['category']} | {k['ms']:.1f} | {k['calls']} |" for k in p["top_kernels"]]
-    host = result.get("host_profile")
-    if host:
-        lines.append(f"host {result['shape']} {result['variant']}: step {host['wall_ms']:.0f} ms under cProfile")
-        for key, ms, title in (("by_self", "self_ms", "self ms"), ("by_cumulative", "cum_ms", "cumulative ms")):
-            lines += [f"| function | calls | {title} |", "|---|---|---|"]
-            lines += [f"| `{f['function']}` | {f['calls']} | {f[ms]:.1f} |" for f in host[key]]
-    syncs = result.get("syncs")
-    if syncs:
-        lines += [f"host synchronisations in one step of {result['gas']} micro-batches: {syncs['count']}",
-                  "| where | calls |", "|---|---|"]
-        lines += [f"| `{x['where']}` | {x['calls']} |" for x in syncs["sites"]]
-    return "\n".join(lines)
-
 
 def bench_config(shape: str, variant: str, gas: int, sets: list[str] = ()):
     """The run config of one variant: the shape's preset on one device, no pipeline, no recompute."""
@@ -246,7 +145,7 @@ def run_one(shape: str, variant: str, steps: int, warmup: int, gas: int, sets: l
     for i in range(warmup + steps):
         if i == warmup and cuda:
             torch.cuda.reset_peak_memory_stats()
-        parts, took = _timed(lambda: step(i), sync)
+        parts, took = timed(lambda: step(i), sync)
         if i >= warmup:
             times.append(took)
         losses.append(float(parts[0]))
@@ -261,68 +160,11 @@ def run_one(shape: str, variant: str, steps: int, warmup: int, gas: int, sets: l
               "sets": list(sets) if variant.startswith("ours") else [], "gpus": world,
               "device": torch.cuda.get_device_name() if cuda else "cpu"}
     if profile:
-        result["profile"] = _profiled_step(lambda: step(warmup + steps), sync, cuda)
-        result["host_profile"] = _host_profiled_step(lambda: step(warmup + steps + 1), sync)
+        result["profile"] = profiled_step(lambda: step(warmup + steps), sync, cuda)
+        result["host_profile"] = _hostprofiled_step(lambda: step(warmup + steps + 1), sync)
         if cuda:
-            result["syncs"] = _synced_step(lambda: step(warmup + steps + 2), sync)
+            result["syncs"] = synced_step(lambda: step(warmup + steps + 2), sync)
     return result
-
-
-def _timed(fn, sync):
-    """(fn's result, wall seconds) with the device idle at the start and fn's GPU work finished at the end."""
-    sync()
-    t0 = time.perf_counter()
-    out = fn()
-    sync()
-    return out, time.perf_counter() - t0
-
-
-def _profiled_step(step, sync, cuda: bool) -> dict:
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    sync()
-    with profile(activities=activities) as prof:
-        _, wall = _timed(step, sync)
-    kernels = [(e.name, e.time_range.elapsed_us()) for e in prof.events()
-               if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
-    return profile_summary(kernels, wall)
-
-
-def _host_profiled_step(step, sync) -> dict:
-    import cProfile
-    import pstats
-
-    sync()
-    with cProfile.Profile() as prof:
-        _, wall = _timed(step, sync)
-    rows = [(f, line, fn, nc, tt, ct) for (f, line, fn), (_, nc, tt, ct, _) in pstats.Stats(prof).stats.items()]
-    return host_summary(rows, wall)
-
-
-def _synced_step(step, sync) -> dict:
-    import warnings
-
-    import torch
-
-    sites = []
-
-    def record(message, category, filename, lineno, file=None, line=None):
-        if "synchronizing" in str(message):
-            sites.append((filename, lineno))
-
-    sync()
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = record
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    sync()
-    return sync_summary(sites)
 
 
 def precision_of(variant: str) -> str:

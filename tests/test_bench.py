@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmjp_ds import bench
+from llmjp_ds import bench, bench_profile
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -66,13 +66,13 @@ KERNELS = {
 
 @pytest.mark.parametrize("name", sorted(KERNELS))
 def test_kernel_category(name):
-    assert bench.kernel_category(name) == KERNELS[name]
+    assert bench_profile.kernel_category(name) == KERNELS[name]
 
 
 def test_every_category_is_reachable_and_other_is_the_fallback():
-    categories = {c for c, _ in bench.KERNEL_CATEGORIES}
+    categories = {c for c, _ in bench_profile.KERNEL_CATEGORIES}
     assert set(KERNELS.values()) == categories | {"other"}
-    assert bench.kernel_category("") == "other"
+    assert bench_profile.kernel_category("") == "other"
 
 
 # --- profile summary -----------------------------------------------------------------------------------------
@@ -90,7 +90,7 @@ BUSY_US = 1000.0
 
 
 def test_profile_summary_categories_and_shares():
-    s = bench.profile_summary(SYNTHETIC, wall_s=0.004)
+    s = bench_profile.profile_summary(SYNTHETIC, wall_s=0.004)
     assert s["wall_ms"] == pytest.approx(4.0)
     assert s["gpu_busy_ms"] == pytest.approx(BUSY_US / 1e3)
     assert s["idle_share"] == pytest.approx(1 - BUSY_US / 4000.0)  # 0.75
@@ -106,7 +106,7 @@ def test_profile_summary_categories_and_shares():
 
 
 def test_profile_summary_top_kernels_sorted_with_call_counts():
-    s = bench.profile_summary(SYNTHETIC, wall_s=0.004)
+    s = bench_profile.profile_summary(SYNTHETIC, wall_s=0.004)
     top = [(k["kernel"], k["ms"], k["calls"], k["category"]) for k in s["top_kernels"]]
     assert [t[0] for t in top] == [GEMM_A, FLASH, GEMM_B, NCCL, ODD, COPY]
     assert top[0][1:] == (pytest.approx(0.5), 2, "gemm")
@@ -115,16 +115,16 @@ def test_profile_summary_top_kernels_sorted_with_call_counts():
     assert top[-1][1:] == (pytest.approx(0.04), 4, "memcpy/memset")
     assert [k["ms"] for k in s["top_kernels"]] == sorted((k["ms"] for k in s["top_kernels"]), reverse=True)
     assert sum(k["calls"] for k in s["top_kernels"]) == len(SYNTHETIC) == s["kernels"]
-    assert [k["kernel"] for k in bench.profile_summary(SYNTHETIC, 0.004, top=2)["top_kernels"]] == [GEMM_A, FLASH]
+    assert [k["kernel"] for k in bench_profile.profile_summary(SYNTHETIC, 0.004, top=2)["top_kernels"]] == [GEMM_A, FLASH]
     long = "nvjet_" + "x" * 300
-    assert bench.profile_summary([(long, 1.0)], 1.0)["top_kernels"][0]["kernel"] == long[:110]
+    assert bench_profile.profile_summary([(long, 1.0)], 1.0)["top_kernels"][0]["kernel"] == long[:110]
 
 
 def test_profile_summary_edges():
     # kernels longer than the wall time (clock skew): no negative idle; no kernels: all idle, no categories
-    assert bench.profile_summary(SYNTHETIC, wall_s=0.0005)["idle_share"] == 0.0
-    assert bench.profile_summary(SYNTHETIC, wall_s=0.0)["idle_share"] == 0.0  # no wall time measured
-    empty = bench.profile_summary([], wall_s=0.01)
+    assert bench_profile.profile_summary(SYNTHETIC, wall_s=0.0005)["idle_share"] == 0.0
+    assert bench_profile.profile_summary(SYNTHETIC, wall_s=0.0)["idle_share"] == 0.0  # no wall time measured
+    empty = bench_profile.profile_summary([], wall_s=0.01)
     assert empty["idle_share"] == pytest.approx(1.0)
     assert empty["categories"] == [] and empty["top_kernels"] == [] and empty["gpu_busy_ms"] == 0.0
 
@@ -133,7 +133,7 @@ def test_host_summary_orders_by_self_and_cumulative_time_and_shortens_paths():
     rows = [("/x/site-packages/transformer_engine/pytorch/module/linear.py", 10, "forward", 72, 0.010, 0.050),
             ("/repo/llmjp_ds/train.py", 5, "forward_backward", 1, 0.001, 0.900),
             ("~", 0, "<method 'item' of 'torch._C.TensorBase' objects>", 8, 0.300, 0.300)]
-    h = bench.host_summary(rows, wall_s=1.2, top=2)
+    h = bench_profile.host_summary(rows, wall_s=1.2, top=2)
     assert h["wall_ms"] == pytest.approx(1200.0)
     assert [f["function"] for f in h["by_self"]] == ["~:0(<method 'item' of 'torch._C.TensorBase' objects>)",
                                                      "transformer_engine/pytorch/module/linear.py:10(forward)"]
@@ -145,11 +145,11 @@ def test_host_summary_orders_by_self_and_cumulative_time_and_shortens_paths():
 
 def test_sync_summary_counts_by_site_and_renders_under_the_profile():
     sites = [("/x/site-packages/deepspeed/runtime/bf16_optimizer.py", 402)] + [("/repo/llmjp_ds/train.py", 90)] * 8
-    s = bench.sync_summary(sites, top=1)
+    s = bench_profile.sync_summary(sites, top=1)
     assert s == {"count": 9, "sites": [{"where": "train.py:90", "calls": 8}]}
     result = {"shape": "tiny", "variant": "ours-bf16", "gas": 8, "syncs": s,
-              "profile": bench.profile_summary([("gemm", 10.0)], 1e-3)}
-    text = bench.profile_table(result)
+              "profile": bench_profile.profile_summary([("gemm", 10.0)], 1e-3)}
+    text = bench_profile.profile_table(result)
     assert "host synchronisations in one step of 8 micro-batches: 9" in text and "| `train.py:90` | 8 |" in text
 
 
@@ -164,10 +164,10 @@ def test_synced_step_finds_each_synchronising_call_and_its_line():
         return first + float(y.max())  # waits
 
     line = step.__code__.co_firstlineno
-    s = bench._synced_step(step, torch.cuda.synchronize)
+    s = bench_profile.synced_step(step, torch.cuda.synchronize)
     assert s["count"] == 2
     assert sorted(x["where"] for x in s["sites"]) == sorted(
-        f"{bench._short_path(__file__)}:{line + n}" for n in (2, 3))
+        f"{bench_profile._short_path(__file__)}:{line + n}" for n in (2, 3))
 
 
 # --- the run config of a variant -----------------------------------------------------------------------------

@@ -33,6 +33,14 @@ from llmjp_ds.errors import fail
 from llmjp_ds.validate import validate_run
 
 
+def data_plan(cfg, model_config):
+    """The run's data (``data/prepare.resolve_data``) from its config: the blend, tokenizer, split and seed."""
+    from llmjp_ds.data.prepare import resolve_data
+
+    return resolve_data(cfg.data.blend, cfg.data.tokenizer, model_config.vocab_size, cfg.data.split, cfg.data.seed,
+                        cfg.data.cache_dir)
+
+
 @dataclass
 class TrainState:
     step: int = 0
@@ -161,7 +169,6 @@ class Trainer:
     def setup(self) -> None:
         """Everything a training run needs, resumed from ``latest`` when the run directory has one."""
         from llmjp_ds import checkpoint
-        from llmjp_ds.data.prepare import resolve_data
         from llmjp_ds.metrics import MetricsLogger, Throughput
         from llmjp_ds.model.flops import flops_per_token_for
 
@@ -170,8 +177,7 @@ class Trainer:
         # sequence length or ZeRO stage fail here, before any process group exists (not in DeepSpeed's load); a run
         # directory we cannot write failed in validate_run
         checkpoint.check_resume(self.run_dir, self.model_config.to_dict(), cfg, self.layout)
-        data = resolve_data(cfg.data.blend, cfg.data.tokenizer, self.model_config.vocab_size, cfg.data.split,
-                            cfg.data.seed, cfg.data.cache_dir)
+        data = data_plan(cfg, self.model_config)
         # one owner per run directory, before anything is written there: rank 0 takes the lock, the other ranks
         # refuse a directory that another job holds
         self.lock = checkpoint.RunDirLock(self.run_dir)

@@ -85,7 +85,7 @@ def test_export_reproduces_logged_loss(runs, tmp_path):
     """Export the step-N checkpoint (``--tag``) of the resumed 1-process run and let transformers compute the
     loss of step N+1's samples: it must be the loss the trainer logged for step N+1."""
     from llmjp_ds.config import load_config, model_config_of
-    from llmjp_ds.data.prepare import resolve_data
+    from llmjp_ds.trainer import data_plan
 
     run_dir = runs.resumed("single")
     out = tmp_path / "hf"
@@ -94,7 +94,7 @@ def test_export_reproduces_logged_loss(runs, tmp_path):
     assert f"step{N:08d} (step {N})" in result.stdout, result.stdout
 
     cfg = load_config(None, [f"run_dir={tmp_path / 'scratch'}", *COMMON_SETS, f"train.steps={STEPS}"])
-    plan = resolve_data(cfg, model_config_of(cfg))
+    plan = data_plan(cfg, model_config_of(cfg))
     train_ds, _ = plan.build(cfg.data.seq_len, STEPS * cfg.train.global_batch_size, cfg.train.global_batch_size)
     gbs = cfg.train.global_batch_size
     # step N+1 (counting from 1) consumes the global samples [N * gbs, (N + 1) * gbs)

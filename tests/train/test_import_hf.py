@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 @pytest.mark.parametrize("pipeline,tensor", [(1, 1), (2, 1), (1, 2)], ids=["single", "pp2", "tp2"])
 def test_first_loss_after_import_is_transformers_loss(train_env, tmp_path, pipeline, tensor):
     from llmjp_ds.config import load_config, model_config_of
-    from llmjp_ds.data.prepare import resolve_data
+    from llmjp_ds.trainer import data_plan
     from llmjp_ds.model.shapes import model_config
 
     config = model_config("tiny", hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -44,7 +44,7 @@ def test_first_loss_after_import_is_transformers_loss(train_env, tmp_path, pipel
     run_command(cmd, tmp_path / "train", env=env)
 
     cfg = load_config(run / "config.yaml", [*COMMON_SETS, f"run_dir={tmp_path / 'scratch'}"])
-    plan = resolve_data(cfg, model_config_of(cfg))
+    plan = data_plan(cfg, model_config_of(cfg))
     train_ds, _ = plan.build(cfg.data.seq_len, cfg.train.global_batch_size, cfg.train.global_batch_size)
     tokens = torch.from_numpy(np.stack([np.asarray(train_ds[i], dtype=np.int64)
                                         for i in range(cfg.train.global_batch_size)]))

@@ -65,6 +65,8 @@ case "${1:-slice}" in
     bench mcore --shapes 172b-slice,llmjp3-1.8b --steps 3 --warmup 2 ;;
   mcore-1.8b)  # the same at one shape (half the time)
     bench mcore-1.8b --shapes llmjp3-1.8b --steps 3 --warmup 2 ;;
+  mcore-slice)
+    bench mcore-slice --shapes 172b-slice --steps 3 --warmup 2 ;;
   stage)  # one GPU's share of a 172B TP4 x PP16 middle stage: our full step against te.TransformerLayer fwd + bwd
     bench stage --shapes 172b-tp4-stage --steps 3 --warmup 2 ;;
 esac

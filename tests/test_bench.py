@@ -323,7 +323,7 @@ def test_harness_throughput_arithmetic(harness):
 @pytest.mark.timeout(300)
 def test_harness_fused_accumulation_trains_like_deepspeeds(harness):
     """The same start; then the embedding and head gradients summed in fp32 instead of rounded to bf16 per
-    micro-batch (tests/train/test_fused_grad_accumulation.py checks them exactly): the same losses within bf16."""
+    micro-batch (tests/parallel/test_fused_grad_accumulation.py checks them exactly): the same losses within bf16."""
     fused, unfused = result_of(harness, "ours"), result_of(harness, "ours-unfused")
     assert unfused["sets"] == ["parallel.fused_grad_accumulation=false"]
     assert fused["losses"][0] == unfused["losses"][0]

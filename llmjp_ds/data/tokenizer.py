@@ -149,10 +149,6 @@ def train_tokenizer(inputs: list[str | Path], output_dir: str | Path, vocab_size
     ``max_sentences`` caps how many text chunks (lines packed to ~2,000 characters) the trainer samples.
     Returns ``output_dir``, which ``AutoTokenizer.from_pretrained`` and ``load_tokenizer`` both accept.
     """
-    import io
-
-    import sentencepiece as spm
-
     from llmjp_ds.io_utils import ensure_writable_dir, write_bytes_atomic
     from llmjp_ds.data.inputs import resolve_inputs
 
@@ -163,37 +159,15 @@ def train_tokenizer(inputs: list[str | Path], output_dir: str | Path, vocab_size
     min_vocab = 8 + 256 + 1
     if vocab_size < min_vocab:
         fail(f"--vocab-size {vocab_size} is too small: the special and byte pieces alone take {min_vocab - 1}")
+    created = not output_dir.exists()
     ensure_writable_dir(output_dir)
-
-    chunks = _training_chunks(inputs, text_key)
-    first = next(chunks, None)
-    if first is None:
-        fail(f"no text found under key {text_key!r} in {', '.join(map(str, inputs))}: check --text-key and the files")
-
-    def sentences():
-        yield first
-        yield from chunks
-
-    model = io.BytesIO()
-    options = dict(
-        sentence_iterator=sentences(), model_writer=model, model_type="unigram", vocab_size=vocab_size,
-        byte_fallback=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, control_symbols=LLMJP_CONTROL_PIECES,
-        normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=True,
-        split_digits=True, allow_whitespace_only_pieces=True, split_by_whitespace=False,
-        max_sentencepiece_length=16, max_sentence_length=1 << 16, character_coverage=0.9995,
-        input_sentence_size=max_sentences or 0, shuffle_input_sentence=True,
-        seed_sentencepiece_size=seed_sentencepiece_size, num_threads=num_threads or max(1, os.cpu_count() or 1),
-        hard_vocab_limit=True, minloglevel=2 if quiet else 0,
-    )
     try:
-        spm.SentencePieceTrainer.Train(**options)
-    except RuntimeError as exc:
-        msg = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
-        if "Vocabulary size" in msg or "vocab_size" in msg:
-            fail(f"SentencePiece cannot make {vocab_size} pieces from this text ({msg}): lower --vocab-size or "
-                 f"give it more text")
-        fail(f"SentencePiece training failed: {msg}")
-    write_bytes_atomic(output_dir / MODEL_FILE, quantize_scores(model.getvalue()))
+        model = _train_model(inputs, text_key, vocab_size, max_sentences, seed_sentencepiece_size, num_threads, quiet)
+    except BaseException:
+        if created and output_dir.is_dir() and not any(output_dir.iterdir()):
+            output_dir.rmdir()  # a failed run leaves no empty directory of its own behind
+        raise
+    write_bytes_atomic(output_dir / MODEL_FILE, quantize_scores(model))
     save_hf_tokenizer(output_dir / MODEL_FILE, output_dir)
     return output_dir
 
@@ -301,6 +275,44 @@ def build_hf_backend(sp_model: str | Path):
         if found:
             names[key] = found
     return backend, names
+
+
+def _train_model(inputs, text_key: str, vocab_size: int, max_sentences, seed_sentencepiece_size, num_threads,
+                 quiet: bool) -> bytes:
+    """SentencePiece's unigram model (the serialised bytes) trained on the texts of ``inputs``."""
+    import io
+
+    import sentencepiece as spm
+
+    chunks = _training_chunks(inputs, text_key)
+    first = next(chunks, None)
+    if first is None:
+        fail(f"no text found under key {text_key!r} in {', '.join(map(str, inputs))}: check --text-key and the files")
+
+    def sentences():
+        yield first
+        yield from chunks
+
+    model = io.BytesIO()
+    options = dict(
+        sentence_iterator=sentences(), model_writer=model, model_type="unigram", vocab_size=vocab_size,
+        byte_fallback=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, control_symbols=LLMJP_CONTROL_PIECES,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=True,
+        split_digits=True, allow_whitespace_only_pieces=True, split_by_whitespace=False,
+        max_sentencepiece_length=16, max_sentence_length=1 << 16, character_coverage=0.9995,
+        input_sentence_size=max_sentences or 0, shuffle_input_sentence=True,
+        seed_sentencepiece_size=seed_sentencepiece_size, num_threads=num_threads or max(1, os.cpu_count() or 1),
+        hard_vocab_limit=True, minloglevel=2 if quiet else 0,
+    )
+    try:
+        spm.SentencePieceTrainer.Train(**options)
+    except RuntimeError as exc:
+        msg = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
+        if "Vocabulary size" in msg or "vocab_size" in msg:
+            fail(f"SentencePiece cannot make {vocab_size} pieces from this text ({msg}): lower --vocab-size or "
+                 f"give it more text")
+        fail(f"SentencePiece training failed: {msg}")
+    return model.getvalue()
 
 
 def save_hf_tokenizer(sp_model: str | Path, output_dir: str | Path) -> None:

@@ -235,8 +235,10 @@ def test_kill_9_during_preprocess_leaves_no_half_written_corpus(bundled, big_jso
         if pair is None and lone_bin.exists():  # renamed in place only when complete: some run's whole .bin
             assert lone_bin.read_bytes() in complete_bins, "\n".join(story)
         leftovers = [p for p in tmp_path.iterdir() if p.name.startswith("out_text_document") and
-                     p.suffix not in (".bin", ".idx")]
+                     p.suffix not in (".bin", ".idx", ".json")]
         assert not leftovers, leftovers
+        # the summary is renamed into place after the .bin and before the .idx: never without its .bin
+        assert not Path(f"{out}_text_document.json").exists() or lone_bin.exists(), "\n".join(story)
     story = "\n".join(story)
     print(story)
     assert sum("already finished" not in s for s in story.splitlines()[1:]) >= 3, story

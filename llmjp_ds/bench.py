@@ -56,10 +56,11 @@ VARIANTS = ("ours-bf16", "peer-mcore-bf16", "peer-bf16", "ours-fp8-delayed", "pe
 DEFAULT_VARIANTS = ("ours-bf16", "peer-mcore-bf16", "peer-bf16", "ours-fp8-delayed", "peer-mcore-fp8-delayed",
                     "peer-mcore-fp8-param")
 STAGE_VARIANTS = ("ours-bf16", "ours-fp8-delayed", "ours-fp8-current", *TE_LAYER_VARIANTS)
-# the rows "vs peer" compares a precision with, best first found
+# per precision, the peers "vs peer" compares a row with (the fastest of them present)
 PEERS = {"bf16": ("peer-mcore-bf16", "ref-te-layer-bf16"),
          "fp8-delayed": ("peer-mcore-fp8-delayed", "peer-mcore-fp8-param", "ref-te-layer-fp8-delayed"),
          "fp8-current": ("ref-te-layer-fp8-current",)}
+
 
 def bench_config(shape: str, variant: str, gas: int, sets: list[str] = ()):
     """The run config of one variant: the shape's preset on one device, no pipeline, no recompute."""
@@ -161,7 +162,7 @@ def run_one(shape: str, variant: str, steps: int, warmup: int, gas: int, sets: l
               "device": torch.cuda.get_device_name() if cuda else "cpu"}
     if profile:
         result["profile"] = profiled_step(lambda: step(warmup + steps), sync, cuda)
-        result["host_profile"] = _hostprofiled_step(lambda: step(warmup + steps + 1), sync)
+        result["host_profile"] = host_profiled_step(lambda: step(warmup + steps + 1), sync)
         if cuda:
             result["syncs"] = synced_step(lambda: step(warmup + steps + 2), sync)
     return result

@@ -248,11 +248,12 @@ def test_cli_bad_set_key_is_a_one_line_error():
 # --- the harness on CPU: real DeepSpeed steps on the tiny shape ------------------------------------------------
 
 GAS, STEPS, WARMUP = 2, 2, 1
-RUNS = {  # key: (shape, variant, --set)
-    "ours": ("tiny", "ours-bf16", []),
-    "ours-unfused": ("tiny", "ours-bf16", ["parallel.fused_grad_accumulation=false"]),
-    "peer": ("tiny", "peer-bf16", []),
-    "stage": ("tiny-stage", "ours-bf16", []),
+RUNS = {  # key: (shape, variant, --set, other arguments)
+    "ours": ("tiny", "ours-bf16", [], []),
+    "ours-unfused": ("tiny", "ours-bf16", ["parallel.fused_grad_accumulation=false"], []),
+    "peer": ("tiny", "peer-bf16", [], []),
+    "stage": ("tiny-stage", "ours-bf16", [], []),
+    "profiled": ("tiny", "ours-bf16", [], ["--profile"]),
 }
 
 
@@ -260,9 +261,9 @@ RUNS = {  # key: (shape, variant, --set)
 def harness(tmp_path_factory):
     """The three ``--one tiny`` runs, started together (one thread each) and parsed once for the module."""
     procs = {}
-    for key, (shape, variant, sets) in RUNS.items():
+    for key, (shape, variant, sets, extra) in RUNS.items():
         cmd = [sys.executable, "-m", "llmjp_ds.bench", "--one", shape, variant, "--steps", str(STEPS),
-               "--warmup", str(WARMUP), "--gas", str(GAS)] + [a for s in sets for a in ("--set", s)]
+               "--warmup", str(WARMUP), "--gas", str(GAS)] + [a for s in sets for a in ("--set", s)] + extra
         procs[key] = subprocess.Popen(cmd, cwd=REPO, env=_cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True)
     results = {}
@@ -398,3 +399,16 @@ def test_stage_shape_is_one_gpus_share_of_the_172b_tp4_middle_stage():
     assert stage.num_key_value_heads * 4 == full.num_key_value_heads
     assert stage.intermediate_size * 4 == full.intermediate_size
     assert stage.head_dim == full.hidden_size // full.num_attention_heads == 128
+
+
+@pytest.mark.timeout(300)
+def test_harness_profile_on_cpu_profiles_a_step_of_the_host(harness):
+    """``--profile`` off a GPU: the profiled steps run after the timed ones; the host profile finds the trainer's
+    step among the cumulative costs, and there are no CUDA kernels to count."""
+    r = result_of(harness, "profiled")
+    assert r["profile"]["kernels"] == 0 and r["profile"]["categories"] == []
+    host = r["host_profile"]
+    assert host["wall_ms"] > 0 and host["by_self"] and host["by_cumulative"]
+    assert any("train_step" in f["function"] for f in host["by_cumulative"])
+    assert "syncs" not in r  # CUDA's sync debug mode needs a GPU
+    assert "profile " in bench_profile.profile_table(r)

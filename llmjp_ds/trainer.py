@@ -223,8 +223,8 @@ class Trainer:
             from llmjp_ds.checkpoint.async_save import arena_bytes, check_host_memory
             from llmjp_ds.validate import gpus_per_node_from_env
 
-            check_host_memory(self.engine.module, self.ctx.dp_rank, self.ctx.dp_size, gpus_per_node_from_env() or 1)
             nbytes = arena_bytes(self.engine.module, self.ctx.dp_rank, self.ctx.dp_size)
+            check_host_memory(nbytes, gpus_per_node_from_env() or 1)
             took = self.saver.reserve(nbytes)  # page-locked once here, not in the first save's stall
             self.logger.event(self.state.step, "checkpoint_arena", gib=nbytes / 2**30, seconds=took,
                               pinned=self.saver.arena.pinned)

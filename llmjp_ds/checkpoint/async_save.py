@@ -50,7 +50,7 @@ class PinnedArena:
 
     def take(self, shape, dtype) -> torch.Tensor | None:
         """An uninitialised tensor of ``shape`` and ``dtype`` from the arena; None when it does not fit."""
-        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        size = math.prod(shape) * dtype.itemsize
         start = -(-self.used // self.ALIGN) * self.ALIGN
         if start + size > self.nbytes:
             return None
@@ -207,29 +207,25 @@ def commit_when_done(saver: AsyncSaver, ctx, run_dir, meta, keep_last: int, bloc
     return True
 
 
-def snapshot_bytes(module, dp_rank: int, dp_size: int) -> int:
-    """This rank's snapshot: the weights if it writes the model states (data-parallel rank 0), and its ZeRO
-    shard of fp32 master weights and Adam moments."""
+def arena_bytes(module, dp_rank: int, dp_size: int) -> int:
+    """The arena this rank reserves: its snapshot (the weights if it writes the model states, i.e. data-parallel
+    rank 0, and its ZeRO shard of fp32 master weights and Adam moments), with room for alignment, buffers and the
+    small states."""
     from llmjp_ds.parallel.memory import SHARDED_BYTES
 
     numel = sum(p.numel() for p in module.parameters())
     weights = sum(p.numel() * p.element_size() for p in module.parameters()) if dp_rank == 0 else 0
-    return int(weights + SHARDED_BYTES * numel / dp_size)
+    return int((weights + SHARDED_BYTES * numel / dp_size) * 1.01) + (64 << 20)
 
 
-def arena_bytes(module, dp_rank: int, dp_size: int) -> int:
-    """The arena to reserve: the snapshot with room for alignment, buffers and the small states."""
-    return int(snapshot_bytes(module, dp_rank, dp_size) * 1.01) + (64 << 20)
-
-
-def check_host_memory(module, dp_rank: int, dp_size: int, ranks_per_node: int) -> None:
+def check_host_memory(nbytes: int, ranks_per_node: int) -> None:
     """Fail with one line where the node's available memory cannot hold its snapshots, counted as if every
-    local rank held what this one does (an upper bound where this rank writes the model states)."""
+    local rank reserved ``nbytes`` as this one does (an upper bound where this rank writes the model states)."""
     import psutil
 
     from llmjp_ds.parallel.memory import GIB
 
-    need = ranks_per_node * arena_bytes(module, dp_rank, dp_size) / GIB
+    need = ranks_per_node * nbytes / GIB
     available = psutil.virtual_memory().available / 2**30
     if need > 0.9 * available:
         from llmjp_ds.errors import fail

@@ -37,6 +37,10 @@ CASES: list[Case] = [
          (f"{MODEL} holds {SYSTEM} in ", "_extra_state, which loading would have to execute"), after_start=True),
     Case("resume-planted-pickle-exec", resume("planted_exec"),
          (f"{MODEL} holds builtins.exec, which loading would have to execute",), after_start=True),
+    # --- background checkpoints whose snapshots the node cannot hold (the launcher's ranks per node) -----------
+    Case("async-save-host-memory", T(*TINY, "train.steps=2", run=f"{R}/host_memory"),
+         ("checkpoint.async_save needs ~", "GiB of host memory on this node for its snapshots (100000 ranks)",
+          "set checkpoint.async_save=false"), env={"LOCAL_SIZE": "100000"}, after_start=True),
     # --- paths that lead out of the run ----------------------------------------------------------------------
     Case("resume-latest-points-outside", resume("latest_outside"),
          ("checkpoints/latest names '../../elsewhere/checkpoints/step00000030', which is not a checkpoint tag of",

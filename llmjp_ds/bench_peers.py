@@ -52,8 +52,9 @@ def stage_model(config, backend: str, micro: int, seq: int, device):
             self.layers = torch.nn.ModuleList(DecoderLayer(config, i, backend)
                                               for i in range(config.num_hidden_layers))
             self.register_buffer("x", _stage_input(config, micro, seq, device), persistent=False)
-            freqs = rope_freqs(torch.arange(seq, device=device), head_dim_of(config), rope_theta(config))
-            self.register_buffer("freqs", freqs, persistent=False)
+            # fp32 RoPE angles, as the whole model computes them: an attribute, not a buffer, so that the engine's
+            # cast of the module to bf16 leaves them alone
+            self.freqs = rope_freqs(torch.arange(seq, device=device), head_dim_of(config), rope_theta(config))
 
         def forward(self, input_ids, shift_labels):
             h = self.x

@@ -188,6 +188,7 @@ class Trainer:
         self.start()
         self.ctx.check_shared_dir(self.run_dir)  # before anything else is written there
         if self.ctx.rank == 0:
+            checkpoint.prune_incomplete(self.run_dir)  # what a kill or a failed save left: its disk space back
             data.install_tokenizer(self.run_dir)
         self.build_engine()
         self.train_ds, self.valid_ds = data.build(self.seq_len, *sample_counts(cfg), barrier=self.ctx.barrier)

@@ -215,11 +215,13 @@ def save(engine, run_dir, step: int, client_state: dict, meta: CheckpointMeta, k
     if _read_latest(run_dir) != tag:
         (target / MARKER).unlink(missing_ok=True)
     written: dict[str, dict] = {}
+    writing: list[Path] = []  # the file this rank writes now: the one a failed write cut
     if saver is not None:
         saver.begin(tag, step, target)
         write = saver.add
     else:
         def write(state, path):
+            writing[:] = [Path(path)]
             written[Path(path).resolve().relative_to(target.resolve()).as_posix()] = save_hashed(state, path)
     route_checkpoint_io(engine, load_checkpoint_file, write)
     try:
@@ -229,7 +231,7 @@ def save(engine, run_dir, step: int, client_state: dict, meta: CheckpointMeta, k
 
         if is_peer_failure(exc):  # another rank died inside DeepSpeed's save: that rank says why
             raise
-        report_failed_save(run_dir, tag, exc)
+        report_failed_save(run_dir, tag, exc, cut=writing[0] if writing else None, peers_writing=True)
     if saver is not None:
         saver.start()
         return tag
@@ -263,12 +265,21 @@ def commit(run_dir, tag: str, step: int, meta: CheckpointMeta, written: dict, ke
     dist.barrier()
 
 
-def report_failed_save(run_dir, tag: str, exc: BaseException, path=None):
+def report_failed_save(run_dir, tag: str, exc: BaseException, path=None, cut=None, peers_writing=False):
     """A write of the save failed (full disk, quota, I/O error): drop the partial tag, say what ``latest`` still
     names (and the file, for a background write), stop. Under several ranks the others stop at their next
-    collective (or the process-group timeout)."""
+    collective (or the process-group timeout).
+
+    ``peers_writing``: the other ranks may still be writing into the tag (a synchronous save under several
+    ranks), so only ``cut``, this rank's partial file, is removed; the rest of the tag, which has no marker, goes
+    when the run starts again (:func:`prune_incomplete`)."""
+    import torch.distributed as dist
+
     root = checkpoint_dir(run_dir)
-    if not (root / tag / MARKER).is_file():
+    if peers_writing and dist.is_initialized() and dist.get_world_size() > 1:
+        if cut is not None and not Path(cut).is_symlink():
+            Path(cut).unlink(missing_ok=True)
+    elif not (root / tag / MARKER).is_file():
         remove_tag(run_dir, tag)
     reason = getattr(exc, "strerror", None) or (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
     if "unexpected pos" in reason:  # torch's zip writer, when the OS refused part of a write
@@ -307,8 +318,18 @@ def prune(run_dir, keep_last: int) -> None:
     """Delete complete checkpoints beyond the newest ``keep_last`` and any incomplete ones left by a kill."""
     root = checkpoint_dir(run_dir)
     latest = _read_latest(run_dir)
-    keep = {t for _, t in complete_tags(run_dir)[-keep_last:]} | {latest}
-    for d in root.iterdir():
+    _delete_all_but(run_dir, {t for _, t in complete_tags(run_dir)[-keep_last:]} | {latest})
+
+
+def prune_incomplete(run_dir) -> None:
+    """Delete the incomplete checkpoints (no marker) a kill or a failed save left, but the one ``latest`` names;
+    at start, by the run directory's owner, before anything writes there."""
+    if checkpoint_dir(run_dir).is_dir():
+        _delete_all_but(run_dir, {t for _, t in complete_tags(run_dir)} | {_read_latest(run_dir)})
+
+
+def _delete_all_but(run_dir, keep: set) -> None:
+    for d in checkpoint_dir(run_dir).iterdir():
         if _TAG.match(d.name) and d.name not in keep and (d.is_dir() or d.is_symlink()):
             remove_tag(run_dir, d.name)
         elif d.name.startswith(".") and d.name.endswith(".tmp") and d.is_file() and not d.is_symlink():

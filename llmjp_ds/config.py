@@ -122,6 +122,8 @@ class ModelConfig:
     # activation recompute: none | selective (the attention core, as LLM-jp's 172B run) | full (every decoder layer)
     recompute: str = "none"
     fused_loss: bool = True  # on CUDA: the loss as one compiled kernel over bf16 logits (see model/loss.py)
+    # TE backend: the QKV split and both RoPE rotations as TE's one fused kernel (model/te_layers.split_qkv_rope)
+    fused_qkv_rope: bool = True
     # start from an HF Llama checkpoint (continued pretraining)
     init_from_hf: str | None = field(default=None, metadata=input_path(
         "pass the directory save_pretrained wrote (config.json and safetensors)", inside="config.json"))

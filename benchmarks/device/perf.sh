@@ -8,6 +8,7 @@
 #   source .whl/env.sh && bash benchmarks/device/perf.sh syncs       # host synchronisations per step (1.8B)
 #   source .whl/env.sh && bash benchmarks/device/perf.sh mcore       # ours against Megatron-Core, both shapes
 #   source .whl/env.sh && bash benchmarks/device/perf.sh stage       # 172b-tp4-stage against te.TransformerLayer
+#   source .whl/env.sh && bash benchmarks/device/perf.sh qkv-rope    # the fused QKV split + RoPE, on and off
 # Ablations: DeepSpeed's fp32 accumulation after backward instead of in the grad hook, the eager loss, no FP8
 # weight cache; `slice` also runs the step without the fused gradient accumulation.
 set -uo pipefail
@@ -67,6 +68,12 @@ case "${1:-slice}" in
     bench mcore-1.8b --shapes llmjp3-1.8b --steps 3 --warmup 2 ;;
   mcore-slice)
     bench mcore-slice --shapes 172b-slice --steps 3 --warmup 2 ;;
+  qkv-rope)  # the fused QKV split + RoPE (model.fused_qkv_rope): its GPU test, then on and off at 1.8B
+    python -m pytest -q -m gpu -p no:cacheprovider -s tests/model/test_backends.py -k fused_qkv_rope 2>&1 \
+      | grep -E "fused qkv rope|passed|failed|Error" | tee -a "$OUT/summary.md"
+    bench 1.8b-fused --shapes llmjp3-1.8b --steps 3 --warmup 2 --variants ours-bf16,ours-fp8-delayed
+    bench 1.8b-unfused --shapes llmjp3-1.8b --steps 3 --warmup 2 --variants ours-bf16,ours-fp8-delayed \
+      --set model.fused_qkv_rope=false ;;
   stage)  # one GPU's share of a 172B TP4 x PP16 middle stage: our full step against te.TransformerLayer fwd + bwd
     bench stage --shapes 172b-tp4-stage --steps 3 --warmup 2 ;;
 esac

@@ -68,6 +68,7 @@ class SelfAttention(nn.Module):
         self.head_dim = head_dim_of(config)
         self.qkv_format = "bshd" if tp is None else "sbhd"
         self.recompute_core = recompute_core
+        self.fused_qkv_rope = True  # model.fused_qkv_rope, set by the Trainer (TE backend only)
         std = config.initializer_range
         self.layernorm_qkv = L.LayerNormLinear(
             config.hidden_size, (config.num_attention_heads + 2 * config.num_key_value_heads) * self.head_dim,
@@ -83,13 +84,9 @@ class SelfAttention(nn.Module):
         qkv = self.layernorm_qkv(x)
         lead = qkv.shape[:2]  # (b, s), or (s, b) under tensor parallelism (the whole sequence: gathered)
         group = self.num_heads // self.num_kv
-        # TE's fused QKV layout: [kv groups, (q heads of the group, k, v), head_dim]
-        qkv = qkv.view(*lead, self.num_kv, group + 2, self.head_dim)
-        q, k, v = qkv.split([group, 1, 1], dim=3)
-        q = q.reshape(*lead, self.num_heads, self.head_dim)
-        k = k.reshape(*lead, self.num_kv, self.head_dim)
-        v = v.reshape(*lead, self.num_kv, self.head_dim)
-        q, k = self._L.apply_rope(q, freqs, self.qkv_format), self._L.apply_rope(k, freqs, self.qkv_format)
+        # TE's fused QKV layout: [kv groups, (q heads of the group, k, v) * head_dim]
+        q, k, v = self._L.split_qkv_rope(qkv.view(*lead, self.num_kv, (group + 2) * self.head_dim), freqs, group,
+                                         self.head_dim, self.qkv_format, fused=self.fused_qkv_rope)
         if cache is None and mask is None:
             out = self.core_attention(q, k, v, checkpoint_core_attention=self.recompute_core and self.training)
         else:

@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 import transformer_engine.pytorch as te
-from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb
+from transformer_engine.pytorch.attention.rope import apply_fused_qkv_rotary_pos_emb, apply_rotary_pos_emb
 
 from llmjp_ds.model.torch_layers import apply_rope as torch_apply_rope
+from llmjp_ds.model.torch_layers import split_qkv
 from llmjp_ds.model.torch_layers import sdpa  # noqa: F401  (the masked / KV-cache path, shared by both backends)
 from llmjp_ds.model.weight_reuse import ReusesFP8Weights
 
@@ -90,6 +91,19 @@ def apply_rope(t: torch.Tensor, freqs: torch.Tensor, qkv_format: str = "bshd") -
     if freqs.dim() == 2:
         return apply_rotary_pos_emb(t, freqs[:, None, None, :], tensor_format=qkv_format, fused=True)
     return torch_apply_rope(t, freqs, qkv_format)
+
+
+def split_qkv_rope(qkv: torch.Tensor, freqs: torch.Tensor, group: int, head_dim: int, qkv_format: str = "bshd",
+                   fused: bool = True):
+    """As :func:`llmjp_ds.model.torch_layers.split_qkv_rope`. ``fused`` (``model.fused_qkv_rope``), when every
+    sequence shares positions: TE's one kernel reads the QKV output once and writes Q and K rotated and V
+    contiguous, and its backward writes the QKV gradient in one pass; no strided copies, no concatenation."""
+    if fused and freqs.dim() == 2 and qkv.is_contiguous():
+        f = freqs[:, None, None, :]
+        return apply_fused_qkv_rotary_pos_emb(qkv, f, f, [group * head_dim, head_dim, head_dim],
+                                              tensor_format=qkv_format)
+    q, k, v = split_qkv(qkv, group, head_dim)
+    return apply_rope(q, freqs, qkv_format), apply_rope(k, freqs, qkv_format), v
 
 
 def checkpoint(function, *args):

@@ -196,6 +196,23 @@ def apply_rope(t: torch.Tensor, freqs: torch.Tensor, qkv_format: str = "bshd") -
     return t * cos + rotate_half(t) * sin
 
 
+def split_qkv(qkv: torch.Tensor, group: int, head_dim: int):
+    """Q, K and V of the fused QKV output ``[*lead, kv groups, (group + 2) * head_dim]`` (TE's layout: each KV
+    group's ``group`` query heads, then its key, then its value): ``q`` ``[*lead, kv * group, head_dim]``, ``k``
+    and ``v`` ``[*lead, kv, head_dim]``."""
+    *lead, kv, _ = qkv.shape
+    q, k, v = qkv.view(*lead, kv, group + 2, head_dim).split([group, 1, 1], dim=-2)
+    return q.reshape(*lead, kv * group, head_dim), k.reshape(*lead, kv, head_dim), v.reshape(*lead, kv, head_dim)
+
+
+def split_qkv_rope(qkv: torch.Tensor, freqs: torch.Tensor, group: int, head_dim: int, qkv_format: str = "bshd",
+                   fused: bool = True):
+    """:func:`split_qkv`, then RoPE on Q and K. ``fused`` is the TE backend's switch (``model.fused_qkv_rope``);
+    here the split is views and the rotations :func:`apply_rope`, either way."""
+    q, k, v = split_qkv(qkv, group, head_dim)
+    return apply_rope(q, freqs, qkv_format), apply_rope(k, freqs, qkv_format), v
+
+
 def checkpoint(function, *args):
     """Activation checkpointing (non-reentrant). Under emulated FP8 the schedule's emulator provides its own
     (:meth:`llmjp_ds.precision.emulation.FP8Emulator.checkpoint`), whose recompute runs in the forward's region."""

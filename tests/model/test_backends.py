@@ -167,3 +167,46 @@ def test_llmjp3_1_8b_forward_backward_on_te():
           f"peak mem {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
     assert abs(loss.item() - torch.log(torch.tensor(float(config.vocab_size))).item()) < 1.0
     assert torch.isfinite(torch.tensor(grad_norm)) and grad_norm > 0
+
+
+@pytest.mark.gpu
+@needs_te
+@pytest.mark.parametrize("qkv_format", ["bshd", "sbhd"])
+def test_fused_qkv_rope_matches_the_split_and_two_rotations(qkv_format):
+    """TE's one-kernel QKV split + RoPE (``model.fused_qkv_rope``) gives the Q, K, V and the QKV gradient of the
+    unfused path (views, then TE's RoPE kernel on Q and on K), and those of the pure-PyTorch formula, with several
+    query heads per KV group, in both token layouts."""
+    from llmjp_ds.model import te_layers, torch_layers
+    from llmjp_ds.model.llama import rope_freqs
+
+    kv, group, d = 4, 3, 128
+    torch.manual_seed(0)
+    qkv = torch.randn(2, 256, kv, (group + 2) * d, device="cuda", dtype=torch.bfloat16)
+    freqs = rope_freqs(torch.arange(256, device="cuda"), d, 10000.0)
+    upstream = [torch.randn(2, 256, n, d, device="cuda", dtype=torch.bfloat16) for n in (kv * group, kv, kv)]
+    if qkv_format == "sbhd":
+        qkv, upstream = qkv.transpose(0, 1).contiguous(), [u.transpose(0, 1).contiguous() for u in upstream]
+    results, copies = [], []
+    for split in (lambda t: te_layers.split_qkv_rope(t, freqs, group, d, qkv_format, fused=True),
+                  lambda t: te_layers.split_qkv_rope(t, freqs, group, d, qkv_format, fused=False),
+                  lambda t: torch_layers.split_qkv_rope(t, freqs, group, d, qkv_format)):
+        x = qkv.clone().requires_grad_(True)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            out = split(x)
+            torch.autograd.backward(out, upstream)
+            torch.cuda.synchronize()
+        # the strided copies of the split and the concatenation of its backward
+        copies.append(sum(e.count for e in prof.key_averages() if "copy" in e.key.lower() or "cat" in e.key.lower()))
+        results.append(([o.detach() for o in out], x.grad))
+    (fused, g_fused), (unfused, g_unfused), (formula, g_formula) = results
+    print(f"[fused qkv rope {qkv_format}] copy/cat kernels fused {copies[0]}, unfused {copies[1]}")
+    assert copies[0] == 0 < copies[1]
+    assert [o.shape for o in fused] == [o.shape for o in formula]
+    worst = max((a.float() - b.float()).abs().max().item() for a, b in zip(fused + [g_fused], unfused + [g_unfused]))
+    print(f"[fused qkv rope {qkv_format}] max |fused - unfused| {worst:.2e}")
+    for a, b in zip(fused + [g_fused], unfused + [g_unfused]):  # both rotate in fp32: at most a rounding apart
+        torch.testing.assert_close(a, b, atol=1e-2, rtol=8e-3)
+    for a, b in zip(fused + [g_fused], formula + [g_formula]):
+        # the formula casts cos/sin to bf16 first, as HF does: one bf16 rounding of |x| <= ~5
+        torch.testing.assert_close(a, b, atol=5e-2, rtol=2e-2)

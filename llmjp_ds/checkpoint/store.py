@@ -277,7 +277,7 @@ def report_failed_save(run_dir, tag: str, exc: BaseException, path=None, cut=Non
 
     root = checkpoint_dir(run_dir)
     if peers_writing and dist.is_initialized() and dist.get_world_size() > 1:
-        if cut is not None and not Path(cut).is_symlink():
+        if cut is not None and not Path(cut).is_symlink() and (root / tag).resolve() in Path(cut).resolve().parents:
             Path(cut).unlink(missing_ok=True)
     elif not (root / tag / MARKER).is_file():
         remove_tag(run_dir, tag)

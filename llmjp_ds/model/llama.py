@@ -84,10 +84,12 @@ class SelfAttention(nn.Module):
         qkv = self.layernorm_qkv(x)
         lead = qkv.shape[:2]  # (b, s), or (s, b) under tensor parallelism (the whole sequence: gathered)
         group = self.num_heads // self.num_kv
-        # TE's fused QKV layout: [kv groups, (q heads of the group, k, v) * head_dim]
+        # TE's fused QKV layout: [kv groups, (q heads of the group, k, v) * head_dim]. The fused split + RoPE only
+        # where the fused attention core runs (training, evaluation); the KV-cache and masked paths split as before
+        core = cache is None and mask is None
         q, k, v = self._L.split_qkv_rope(qkv.view(*lead, self.num_kv, (group + 2) * self.head_dim), freqs, group,
-                                         self.head_dim, self.qkv_format, fused=self.fused_qkv_rope)
-        if cache is None and mask is None:
+                                         self.head_dim, self.qkv_format, fused=self.fused_qkv_rope and core)
+        if core:
             out = self.core_attention(q, k, v, checkpoint_core_attention=self.recompute_core and self.training)
         else:
             if cache is not None:

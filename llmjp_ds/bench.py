@@ -14,7 +14,9 @@ Variants: ``ours-bf16``, ``ours-fp8-delayed`` (DelayedScaling, HYBRID), ``ours-f
 (``172b-tp4-stage``: one GPU's share of a 172B TP4 x PP16 middle stage) ``ref-te-layer-*`` (plain
 ``te.TransformerLayer`` forward + backward). "vs peer" names the best peer of the row's precision at its shape
 (BF16: ``peer-mcore-bf16`` or ``ref-te-layer-bf16``; FP8 delayed: the better of ``peer-mcore-fp8-delayed`` and
-``-fp8-param``, or ``ref-te-layer-fp8-delayed``). ``--set`` changes the run config of the ``ours`` variants (ablations: e.g.
+``-fp8-param``, or ``ref-te-layer-fp8-delayed``). The table's last column is each variant's loss before its first
+update: every whole-model variant starts from a random init on the same token ids, so all of them show about
+ln(vocab), the check that a peer computes the loss ours does. ``--set changes the run config of the ``ours`` variants (ablations: e.g.
 ``--set model.fused_loss=false``). With ``--set parallel.tensor_parallel=N`` each ``ours`` variant runs as N
 processes on N GPUs (torchrun), one tensor-parallel group: its TFLOP/s per GPU against one GPU running 1/N of
 the work is the TP efficiency (e.g. ``--set "model.overrides={num_layers: 4}"`` at TP2 against the default
@@ -188,12 +190,12 @@ def vs_peer(r: dict, same: list[dict]) -> str:
 
 def table(results: list[dict]) -> str:
     head = ("| shape | variant | tokens/s | TFLOP/s per GPU | MFU | peak mem GiB | alloc retries | vs peer | "
-            "vs transformers + DeepSpeed | vs ours-bf16 |")
-    lines = [head, "|" + "---|" * 10]
+            "vs transformers + DeepSpeed | vs ours-bf16 | first-step loss |")
+    lines = [head, "|" + "---|" * 11]
     for r in results:
         label = r["variant"] + (f" ({', '.join(r['sets'])})" if r.get("sets") else "")
         if "error" in r:
-            lines.append(f"| {r['shape']} | {label} | failed: {r['error']} | | | | | | | |")
+            lines.append(f"| {r['shape']} | {label} | failed: {r['error']} | | | | | | | | |")
             continue
         same = [x for x in results if x["shape"] == r["shape"] and "error" not in x and not x.get("sets")]
         hf = next((x for x in same if x["variant"] == "peer-bf16"), None)
@@ -202,9 +204,11 @@ def table(results: list[dict]) -> str:
                  if hf and r is not hf and r["variant"].startswith("ours") else "")
         vs_base = (f"{r['tflops_per_gpu'] / base['tflops_per_gpu']:.2f}x"
                    if base and r is not base and r["variant"].startswith("ours") else "")
+        # every variant's loss before its first update: the same model at the same init computes about ln(vocab)
+        first_loss = f"{r['losses'][0]:.4f}" if r.get("losses") else ""
         lines.append(f"| {r['shape']} | {label} | {r['tokens_per_s']:,.0f} | {r['tflops_per_gpu']:.0f} | "
                      f"{100 * r.get('mfu', 0.0):.1f}% | {r['peak_mem_gib']:.1f} | {r['alloc_retries']} | "
-                     f"{vs_peer(r, same)} | {vs_hf} | {vs_base} |")
+                     f"{vs_peer(r, same)} | {vs_hf} | {vs_base} | {first_loss} |")
     return "\n".join(lines)
 
 

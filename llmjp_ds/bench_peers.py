@@ -6,7 +6,9 @@
 * ``peer-mcore-*``: Megatron-Core (``pip install -e ".[bench]"``), the stack LLM-jp trained the 172B model with,
   at its best single-GPU settings: ``GPTModel`` with the TE layer spec, its ``DistributedDataParallel`` (fp32
   main grads, ``grad_reduce_in_fp32``) with the distributed optimizer (TE's FusedAdam), gradient-accumulation,
-  RoPE, bias-activation and TE cross-entropy fusions, ``forward_backward_no_pipelining`` over the micro-batches.
+  RoPE (with ``fused_single_qkv_rope``: the QKV split and RoPE in one TE kernel, as ``model.fused_qkv_rope``
+  does for ours), bias-activation and TE cross-entropy fusions, ``forward_backward_no_pipelining`` over the
+  micro-batches.
   FP8 is ``hybrid`` delayed scaling with amax history 1 (most_recent); ``-fp8-param`` adds FP8 primary weights.
 * ``ref-te-layer-*``: plain ``te.TransformerLayer`` forward + backward (no optimizer) at a decoder-only shape:
   the floor our full step at that shape must reach.
@@ -130,8 +132,8 @@ def _mcore_config(config, variant: str):
         layernorm_epsilon=config.rms_norm_eps, gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=config.initializer_range,
         bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, gradient_accumulation_fusion=True,
-        apply_rope_fusion=True, bias_activation_fusion=True, cross_entropy_loss_fusion=True,
-        cross_entropy_fusion_impl="te", **fp8)
+        apply_rope_fusion=True, fused_single_qkv_rope=True, bias_activation_fusion=True,
+        cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="te", **fp8)
 
 
 def mcore_peer(cfg, trainer, variant: str):
@@ -145,6 +147,7 @@ def mcore_peer(cfg, trainer, variant: str):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from llmjp_ds.model.shapes import rope_theta
+    from llmjp_ds.optim import schedule_lr, set_lr
     from llmjp_ds.parallel.context import ParallelContext
 
     ParallelContext.start(trainer.layout)
@@ -171,11 +174,13 @@ def mcore_peer(cfg, trainer, variant: str):
 
         def loss(per_token):
             mean = per_token.float().mean()
-            return mean, {"lm loss": mean.detach()}
+            # a copy: Megatron-Core 0.19.2's schedule divides the returned loss by the micro-batch count in place
+            return mean, {"lm loss": mean.detach().clone()}
 
         return out, loss
 
     def step(i, batches):
+        set_lr(optimizer, schedule_lr(i, o, cfg.train.steps))  # the schedule ours and the HF peer step with
         model.zero_grad_buffer()
         optimizer.zero_grad()
         losses = run(forward_step_func=forward_step, data_iterator=iter(batches), model=[model],

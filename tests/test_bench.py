@@ -371,8 +371,12 @@ def test_vs_peer_names_the_fastest_peer_of_the_rows_precision():
     assert cells["ours-bf16"] == "1.12x peer-mcore-bf16"
     assert cells["ours-fp8-delayed"] == "1.10x peer-mcore-fp8-param"
     assert cells["ours-fp8-current"] == "" and cells["peer-mcore-bf16"] == ""  # no peer of that precision
+    rows[0]["losses"], rows[1]["losses"] = [11.926437, 11.9], [11.916799, 11.8]
     text = bench.table(rows)
-    assert "| 1.12x peer-mcore-bf16 | 1.40x |  |" in text  # vs peer, vs transformers + DeepSpeed, vs ours-bf16
+    # vs peer, vs transformers + DeepSpeed, vs ours-bf16, first-step loss
+    assert "| 1.12x peer-mcore-bf16 | 1.40x |  | 11.9264 |" in text
+    assert "| peer-mcore-bf16 | 1 | 500 | 0.0% | 1.0 | 0 |  |  |  | 11.9168 |" in text
+    assert text.splitlines()[2].endswith("| 11.9264 |") and text.splitlines()[4].endswith("|  |  |  |  |")
     stage = [_row("t", "ours-fp8-current", 870), _row("t", "ref-te-layer-fp8-current", 867)]
     assert bench.vs_peer(stage[0], stage) == "1.00x ref-te-layer-fp8-current"
 

@@ -9,6 +9,7 @@
 #   source .whl/env.sh && bash benchmarks/device/perf.sh mcore       # ours against Megatron-Core, both shapes
 #   source .whl/env.sh && bash benchmarks/device/perf.sh stage       # 172b-tp4-stage against te.TransformerLayer
 #   source .whl/env.sh && bash benchmarks/device/perf.sh qkv-rope    # the fused QKV split + RoPE, on and off
+#   source .whl/env.sh && bash benchmarks/device/perf.sh mcore-slice stage   # several modes, in order
 # Ablations: DeepSpeed's fp32 accumulation after backward instead of in the grad hook, the eager loss, no FP8
 # weight cache; `slice` also runs the step without the fused gradient accumulation.
 set -uo pipefail
@@ -21,7 +22,8 @@ bench() { local name=$1; shift; local left=$(( DEADLINE - $(date +%s) ))
   echo "=== $name ($(date +%T)): llmjp-ds bench $*" | tee -a "$OUT/summary.md"
   timeout "$left" python -m llmjp_ds.cli bench "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
   echo "rc=$?" >> "$OUT/summary.md"; grep -E "^\||^profile|^host" "$OUT/$name.log" >> "$OUT/summary.md"; }
-case "${1:-slice}" in
+for mode in "${@:-slice}"; do
+case $mode in
   slice)  # the shape of the targets, profiled, and the 1.8B main variants
     bench slice --shapes 172b-slice --steps 3 --warmup 2 --profile \
       --variants ours-bf16,ours-fp8-delayed,ours-fp8-current,peer-bf16
@@ -76,5 +78,9 @@ case "${1:-slice}" in
       --set model.fused_qkv_rope=false ;;
   stage)  # one GPU's share of a 172B TP4 x PP16 middle stage: our full step against te.TransformerLayer fwd + bwd
     bench stage --shapes 172b-tp4-stage --steps 3 --warmup 2 ;;
+  profile-1.8b)  # where the 1.8B step's time goes, kernels and host, in this build
+    bench 1.8b-profile --shapes llmjp3-1.8b --steps 2 --warmup 2 --variants ours-bf16,ours-fp8-delayed --profile ;;
+  *) echo "unknown perf.sh mode $mode" | tee -a "$OUT/summary.md" ;;
 esac
+done
 cat "$OUT/summary.md"

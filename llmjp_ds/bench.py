@@ -16,10 +16,10 @@ Variants: ``ours-bf16``, ``ours-fp8-delayed`` (DelayedScaling, HYBRID), ``ours-f
 (BF16: ``peer-mcore-bf16`` or ``ref-te-layer-bf16``; FP8 delayed: the better of ``peer-mcore-fp8-delayed`` and
 ``-fp8-param``, or ``ref-te-layer-fp8-delayed``). The table's last column is each variant's loss before its first
 update: every whole-model variant starts from a random init on the same token ids, so all of them show about
-ln(vocab), the check that a peer computes the loss ours does. ``--set changes the run config of the ``ours`` variants (ablations: e.g.
-``--set model.fused_loss=false``). With ``--set parallel.tensor_parallel=N`` each ``ours`` variant runs as N
-processes on N GPUs (torchrun), one tensor-parallel group: its TFLOP/s per GPU against one GPU running 1/N of
-the work is the TP efficiency (e.g. ``--set "model.overrides={num_layers: 4}"`` at TP2 against the default
+ln(vocab), the check that a peer computes the loss ours does. ``--set`` changes the run config of the ``ours``
+variants (ablations: e.g. ``--set model.fused_loss=false``). With ``--set parallel.tensor_parallel=N`` each
+``ours`` variant runs as N processes on N GPUs (torchrun), one tensor-parallel group: its TFLOP/s per GPU against
+one GPU running 1/N of the work is the TP efficiency (e.g. ``--set "model.overrides={num_layers: 4}"`` at TP2 against the default
 2-layer ``172b-slice`` at TP1).
 TFLOP/s are model FLOPs (:func:`llmjp_ds.model.flops.model_flops_per_token`: Megatron-LM's formula with GQA,
 SwiGLU, the logits layer and the causal attention term halved; no recompute counted) per GPU; MFU is against

@@ -136,6 +136,14 @@ def _mcore_config(config, variant: str):
         cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="te", **fp8)
 
 
+def mcore_loss(per_token: torch.Tensor):
+    """Megatron-Core's loss function for the peer: the mean per-token loss, and the value to log. The logged value
+    is a copy: Megatron-Core 0.19.2's schedule divides the returned loss by the micro-batch count in place
+    (``output_tensor /= num_microbatches``), which a view would follow."""
+    mean = per_token.float().mean()
+    return mean, {"lm loss": mean.detach().clone()}
+
+
 def mcore_peer(cfg, trainer, variant: str):
     """(step, model config) of Megatron-Core at its best single-GPU settings (the module docstring)."""
     _apex_wgrad_stand_in()
@@ -171,13 +179,7 @@ def mcore_peer(cfg, trainer, variant: str):
     def forward_step(data, module):
         tokens, labels = next(data)
         out = module(tokens, positions.expand_as(tokens), None, labels=labels)  # per-token loss
-
-        def loss(per_token):
-            mean = per_token.float().mean()
-            # a copy: Megatron-Core 0.19.2's schedule divides the returned loss by the micro-batch count in place
-            return mean, {"lm loss": mean.detach().clone()}
-
-        return out, loss
+        return out, mcore_loss
 
     def step(i, batches):
         set_lr(optimizer, schedule_lr(i, o, cfg.train.steps))  # the schedule ours and the HF peer step with

@@ -363,6 +363,17 @@ def _row(shape, variant, tflops):
             "alloc_retries": 0, "sets": []}
 
 
+def test_the_megatron_peer_logs_its_loss_as_computed_not_as_megatron_rescales_it():
+    """Megatron-Core's schedule divides the loss its loss function returns by the micro-batch count in place; the
+    logged value must stay the mean (runs T, V and X logged 11.92 / 8)."""
+    from llmjp_ds.bench_peers import mcore_loss
+
+    per_token = torch.tensor([[11.0, 12.0], [13.0, 12.0]], dtype=torch.bfloat16)
+    loss, logged = mcore_loss(per_token)
+    loss /= 8  # what megatron/core/pipeline_parallel/schedules.py (0.19.2) does with it
+    assert logged["lm loss"].item() == 12.0 and loss.item() == 1.5
+
+
 def test_vs_peer_names_the_fastest_peer_of_the_rows_precision():
     rows = [_row("s", "ours-bf16", 560), _row("s", "peer-mcore-bf16", 500), _row("s", "peer-bf16", 400),
             _row("s", "ours-fp8-delayed", 880), _row("s", "peer-mcore-fp8-delayed", 780),

@@ -19,8 +19,8 @@ update: every whole-model variant starts from a random init on the same token id
 ln(vocab), the check that a peer computes the loss ours does. ``--set`` changes the run config of the ``ours``
 variants (ablations: e.g. ``--set model.fused_loss=false``). With ``--set parallel.tensor_parallel=N`` each
 ``ours`` variant runs as N processes on N GPUs (torchrun), one tensor-parallel group: its TFLOP/s per GPU against
-one GPU running 1/N of the work is the TP efficiency (e.g. ``--set "model.overrides={num_layers: 4}"`` at TP2 against the default
-2-layer ``172b-slice`` at TP1).
+one GPU running 1/N of the work is the TP efficiency (e.g. ``--set "model.overrides={num_layers: 4}"`` at TP2
+against the default 2-layer ``172b-slice`` at TP1).
 TFLOP/s are model FLOPs (:func:`llmjp_ds.model.flops.model_flops_per_token`: Megatron-LM's formula with GQA,
 SwiGLU, the logits layer and the causal attention term halved; no recompute counted) per GPU; MFU is against
 the device's dense BF16 peak (:data:`llmjp_ds.metrics.PEAK_TFLOPS`). ``--profile`` adds profiled steps per
@@ -191,11 +191,12 @@ def vs_peer(r: dict, same: list[dict]) -> str:
 def table(results: list[dict]) -> str:
     head = ("| shape | variant | tokens/s | TFLOP/s per GPU | MFU | peak mem GiB | alloc retries | vs peer | "
             "vs transformers + DeepSpeed | vs ours-bf16 | first-step loss |")
-    lines = [head, "|" + "---|" * 11]
+    columns = head.count("|") - 1
+    lines = [head, "|" + "---|" * columns]
     for r in results:
         label = r["variant"] + (f" ({', '.join(r['sets'])})" if r.get("sets") else "")
         if "error" in r:
-            lines.append(f"| {r['shape']} | {label} | failed: {r['error']} | | | | | | | | |")
+            lines.append(f"| {r['shape']} | {label} | failed: {r['error']} |" + " |" * (columns - 3))
             continue
         same = [x for x in results if x["shape"] == r["shape"] and "error" not in x and not x.get("sets")]
         hf = next((x for x in same if x["variant"] == "peer-bf16"), None)

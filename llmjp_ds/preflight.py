@@ -113,7 +113,15 @@ def cli_main(argv: list[str], verb: str = "preflight") -> int:
     p.add_argument("--preset", help="run preset")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--gpu-gib", type=float, default=79.6, help="memory of one GPU in GiB (H100 80GB: 79.6)")
+    p.add_argument("--disk-gbps", type=float, default=None,
+                   help="write speed of a node to the run directory in GB/s: how long a background save writes, "
+                        "and the smallest checkpoint.interval that does not wait for it")
+    p.add_argument("--step-seconds", type=float, default=None,
+                   help="the expected time of one step (with --disk-gbps: the interval in steps)")
     a = p.parse_args(argv)
+    for flag, value in (("--disk-gbps", a.disk_gbps), ("--step-seconds", a.step_seconds)):
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            fail(f"{flag} {value}: give a positive number")
     hosts = parse_hostfile(a.hostfile)
     if a.num_nodes is not None:
         if not 1 <= a.num_nodes <= len(hosts):
@@ -132,12 +140,14 @@ def cli_main(argv: list[str], verb: str = "preflight") -> int:
         gas = layout.gradient_accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size)
         line += f"; config OK: {layout.describe(cfg.parallel.zero_stage)}, gradient accumulation {gas}"
         print(line)
-        line = memory_line(cfg, layout, gas, a.gpu_gib, ranks_per_node=max(hosts.values()))
+        line = memory_line(cfg, layout, gas, a.gpu_gib, ranks_per_node=max(hosts.values()), disk_gbps=a.disk_gbps,
+                           step_s=a.step_seconds)
     print(line)
     return 0
 
 
-def memory_line(cfg, layout, gas: int, capacity_gib: float, ranks_per_node: int | None = None) -> str:
+def memory_line(cfg, layout, gas: int, capacity_gib: float, ranks_per_node: int | None = None,
+                disk_gbps: float | None = None, step_s: float | None = None) -> str:
     """The busiest GPU's memory estimate (``parallel.memory``) for a ZeRO-1 run; a note otherwise."""
     if cfg.parallel.zero_stage != 1:
         return f"no memory estimate for ZeRO-{cfg.parallel.zero_stage} (parallel/memory.py models ZeRO-1)"
@@ -168,4 +178,21 @@ def memory_line(cfg, layout, gas: int, capacity_gib: float, ranks_per_node: int 
         node = node_snapshot_gib(busiest, layout.data, dtype_bytes, per_node)
         line += (f"\nasync checkpoints (checkpoint.async_save): ~{node:.1f} GiB of pinned host memory on the busiest "
                  f"node ({per_node} ranks; busiest rank ~{snapshot_gib(busiest, layout.data, dtype_bytes):.1f} GiB)")
+        if disk_gbps:
+            line += "\n" + interval_line(cfg.checkpoint.interval, node, disk_gbps, step_s)
     return line
+
+
+def interval_line(interval: int, node_gib: float, disk_gbps: float, step_s: float | None) -> str:
+    """How long the busiest node writes a background save at ``disk_gbps``; with a step time, whether
+    ``checkpoint.interval`` leaves it the time (the advice the trainer gives when a save waits)."""
+    from llmjp_ds.checkpoint.async_save import interval_advice, smallest_interval
+
+    write_s = node_gib * 2**30 / 1e9 / disk_gbps
+    if step_s is None:
+        return (f"a save writes ~{write_s:.0f} s at {disk_gbps:g} GB/s: keep checkpoint.interval above {write_s:.0f} s "
+                "of steps (pass --step-seconds for the count)")
+    if interval and interval < smallest_interval(write_s, step_s):
+        return "warning: " + interval_advice(node_gib, write_s, interval, step_s)
+    return (f"a save writes ~{write_s:.0f} s at {disk_gbps:g} GB/s; checkpoint.interval={interval} leaves it "
+            f"{interval * step_s:.0f} s (it needs at least {smallest_interval(write_s, step_s)} steps)")

@@ -232,6 +232,8 @@ class Trainer:
             self.logger.event(self.state.step, "checkpoint_arena", gib=nbytes / 2**30, seconds=took,
                               pinned=self.saver.arena.pinned)
         self.save_metrics: dict = {}  # the last save's stall and write time, for the next step's record
+        self._last_save: tuple[float, int] | None = None  # (perf_counter, step) of the last save's start
+        self._interval_told = False  # a save that waited for the previous write said so (once a run)
 
     # --- one step -------------------------------------------------------------------------------------------
     def micro_batches(self, dataset, consumed: int):
@@ -283,8 +285,13 @@ class Trainer:
 
         t0 = time.perf_counter()
         self.watchdog.beat("checkpoint")
+        pending = self.saver is not None and self.saver.in_flight and not self.saver.done()
+        gib = self.saver.snapshot_bytes / 2**30 if pending else 0.0
         self.commit_save(block=True)
         waited = time.perf_counter() - t0
+        if pending and self._last_save is not None:
+            self._advise_interval(t0, gib, waited)
+        self._last_save = (t0, self.state.step)
         client = {"train_state": dict(self.state.__dict__), **self.controller.state_dict(),
                   "wandb_run_id": self.logger.run_id, "rng": torch.get_rng_state()}
         tag = checkpoint.save(self.engine, self.run_dir, self.state.step, client, self.meta,
@@ -293,6 +300,25 @@ class Trainer:
         if wait:
             self.commit_save(block=True)
         return tag
+
+    def _advise_interval(self, now: float, gib: float, waited: float) -> None:
+        """The first save that waits for the previous write says why, once, with the numbers (the write's
+        GB/s, the interval in seconds, the smallest interval that would not wait); metrics get the event."""
+        from llmjp_ds.checkpoint.async_save import interval_advice, smallest_interval
+
+        if self._interval_told:
+            return
+        self._interval_told = True
+        started, step = self._last_save
+        steps = max(1, self.state.step - step)
+        step_s = (now - started) / steps
+        write_s = self.saver.write_s
+        self.logger.event(self.state.step, "checkpoint_waited", waited_s=waited, write_s=write_s,
+                          snapshot_gib=gib, interval_steps=steps, step_s=step_s,
+                          smallest_interval=smallest_interval(write_s, step_s))
+        if self.ctx.rank == 0:
+            print(f"warning: the checkpoint at step {self.state.step} waited {waited:.1f} s for the previous one: "
+                  f"{interval_advice(gib, write_s, steps, step_s)}", file=sys.stderr, flush=True)
 
     def commit_save(self, block: bool) -> None:
         """Commit a background save once every rank's writer is done (``block``: wait for it)."""

@@ -34,7 +34,7 @@ ALLOWED = {
     "bench_profile": set(),
     "bench": {"errors", "config", "validate", "trainer", "model", "metrics", "optim", "parallel", "io_utils",
               "bench_peers", "bench_profile"},
-    "preflight": {"errors", "config", "validate", "model", "parallel"},
+    "preflight": {"errors", "config", "validate", "model", "parallel", "checkpoint"},
     "demo": {"checkpoint", "config", "metrics", "train"},
     "plot": {"errors", "metrics"},
     "cli": {"errors"},

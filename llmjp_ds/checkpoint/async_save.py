@@ -207,6 +207,23 @@ def commit_when_done(saver: AsyncSaver, ctx, run_dir, meta, keep_last: int, bloc
     return True
 
 
+def smallest_interval(write_s: float, step_s: float) -> int:
+    """The fewest steps between saves for which a background write of ``write_s`` seconds ends before the next
+    save begins, at ``step_s`` seconds a step."""
+    return max(1, math.ceil(write_s / max(step_s, 1e-9)))
+
+
+def interval_advice(snapshot_gib: float, write_s: float, interval_steps: int, step_s: float) -> str:
+    """Why a save waits for the previous write, with the numbers (the write's size, speed and time, the interval
+    in steps and seconds) and the smallest ``checkpoint.interval`` that would not wait: the trainer says it the
+    first time a save waits, and ``llmjp-ds preflight --disk-gbps`` from the estimated snapshot."""
+    gbps = snapshot_gib * 2**30 / 1e9 / max(write_s, 1e-9)
+    return (f"a background save writes {snapshot_gib:.2f} GiB at {gbps:.2f} GB/s in {write_s:.1f} s, longer than "
+            f"checkpoint.interval={interval_steps} steps ({interval_steps * step_s:.1f} s at {step_s:.2f} s a step), "
+            f"so each save waits for the previous write: set checkpoint.interval to at least "
+            f"{smallest_interval(write_s, step_s)}, or write the run directory to a faster disk")
+
+
 def arena_bytes(module, dp_rank: int, dp_size: int) -> int:
     """The arena this rank reserves: its snapshot (the weights if it writes the model states, i.e. data-parallel
     rank 0, and its ZeRO shard of fp32 master weights and Adam moments), with room for alignment, buffers and the

@@ -259,3 +259,17 @@ def test_async_checkpoint_snapshots_per_rank_and_per_node():
     # one process (the 1.8B on one GPU, fp32 run alike): the whole checkpoint, weights and optimizer
     (one,) = layout_memory(resolve_shape("llmjp3-1.8b", {}), [24], 1, 2, 4096, 8, "none", 1)
     assert node_snapshot_gib(one, 1, 2, 1) == pytest.approx(14 * one.params / GIB)
+
+
+def test_preflight_interval_line_from_a_disk_speed():
+    """``preflight --disk-gbps``: the write time of the node's snapshot, and with ``--step-seconds`` the trainer's
+    own advice when ``checkpoint.interval`` is shorter than the write (the H200's 1.8B: 24.4 GiB at 1 GB/s)."""
+    from llmjp_ds.preflight import interval_line
+
+    assert interval_line(6, 24.4, 1.0, None).startswith("a save writes ~26 s at 1 GB/s: keep checkpoint.interval "
+                                                       "above 26 s")
+    assert interval_line(6, 24.4, 1.0, 1.4).startswith("warning: a background save writes 24.40 GiB at 1.00 GB/s")
+    assert interval_line(6, 24.4, 1.0, 1.4).endswith("set checkpoint.interval to at least 19, or write the run "
+                                                     "directory to a faster disk")
+    assert interval_line(20, 24.4, 1.0, 1.4) == ("a save writes ~26 s at 1 GB/s; checkpoint.interval=20 leaves it "
+                                                 "28 s (it needs at least 19 steps)")

@@ -120,8 +120,24 @@ def test_sigterm_during_a_background_write_commits_it_then_saves_once(baseline, 
     # the write in flight committed first, then the stop's own save: one each
     assert [e["tag"] for e in events(run_dir, "checkpoint_committed")] == ["step00000003", "step00000006", tag]
     assert (run_dir / "checkpoints" / "step00000006" / "llmjp_ds.json").is_file()
+    # step 6's save waited for step 3's write (1.5 s a file, ~10 steps): said once, with the interval that fits
+    (waited,) = events(run_dir, "checkpoint_waited")
+    assert waited["step"] == 6 and waited["interval_steps"] == 3 and waited["write_s"] >= 1.5
+    assert waited["smallest_interval"] > 3
+    warnings = [line for line in proc.output().splitlines() if "waited" in line and line.startswith("warning:")]
+    assert len(warnings) == 1 and f"checkpoint.interval to at least {waited['smallest_interval']}," in warnings[0]
     check_ok(run_train(run_dir, DRILL))
     assert loss_trail(run_dir) == baseline[1]
+
+
+def test_the_interval_advice_names_the_write_and_the_interval_that_fits():
+    """The H200's case: the whole 1.8B (24.4 GiB) at ~1 GB/s, a save every 6 steps of 1.4 s."""
+    from llmjp_ds.checkpoint.async_save import interval_advice, smallest_interval
+
+    assert smallest_interval(26.0, 1.4) == 19 and smallest_interval(0.5, 1.4) == 1 and smallest_interval(2.8, 1.4) == 2
+    line = interval_advice(24.4, 26.0, 6, 1.4)
+    assert "24.40 GiB at 1.01 GB/s in 26.0 s" in line and "checkpoint.interval=6 steps (8.4 s at 1.40 s a step)" in line
+    assert line.endswith("set checkpoint.interval to at least 19, or write the run directory to a faster disk")
 
 
 def test_a_snapshot_is_not_changed_by_the_next_step():

@@ -6,7 +6,12 @@
   --nproc_per_node=N -m llmjp_ds.train``, with ``--set`` values;
 * :func:`run`: run to the end, output captured (the reliability tests read it);
 * :func:`run_command`: run to the end in a session of its own, output to log files, the test failed with the
-  stderr tail on a non-zero exit or a timeout (every process it started is killed then).
+  stderr tail on a non-zero exit or a timeout (every process it started is killed then); ``nproc`` > 1 starts
+  that many ranks of a ``python -m llmjp_ds.train`` command.
+
+Commands of this repository's entry points are forked from a server that has imported the trainer's stack once
+(:mod:`tests.forkserver`), saving ~6 s of start-up per process; ``LLMJP_DS_TEST_FORKSERVER=0`` starts each in a
+fresh interpreter instead, ranks through torchrun.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import forkserver
+
 REPO = Path(__file__).resolve().parents[1]
 CLI_TIMEOUT = 300
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -30,7 +37,9 @@ def subprocess_env(**extra) -> dict:
     env = dict(os.environ)
     for key in LAUNCHER_VARS:
         env.pop(key, None)  # a test process that set these for in-process runs must not leak them
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", WANDB_SILENT="true", TOKENIZERS_PARALLELISM="false")
+    # one OpenMP thread per process (LLMJP_DS_TEST_THREADS: another count, to measure its effect on fp32 sums)
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("LLMJP_DS_TEST_THREADS", "1"),
+               WANDB_SILENT="true", TOKENIZERS_PARALLELISM="false")
     env.pop("LLMJP_DS_DEBUG", None)
     env.update({k: str(v) for k, v in extra.items()})
     return env
@@ -55,10 +64,21 @@ def train_argv(run_dir, sets=(), *more: str, nproc: int = 1, port: int | str | N
     return argv
 
 
-def run(argv, timeout: float = 240, env=None, **kwargs) -> subprocess.CompletedProcess:
-    """Run ``argv`` to its end (from the repository root), its output captured."""
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env or subprocess_env(),
-                          cwd=kwargs.pop("cwd", REPO), **kwargs)
+def run(argv, timeout: float = 240, env=None, cwd=REPO) -> subprocess.CompletedProcess:
+    """Run ``argv`` to its end (from the repository root), its output captured (``subprocess.run``'s
+    ``TimeoutExpired`` on a timeout, everything it started killed)."""
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as fo, tempfile.TemporaryFile("w+") as fe:
+        proc = forkserver.popen(argv, env=env or subprocess_env(), cwd=cwd, stdout=fo, stderr=fe)
+        try:
+            proc.wait(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                kill_tree(proc)
+        fo.seek(0)
+        fe.seek(0)
+        return subprocess.CompletedProcess(list(map(str, argv)), proc.returncode, fo.read(), fe.read())
 
 
 def _children(pid: int) -> list[int]:
@@ -73,20 +93,21 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def kill_tree(proc: subprocess.Popen) -> None:
+def kill_tree(proc) -> None:
     """SIGKILL what we launched: torchrun's workers run in sessions of their own, so kill each child's process
-    group, then the launcher's."""
-    for child in _children(proc.pid):
-        for kill in (os.killpg, os.kill):
-            try:
-                kill(child, signal.SIGKILL)
-                break
-            except (ProcessLookupError, PermissionError):
-                continue
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    group, then the launcher's (each rank's, for :class:`tests.forkserver.Ranks`)."""
+    for one in getattr(proc, "procs", [proc]):
+        for child in _children(one.pid):
+            for kill in (os.killpg, os.kill):
+                try:
+                    kill(child, signal.SIGKILL)
+                    break
+                except (ProcessLookupError, PermissionError):
+                    continue
+        try:
+            os.killpg(one.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     proc.wait()
 
 
@@ -95,15 +116,29 @@ def tail(path: Path, chars: int = 4000) -> str:
     return text[-chars:]
 
 
+def start_ranks(cmd: list[str], nproc: int, port: int, *, env: dict, stdout, stderr):
+    """``nproc`` ranks of ``cmd`` (``python -m llmjp_ds.train ...``): forked with torchrun's variables, or,
+    without the fork server, through torchrun itself."""
+    if forkserver.server_path() is not None:
+        return forkserver.Ranks(cmd, nproc, port, env=env, stdout=stdout, stderr=stderr)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}"]
+    return forkserver.popen([*torchrun, *cmd[1:]], env=env, stdout=stdout, stderr=stderr)
+
+
 def run_command(cmd: list[str], log_prefix: Path, *, env: dict | None = None, timeout: float = CLI_TIMEOUT,
-                check: bool = True) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in a session of its own, stdout/stderr to ``<log_prefix>.out/.err``; kill everything it
-    started on timeout. ``check``: fail the test (with the stderr tail) on a non-zero exit."""
+                check: bool = True, nproc: int = 1, port: int | None = None) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in a session of its own (``nproc`` > 1: that many ranks of it on ``port``), stdout/stderr to
+    ``<log_prefix>.out/.err``; kill everything it started on timeout. ``check``: fail the test (with the
+    stderr tail) on a non-zero exit."""
     out, err = log_prefix.with_suffix(".out"), log_prefix.with_suffix(".err")
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
+    env = env or subprocess_env()
     with open(out, "w") as fo, open(err, "w") as fe:
-        proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, env=env or subprocess_env(), start_new_session=True)
+        if nproc > 1:
+            proc = start_ranks(cmd, nproc, port or free_port(), env=env, stdout=fo, stderr=fe)
+        else:
+            proc = forkserver.popen(cmd, env=env, stdout=fo, stderr=fe)
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

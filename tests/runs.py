@@ -73,11 +73,11 @@ def run_train(tmp, nproc: int, *sets: str, timeout: float = TRAIN_TIMEOUT) -> Pa
     tmp = Path(tmp)
     run_dir = tmp / "run"
     port = free_port()
-    # one process gets its port in the environment (the trainer would pick one), torchrun on its command line
+    # one process gets its port in the environment (the trainer would pick one), ranks from the launch
     env = subprocess_env(MASTER_PORT=port) if nproc == 1 else subprocess_env()
     launches = len(list(tmp.glob("train-*.err"))) if tmp.is_dir() else 0
-    run_command(train_argv(run_dir, COMMON_SETS, *sets, nproc=nproc, port=port),
-                tmp / f"train-{launches + 1:02d}", env=env, timeout=timeout)
+    run_command(train_argv(run_dir, COMMON_SETS, *sets), tmp / f"train-{launches + 1:02d}", env=env,
+                timeout=timeout, nproc=nproc, port=port)
     return run_dir
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests import launch
+from tests import forkserver
 from tests.launch import REPO, run, subprocess_env
 
 __all__ = ["REPO", "run", "subprocess_env"]  # the suite's launcher (tests/launch.py), imported from here too
@@ -57,10 +58,10 @@ def check_ok(result: subprocess.CompletedProcess) -> None:
 class Proc:
     """A started subprocess (own session) whose stdout lines are read by a thread into a queue."""
 
-    def __init__(self, argv, env=None, cwd=REPO):
+    def __init__(self, argv, env=None, cwd=REPO, fresh: bool = False):
         self.t0 = time.monotonic()
-        self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                  env=env or subprocess_env(), cwd=cwd, start_new_session=True)
+        self.p = forkserver.popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env or subprocess_env(),
+                                  cwd=cwd, fresh=fresh)
         self.lines: list[str] = []
         self._q: queue.Queue = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)

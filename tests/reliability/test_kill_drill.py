@@ -52,10 +52,13 @@ def _kill(mode: str, proc: Proc, run_dir: Path, start: int, rng: random.Random) 
     """Wait for the moment ``mode`` names, SIGKILL the process group; return what the moment was."""
     room = DRILL_STEPS - 1 - start  # never let the run finish before the kill
     if mode == "startup" or room < 4:
-        delay = rng.uniform(0.5, 5.0)
-        wait_for(lambda: time.monotonic() - proc.t0 >= delay, proc, timeout=delay + 1)
+        # start-up takes ~1 s forked from the suite's server (tests/forkserver.py), ~6 s in a fresh interpreter:
+        # a kill at a random moment of its first second, or at its first step if that comes sooner
+        delay = rng.uniform(0.05, 1.0)
+        wait_for(lambda: time.monotonic() - proc.t0 >= delay or proc.steps_done() > start, proc, timeout=delay + 1)
         proc.kill()
-        return f"startup +{delay:.2f}s"
+        return f"at its first step (+{time.monotonic() - proc.t0:.2f}s)" if proc.steps_done() > start else \
+            f"startup +{delay:.2f}s"
     if mode == "step":
         target = start + rng.randint(1, 2)
         delay = rng.uniform(0.0, 0.25)

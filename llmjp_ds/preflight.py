@@ -11,6 +11,10 @@ once; CRLF line ends and tabs are fine, as for the launcher), refuses what the l
 host name or a traceback (a byte-order mark, invisible or non-ASCII characters, bytes that are not UTF-8), takes
 the world size as the sum of the slots (of the first ``--num-nodes`` hosts), and runs the same
 :func:`llmjp_ds.validate.validate_run` the trainer runs on every rank, with that world size.
+
+Inside a batch script, ``--write-hostfile PATH [--slots N]`` writes that hostfile from the job's allocation
+(:mod:`llmjp_ds.parallel.hostfile`) and checks it; run under a launcher or scheduler, preflight first prints
+where it found this process's place (``launch: slurm, world 16, nodes 2, master node01:12345``).
 """
 
 from __future__ import annotations
@@ -105,9 +109,35 @@ def parse_hostfile(path: str | Path) -> dict[str, int]:
     return hosts
 
 
+def launch_hostfile(a) -> str:
+    """The hostfile to check: ``--hostfile``, or the one ``--write-hostfile`` writes from the allocation; prints the
+    launch this process sits in, when a launcher or scheduler started it."""
+    from llmjp_ds.parallel import scheduler
+
+    job = scheduler.detect()
+    if job.source != "single process":
+        print(job.describe())
+    if a.write_hostfile and a.hostfile:
+        fail("--hostfile and --write-hostfile: pass one (--write-hostfile writes the hostfile that is then checked)")
+    if a.slots is not None and not a.write_hostfile:
+        fail("--slots applies to --write-hostfile only: a hostfile given with --hostfile has its own slots")
+    if a.write_hostfile:
+        from llmjp_ds.parallel.hostfile import write_hostfile
+
+        print(write_hostfile(a.write_hostfile, slots=a.slots))
+        a.hostfile = a.write_hostfile
+    if not a.hostfile:
+        fail("pass --hostfile FILE (a DeepSpeed hostfile), or --write-hostfile PATH to write one from the job's "
+             "allocation ($PE_HOSTFILE, $PBS_NODEFILE or $SLURM_JOB_NODELIST)")
+    return a.hostfile
+
+
 def cli_main(argv: list[str], verb: str = "preflight") -> int:
     p = argparse.ArgumentParser(prog=f"llmjp-ds {verb}", description=__doc__.splitlines()[0])
-    p.add_argument("--hostfile", required=True, help="DeepSpeed hostfile, e.g. hostfiles/h100")
+    p.add_argument("--hostfile", help="DeepSpeed hostfile, e.g. hostfiles/h100")
+    p.add_argument("--write-hostfile", metavar="PATH", help="write the DeepSpeed hostfile of this job's allocation "
+                   "($PE_HOSTFILE, $PBS_NODEFILE or the Slurm nodelist) to PATH, then check it")
+    p.add_argument("--slots", type=int, default=None, help="with --write-hostfile: slots (GPUs) of every host")
     p.add_argument("--num-nodes", type=int, default=None, help="use the first N hosts (as the launcher's flag)")
     p.add_argument("--config", help="run config (YAML or JSON)")
     p.add_argument("--preset", help="run preset")
@@ -122,7 +152,7 @@ def cli_main(argv: list[str], verb: str = "preflight") -> int:
     for flag, value in (("--disk-gbps", a.disk_gbps), ("--step-seconds", a.step_seconds)):
         if value is not None and not (value > 0 and math.isfinite(value)):
             fail(f"{flag} {value}: give a positive number")
-    hosts = parse_hostfile(a.hostfile)
+    hosts = parse_hostfile(launch_hostfile(a))
     if a.num_nodes is not None:
         if not 1 <= a.num_nodes <= len(hosts):
             fail(f"--num-nodes {a.num_nodes}: {a.hostfile} lists {len(hosts)} hosts; pass 1 to {len(hosts)}")

@@ -1,8 +1,10 @@
 """Pretrain (or resume) a run: ``deepspeed llmjp_ds/train.py [--config FILE] [--set key=value ...]``.
 
-Also ``python -m llmjp_ds.train`` and ``llmjp-ds train``. With no arguments it runs the embedded default: the
-``demo`` preset (``tiny`` model on the bundled corpus, on CPU if there is no GPU). This file is the launcher's
-entry point: it parses the command line, loads the config and hands it to :class:`llmjp_ds.trainer.Trainer`.
+Also ``python -m llmjp_ds.train`` and ``llmjp-ds train``, under torchrun, or a task per rank under ``srun`` or
+``mpirun`` (:mod:`llmjp_ds.parallel.scheduler` reads each task's place). With no arguments it runs the embedded
+default: the ``demo`` preset (``tiny`` model on the bundled corpus, on CPU if there is no GPU). This file is the
+launcher's entry point: it parses the command line, loads the config and hands it to
+:class:`llmjp_ds.trainer.Trainer`.
 """
 
 from __future__ import annotations
@@ -52,6 +54,12 @@ def shutdown(clean: bool = True) -> None:
 
 def cli_main(argv: list[str] | None, verb: str = "train") -> int:
     args = parse_args(argv or [])
+    from llmjp_ds.parallel.scheduler import prepare_launch
+
+    # srun / mpirun give their ranks no torchrun variables: export this task's place before the world size is read
+    job = prepare_launch()
+    if job.source in ("slurm", "openmpi", "pmi") and job.world_size > 1 and job.rank == 0:
+        print(f"[llmjp-ds] {job.describe()}", flush=True)
     cfg = load_config(args.config, args.sets, args.preset)
     try:
         summary = train(cfg)

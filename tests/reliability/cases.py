@@ -2,8 +2,8 @@
 
 A case runs one command (a real CLI subprocess), and the harness (``test_bad_inputs.py``) asserts: a non-zero
 exit, exactly one ``error: ...`` line on stderr containing the expected fragments, no traceback, and every file
-that existed under the catalogue's directories byte-identical afterwards. Topic modules
-(``cases_data.py``, ``cases_config.py``, ``cases_checkpoint.py``) each hold ``CASES`` and a ``prepare(ctx)``
+that existed under the catalogue's directories byte-identical afterwards. Topic modules (``cases_data.py``,
+``cases_config.py``, ``cases_checkpoint.py``, ``cases_cluster.py``) each hold ``CASES`` and a ``prepare(ctx)``
 that writes their inputs under ``ctx.tmp``.
 """
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability import cases_checkpoint, cases_config, cases_data
+from tests.reliability import cases_checkpoint, cases_cluster, cases_config, cases_data
 from tests.reliability.cases import FP8, SMALL, Case, L, T
 from tests.reliability.conftest import (
     DEEPSPEED_STARTED, REPO, TINY, assert_latest_complete, check_ok, latest_of, run, subprocess_env, train_argv,
@@ -219,7 +219,7 @@ CASES = [
           "ranks",)),
 ]
 
-TOPICS = (cases_data, cases_config, cases_checkpoint)
+TOPICS = (cases_data, cases_config, cases_checkpoint, cases_cluster)
 ALL_CASES = CASES + [case for topic in TOPICS for case in topic.CASES]
 
 

@@ -217,6 +217,8 @@ CASES = [
                                   "llmjp3-172b"),
          ("world size 24 is not divisible by tensor_parallel x pipeline_stages = 4 x 16: launch a multiple of 64 "
           "ranks",)),
+    Case("preflight-disk-speed-not-positive", L("preflight", "--hostfile", "hostfiles/h100", "--disk-gbps", "0"),
+         ("--disk-gbps 0.0: give a positive number",)),
 ]
 
 TOPICS = (cases_data, cases_config, cases_checkpoint, cases_cluster)

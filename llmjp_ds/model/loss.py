@@ -72,6 +72,15 @@ def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor, z_loss_coeff: fl
     return LossParts(*_loss_terms(logits, targets, z_loss_coeff))
 
 
+def _compile_options(logits: torch.Tensor) -> dict:
+    """Inductor vectorises CPU code for the processor's ISA, but ATen's vector headers follow
+    ``ATEN_CPU_CAPABILITY``: under ``default`` (no vector ISA) the reductions it generates for this loss do not
+    compile (torch 2.13), so there the kernel is scalar, as ATen's own."""
+    if logits.device.type == "cpu" and torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        return {"cpp.simdlen": 1}
+    return {}
+
+
 class CausalLMLoss:
     """:func:`causal_lm_loss` with a fixed z-loss coefficient; ``fused`` runs it compiled (module docstring).
 
@@ -91,7 +100,8 @@ class CausalLMLoss:
         if self.fused and self.compiled is not False:
             try:
                 if self.compiled is None:
-                    self.compiled = torch.compile(_loss_terms, dynamic=False, fullgraph=True)
+                    self.compiled = torch.compile(_loss_terms, dynamic=False, fullgraph=True,
+                                                  options=_compile_options(logits))
                 return LossParts(*self.compiled(logits, targets, self.z_loss_coeff))
             except Exception as exc:  # no working compiler toolchain: the eager formula is the same math
                 if isinstance(exc, torch.cuda.OutOfMemoryError):

@@ -251,6 +251,9 @@ class CheckpointConfig:
     save_at_end: bool = True  # false for throughput experiments that need no final checkpoint
     # the loop stops only to copy the state into host memory; a thread per rank writes it (checkpoint/async_save.py)
     async_save: bool = True
+    # signals that stop the run with a checkpoint (finish the step, save, exit 0), by name (SIGUSR1 or USR1): a
+    # scheduler's early warning such as Slurm's --signal=USR1@120 can then ask for the save (stop_signals_of)
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT"])
 
 
 @dataclass
@@ -609,3 +612,35 @@ def sequence_parallel_of(cfg: RunConfig) -> bool:
     """Sequence parallelism is on with tensor parallelism unless the config turns it off (and off without it)."""
     sp = cfg.parallel.sequence_parallel
     return cfg.parallel.tensor_parallel > 1 and (sp is None or sp)
+
+
+# the interpreter's or the kernel's own signals: a handler of these would stop the run on a fault or a child's exit
+NOT_STOP_SIGNALS = ("SIGCHLD", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT", "SIGTRAP", "SIGSYS", "SIGXFSZ")
+
+
+def stop_signals_of(cfg: RunConfig) -> tuple:
+    """``checkpoint.stop_signals`` as ``signal.Signals`` (a name with or without ``SIG``, any case), each once;
+    one line naming the item that cannot be a stop signal."""
+    import signal
+
+    names, out = cfg.checkpoint.stop_signals, []
+    if not names:
+        fail("checkpoint.stop_signals is empty: then no signal stops the run with a checkpoint and a scheduler's "
+             "SIGTERM loses every step since the last one; list at least SIGTERM, e.g. [SIGTERM, SIGINT]")
+    known = [s.name for s in signal.Signals if not s.name.startswith("SIGRT")]
+    for i, name in enumerate(names):
+        full = name.strip().upper()
+        full = full if full.startswith("SIG") else f"SIG{full}"
+        where = f"checkpoint.stop_signals[{i}] {name!r}"
+        if full in ("SIGKILL", "SIGSTOP"):
+            fail(f"{where}: {full} cannot be caught (the kernel ends or stops the process without telling it), so it "
+                 "cannot stop a run with a checkpoint; use SIGTERM, SIGINT, SIGUSR1 or SIGUSR2")
+        if full in NOT_STOP_SIGNALS:
+            fail(f"{where}: {full} is raised by the process itself (a fault or a child's exit), not a request to stop; "
+                 "use SIGTERM, SIGINT, SIGUSR1 or SIGUSR2")
+        if full not in known:
+            fail(f"{where} is not a signal name{did_you_mean(full, known)}: use names such as SIGTERM, SIGINT, "
+                 "SIGUSR1 or SIGUSR2 (`kill -l` lists them)")
+        if signal.Signals[full] not in out:
+            out.append(signal.Signals[full])
+    return tuple(out)

@@ -10,6 +10,7 @@ launcher's entry point: it parses the command line, loads the config and hands i
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ if __package__ in (None, ""):  # run as a script by the deepspeed launcher
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmjp_ds.config import RunConfig, load_config  # noqa: E402
-from llmjp_ds.errors import run_main  # noqa: E402
+from llmjp_ds.errors import fail, run_main  # noqa: E402
 
 
 def parse_args(argv):
@@ -27,16 +28,23 @@ def parse_args(argv):
     p.add_argument("--preset", help="run preset: demo, llmjp3-1.8b, llmjp3-3.7b, llmjp3-13b, llmjp3-172b")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set optim.lr=1e-4 (repeatable)")
+    p.add_argument("--wait-for-run-dir", type=float, default=0.0, metavar="SECONDS",
+                   help="when another job still holds run_dir (a requeued job whose predecessor is finishing its "
+                        "last save), wait up to SECONDS for it to end instead of ending at once")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not (math.isfinite(args.wait_for_run_dir) and args.wait_for_run_dir >= 0):
+        fail(f"--wait-for-run-dir {args.wait_for_run_dir}: give the seconds to wait for the run directory, 0 or "
+             "more (0: refuse at once)")
+    return args
 
 
-def train(cfg: RunConfig) -> dict:
+def train(cfg: RunConfig, wait_for_run_dir: float = 0.0) -> dict:
     """Run the configured training; returns a summary (final step, last loss, run directory)."""
     from llmjp_ds.trainer import Trainer
 
     trainer = Trainer(cfg)
-    trainer.setup()
+    trainer.setup(wait_for_run_dir)
     return trainer.fit()
 
 
@@ -62,7 +70,7 @@ def cli_main(argv: list[str] | None, verb: str = "train") -> int:
         print(f"[llmjp-ds] {job.describe()}", flush=True)
     cfg = load_config(args.config, args.sets, args.preset)
     try:
-        summary = train(cfg)
+        summary = train(cfg, args.wait_for_run_dir)
     except BaseException as exc:
         from llmjp_ds.parallel.failure import end_on_error
 

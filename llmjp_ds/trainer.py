@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmjp_ds.config import RunConfig, model_config_of, sample_counts, seq_len_of
+from llmjp_ds.config import RunConfig, model_config_of, sample_counts, seq_len_of, stop_signals_of
 from llmjp_ds.errors import fail
 from llmjp_ds.validate import validate_run
 
@@ -50,15 +50,17 @@ class TrainState:
 
 
 class StopRequest:
-    """SIGTERM/SIGINT, or this rank's launcher gone (:mod:`llmjp_ds.parallel.launcher`: the DeepSpeed runner or
-    launch, torchrun's agent): finish the current step, save, exit 0. The first request counts; later signals
-    (a scheduler signals the whole process group, then DeepSpeed's launch forwards SIGTERM again) change
-    nothing. A timer ends the process if the save takes longer than the grace time (the checkpoint being written
-    is then simply not named by ``latest``)."""
+    """A stop signal (``checkpoint.stop_signals``, by default SIGTERM and SIGINT), or this rank's launcher gone
+    (:mod:`llmjp_ds.parallel.launcher`: the DeepSpeed runner or launch, torchrun's agent): finish the current
+    step, save, exit 0. The first request counts; later signals (a scheduler signals the whole process group,
+    then DeepSpeed's launch forwards SIGTERM again) change nothing. A timer ends the process if the save takes
+    longer than the grace time (the checkpoint being written is then simply not named by ``latest``).
+    ``on_request(reason)`` runs once, at the request (rank 0 records in the run directory that it is stopping)."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)  # the default of checkpoint.stop_signals
 
-    def __init__(self, grace_seconds: float, rank: int = 0, launchers: list = ()):
+    def __init__(self, grace_seconds: float, rank: int = 0, launchers: list = (), signals=SIGNALS,
+                 on_request=None):
         import atexit
 
         from llmjp_ds.parallel import launcher
@@ -67,8 +69,10 @@ class StopRequest:
         self.reason: str | None = None
         self.grace = grace_seconds
         self.rank = rank
+        self.signals = tuple(signals)
+        self._on_request = on_request
         self._lock = threading.RLock()  # the signal handler (main thread) and the launcher watcher (its thread)
-        for sig in self.SIGNALS:
+        for sig in self.signals:
             signal.signal(sig, self._handler)
         atexit.register(self._ignore_signals_at_exit)
         self.launcher_watch = launcher.watch(list(launchers), self._launcher_gone)
@@ -95,13 +99,15 @@ class StopRequest:
         timer = threading.Timer(self.grace, lambda: os._exit(143))
         timer.daemon = True
         timer.start()
+        if self._on_request is not None:
+            self._on_request(reason)
 
     def _ignore_signals_at_exit(self) -> None:
-        """At interpreter exit (the run saved and ended): ignore SIGTERM and SIGINT. CPython's finalization,
+        """At interpreter exit (the run saved and ended): ignore the stop signals. CPython's finalization,
         right after the atexit hooks, puts SIG_DFL back for every signal a Python handler holds (it leaves
         SIG_IGN alone), then tears the modules down, ~1 s with torch and DeepSpeed loaded: a second Ctrl-C or a
         launcher's forwarded SIGTERM in that second would end the process by the signal after its save."""
-        for sig in self.SIGNALS:
+        for sig in self.signals:
             if signal.getsignal(sig) == self._handler:
                 signal.signal(sig, signal.SIG_IGN)
 
@@ -168,8 +174,9 @@ class Trainer:
         runner.beat = self.watchdog.beat
         self.runner = with_drills(runner, self.precision)
 
-    def setup(self) -> None:
-        """Everything a training run needs, resumed from ``latest`` when the run directory has one."""
+    def setup(self, wait_for_run_dir: float = 0.0) -> None:
+        """Everything a training run needs, resumed from ``latest`` when the run directory has one
+        (``wait_for_run_dir``: seconds to wait for another job that still holds the run directory)."""
         from llmjp_ds import checkpoint
         from llmjp_ds.metrics import MetricsLogger, Throughput
         from llmjp_ds.model.flops import flops_per_token_for
@@ -181,12 +188,14 @@ class Trainer:
         checkpoint.check_resume(self.run_dir, self.model_config.to_dict(), cfg, self.layout)
         data = data_plan(cfg, self.model_config)
         # one owner per run directory, before anything is written there: rank 0 takes the lock, the other ranks
-        # refuse a directory that another job holds
+        # refuse a directory that another job holds (or wait for it to end)
         self.lock = checkpoint.RunDirLock(self.run_dir)
         if int(os.environ.get("RANK", "0")) == 0:
-            self.lock.acquire()
+            self.lock.acquire(wait_s=wait_for_run_dir)
         else:
-            self.lock.check_peer()
+            self.lock.check_peer(wait_s=wait_for_run_dir)
+        if self.lock.waited:  # the holder's last save came after the check above
+            checkpoint.check_resume(self.run_dir, self.model_config.to_dict(), cfg, self.layout)
         self.start()
         self.ctx.check_shared_dir(self.run_dir)  # before anything else is written there
         if self.ctx.rank == 0:
@@ -217,7 +226,8 @@ class Trainer:
         if reshaped:
             self.logger.event(self.state.step, "reshape", tag=tag, saved=reshaped.name, now=self.layout.name,
                               gradient_accumulation=self.gas)
-        self.stop = StopRequest(cfg.checkpoint.grace_seconds, self.ctx.rank, self.ctx.launchers)
+        self.stop = StopRequest(cfg.checkpoint.grace_seconds, self.ctx.rank, self.ctx.launchers, stop_signals_of(cfg),
+                                lambda reason: self.lock.mark_stopping(reason, cfg.checkpoint.grace_seconds))
         self.throughput = Throughput(flops_per_token_for(self.model_config, self.seq_len), self.tokens_per_step,
                                      self.layout.world)
         self.meta = checkpoint.CheckpointMeta.for_run(cfg, self.model_config, self.layout.data)
@@ -468,10 +478,13 @@ class Trainer:
             if self.ctx.rank == 0 and cfg.logging.progress:
                 print(format_log_line(step, cfg.train.steps, metrics), flush=True)
         stopping = self.ctx.any_rank(self.stop.requested)
+        if stopping and not self.stop.requested:  # another rank's signal: this one's grace timer and record too
+            self.stop.request("a stop request on another rank")
         if stopping or (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0):
             self.save(wait=stopping)
         else:
             self.commit_save(block=False)
         if stopping:
-            self.logger.event(step, "preempted", tag=checkpoint.tag_for(step, self.precision.rollbacks))
+            self.logger.event(step, "preempted", tag=checkpoint.tag_for(step, self.precision.rollbacks),
+                              reason=self.stop.reason)
         return stopping

@@ -10,7 +10,7 @@ import os
 import typing
 from pathlib import Path
 
-from llmjp_ds.config import RECOMPUTE_MODES, RunConfig, sequence_parallel_of
+from llmjp_ds.config import RECOMPUTE_MODES, RunConfig, sequence_parallel_of, stop_signals_of
 from llmjp_ds.errors import did_you_mean, fail
 from llmjp_ds.parallel.layout import Layout
 
@@ -29,6 +29,7 @@ def validate_run(cfg: RunConfig, world_size: int | None = None, gpus_per_node: i
     _check_parallel(cfg, layout, shape.num_layers)
     _check_data(cfg)
     _check_logging(cfg)
+    stop_signals_of(cfg)  # names that are signals a handler may catch
     from llmjp_ds.precision.recipes import AUTO, validate_phases
 
     validate_phases(cfg.precision, shape.num_layers)

@@ -6,6 +6,11 @@ pid, start time and the job's rendezvous address (``MASTER_ADDR:MASTER_PORT``, w
 The other ranks, which must see the same directory, only look: a lock held by a process of another job ends
 them too, so a second job's ranks on other nodes do not wait for a rendezvous that will never come. flock
 works across nodes on NFS (Linux emulates it with POSIX locks) and on Lustre mounted with ``-o flock``.
+
+A holder that is asked to stop (a stop signal; its save then has ``checkpoint.grace_seconds`` at most) writes
+``<run_dir>/.llmjp_ds.stopping`` (its owner record, the reason, when, the grace time; replaced atomically), so a
+relaunch refused meanwhile says how long to wait. ``--wait-for-run-dir SECONDS`` makes a relaunch poll for the
+lock instead of ending at once (:meth:`RunDirLock.acquire`, :meth:`RunDirLock.check_peer`).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import math
 import os
 import socket
 import time
@@ -22,6 +28,9 @@ from pathlib import Path
 from llmjp_ds.errors import fail
 
 LOCK = ".llmjp_ds.lock"
+STOPPING = ".llmjp_ds.stopping"
+POLL_S = 0.5  # how often a relaunch that waits for the run directory tries again
+SKEW_S = 10  # added to a suggested wait: the holder's clock (another node) may differ a little from ours
 
 
 def job_id() -> str | None:
@@ -45,11 +54,56 @@ def _holder(path: Path, tries: int = 20) -> dict:
     return info
 
 
-def _refuse(run_dir: Path, info: dict, what: str):
+def _stopping(run_dir: Path, info: dict) -> dict | None:
+    """The holder's stopping record, if the holder ``info`` wrote one (a stale one of an earlier owner: None)."""
+    try:
+        stop = json.loads((run_dir / STOPPING).read_text())
+    except (OSError, ValueError):
+        return None
+    same = all(stop.get(k) == info.get(k) for k in ("pid", "host", "token"))
+    return stop if same and isinstance(stop.get("at"), (int, float)) else None
+
+
+def _in_use(run_dir: Path, info: dict, what: str, waited: float = 0.0) -> tuple[str, int | None]:
+    """``run_dir ... is in use by another <what> (<holder>)``, and ``which is stopping (...)`` if the holder is;
+    with the seconds its save may still take (None: it is not stopping)."""
     who = (f"pid {info.get('pid', '?')} on {info.get('host', '?')}, started {info.get('started', '?')}"
            if info else "a process that left no record")
-    fail(f"run_dir {run_dir} is in use by another {what} ({who}): wait for it to end, stop it, or choose "
-         "another run_dir (two trainings must never share one)")
+    head = f"run_dir {run_dir} is in use by another {what} ({who})" + (f" (waited {waited:g} s)" if waited else "")
+    stop = _stopping(run_dir, info) if info else None
+    if stop is None:
+        return head, None
+    left = max(0, math.ceil(stop["at"] + float(stop.get("grace_seconds", 0)) - time.time()))
+    at = datetime.fromtimestamp(stop["at"]).strftime("%H:%M:%S")
+    return (f"{head}, which is stopping ({stop.get('reason', 'a stop request')} at {at}; its save has at most {left} "
+            "s left of checkpoint.grace_seconds)"), left
+
+
+def _refuse(run_dir: Path, info: dict, what: str, relaunch: bool = False, waited: float = 0.0):
+    """Fail naming the holder; ``relaunch``: the refused command is a training, whose relaunch can wait."""
+    head, left = _in_use(run_dir, info, what, waited)
+    if left is not None:
+        fail(f"{head}: " + (f"relaunch with --wait-for-run-dir {left + SKEW_S} to wait for it" if relaunch else
+                            "run this again once it has ended"))
+    wait = "wait for it to end (or relaunch with --wait-for-run-dir SECONDS)" if relaunch else "wait for it to end"
+    fail(f"{head}: {wait}, stop it, or choose another run_dir (two trainings must never share one)")
+
+
+def _tell_waiting(run_dir: Path, info: dict, what: str, wait_s: float) -> None:
+    """The one line a relaunch prints when it starts to wait for the run directory."""
+    rank = os.environ.get("RANK", "0")
+    print(f"[llmjp-ds] {'' if rank == '0' else f'[rank {rank}] '}{_in_use(run_dir, info, what)[0]}: waiting up to "
+          f"{wait_s:g} s for it to end (--wait-for-run-dir)", flush=True)
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as exc:
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise
+        return False
 
 
 class RunDirLock:
@@ -59,32 +113,61 @@ class RunDirLock:
         self.run_dir = Path(run_dir).resolve()
         self.path = self.run_dir / LOCK
         self._fd: int | None = None
+        self.record: dict = {}
+        self.waited = False  # it waited for another holder (whose last save may have moved `latest`)
 
-    def acquire(self, what: str = "training") -> "RunDirLock":
-        """Take the lock (creating the run directory) or fail with one line naming the holder."""
+    def acquire(self, what: str = "training", wait_s: float = 0.0) -> "RunDirLock":
+        """Take the lock (creating the run directory) or fail with one line naming the holder; ``wait_s``: while
+        another process holds it, try again every :data:`POLL_S` for up to that long first (saying so once)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise
-            _refuse(self.run_dir, _holder(self.path), what)
-        record = {"host": socket.gethostname(), "pid": os.getpid(), "job": job_id(), "what": what,
-                  "started": datetime.now(timezone.utc).astimezone().isoformat(timespec="seconds")}
+        deadline, told = time.monotonic() + wait_s, False
+        while not _try_lock(fd):
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                _refuse(self.run_dir, _holder(self.path), what, relaunch=what == "training", waited=wait_s)
+            if not told:
+                _tell_waiting(self.run_dir, _holder(self.path), what, wait_s)
+                told = self.waited = True
+            time.sleep(POLL_S)
+        # token: tells this owner's stopping record from an earlier owner's with the same pid and second
+        self.record = {"host": socket.gethostname(), "pid": os.getpid(), "job": job_id(), "what": what,
+                       "started": datetime.now(timezone.utc).astimezone().isoformat(timespec="seconds"),
+                       "token": os.urandom(8).hex()}
         os.ftruncate(fd, 0)  # in place: replacing the file would give the next process another inode to lock
-        os.pwrite(fd, json.dumps(record).encode(), 0)
+        os.pwrite(fd, json.dumps(self.record).encode(), 0)
         os.fsync(fd)
         self._fd = fd
+        (self.run_dir / STOPPING).unlink(missing_ok=True)  # an earlier owner's, read by nobody now
         return self
 
-    def check_peer(self) -> None:
+    def check_peer(self, wait_s: float = 0.0) -> None:
         """On a rank other than 0: fail if the run directory is held by a process of another job (free, it is
-        this job's rank 0 that takes it next)."""
-        info = _held_by(self.path)
-        if info is not None and (info.get("job") is None or info.get("job") != job_id()):
-            _refuse(self.run_dir, info, info.get("what", "training"))
+        this job's rank 0 that takes it next); ``wait_s``: wait for that process to end first, as :meth:`acquire`."""
+        deadline, told = time.monotonic() + wait_s, False
+        while True:
+            info = _held_by(self.path)
+            if info is None or (info.get("job") is not None and info.get("job") == job_id()):
+                return
+            if time.monotonic() >= deadline:
+                _refuse(self.run_dir, info, info.get("what", "training"), relaunch=True, waited=wait_s)
+            if not told:
+                _tell_waiting(self.run_dir, info, info.get("what", "training"), wait_s)
+                told = self.waited = True
+            time.sleep(POLL_S)
+
+    def mark_stopping(self, reason: str, grace_seconds: float) -> None:
+        """Record that this holder is stopping (``reason``: the signal, or which launcher is gone), so a relaunch
+        refused meanwhile names it and the time its save may still take. Never fails the stop itself."""
+        if self._fd is None:
+            return
+        record = {**self.record, "reason": reason, "at": time.time(), "grace_seconds": grace_seconds}
+        tmp = self.run_dir / f"{STOPPING}.{os.getpid()}.tmp"
+        try:
+            tmp.write_text(json.dumps(record))
+            os.replace(tmp, self.run_dir / STOPPING)  # whole or absent for a reader, on every node
+        except OSError:
+            pass
 
     def release(self) -> None:
         if self._fd is not None:

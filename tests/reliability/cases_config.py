@@ -1,4 +1,4 @@
-"""Bad inputs of the catalogue, config: every numeric and path field, config files."""
+"""Bad inputs of the catalogue, config: every numeric and path field, stop signals, config files."""
 
 from __future__ import annotations
 
@@ -39,6 +39,15 @@ CASES: list[Case] = [
          ("model.overrides.rope_theta must be a positive float, got -1.0",)),
     Case("blend-weight-negative", T("data.blend=[-1, {tmp}/good_text_document]"),
          ("data.blend[0] must be >= 0 (a corpus weight), got -1",)),
+    # --- stop signals: names of signals a handler can catch; the relaunch's wait ----------------------------
+    Case("stop-signals-unknown", T("checkpoint.stop_signals=[SIGTERM, SIGUSR3]"),
+         ("checkpoint.stop_signals[1] 'SIGUSR3' is not a signal name (did you mean 'SIGUSR2'?)",)),
+    Case("stop-signals-uncatchable", T("checkpoint.stop_signals=[SIGTERM, KILL]"),
+         ("checkpoint.stop_signals[1] 'KILL': SIGKILL cannot be caught", "use SIGTERM, SIGINT, SIGUSR1 or SIGUSR2")),
+    Case("stop-signals-empty", T("checkpoint.stop_signals=[]"),
+         ("checkpoint.stop_signals is empty", "list at least SIGTERM")),
+    Case("wait-for-run-dir-negative", lambda c: [*T()(c), "--wait-for-run-dir", "-5"],
+         ("--wait-for-run-dir -5.0: give the seconds to wait for the run directory, 0 or more",)),
     # --- run_dir: a directory of its own -----------------------------------------------------------------
     Case("run-dir-empty", T(*LATER, run=""), ("run_dir is empty (''): give the run a directory of its own",)),
     Case("run-dir-root", T(*LATER, run="/"), ("run_dir / is the filesystem root", "give it a directory of its own")),

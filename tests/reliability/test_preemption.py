@@ -1,6 +1,7 @@
 """Preemption: SIGTERM and SIGINT finish the step, save, exit 0 within ``checkpoint.grace_seconds``; the resumed
 run continues exactly; a second SIGINT while the process ends changes nothing. A save that overruns the grace time
-is cut off (exit 143) and leaves ``latest`` alone."""
+is cut off (exit 143) and leaves ``latest`` alone. A signal named in ``checkpoint.stop_signals`` (SIGUSR1, as
+Slurm's ``--signal=USR1@120`` sends it) does the same, and one that is not named keeps its default action."""
 
 from __future__ import annotations
 
@@ -58,4 +59,31 @@ def test_sigterm_and_sigint_twice_save_once_exit_0_and_resume_exactly(baseline, 
 
     final = run_train(run_dir, SETS)
     check_ok(final)
+    assert loss_trail(run_dir) == expected
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sigusr1_as_a_stop_signal_saves_once_exits_0_and_resumes_exactly(baseline, tmp_path):
+    """With ``checkpoint.stop_signals=[SIGTERM, USR1]`` SIGUSR1 finishes the step, saves there, logs one
+    ``preempted`` event naming SIGUSR1 and exits 0; under the default stop signals SIGUSR1 ends the process by
+    its default action (exit -10), saving nothing; the relaunch logs exactly the uninterrupted run's losses."""
+    _, expected = baseline
+    run_dir = tmp_path / "run"
+    proc = Proc(train_argv(run_dir, [*SETS, "checkpoint.stop_signals=[SIGTERM, USR1]"]))
+    assert wait_for(lambda: proc.steps_done() >= 3, proc), proc.output()[-3000:]
+    proc.signal(signal.SIGUSR1)
+    assert proc.wait(GRACE + 30) == 0, proc.output()[-3000:]
+    tag = assert_latest_complete(run_dir)
+    assert tag is not None and tag_step(tag) >= 3 and tag_step(tag) == max(loss_trail(run_dir)), tag
+    (stop,) = events(run_dir, "preempted")
+    assert (stop["step"], stop["tag"], stop["reason"]) == (tag_step(tag), tag, "SIGUSR1")
+
+    proc = Proc(train_argv(run_dir, SETS))
+    assert wait_for(lambda: proc.steps_done() >= tag_step(tag) + 2, proc), proc.output()[-3000:]
+    proc.signal(signal.SIGUSR1)
+    assert proc.wait(60) == -signal.SIGUSR1, proc.output()[-3000:]
+    assert latest_of(run_dir) == tag and len(events(run_dir, "preempted")) == 1
+
+    check_ok(run_train(run_dir, SETS))
     assert loss_trail(run_dir) == expected

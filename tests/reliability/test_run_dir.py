@@ -1,16 +1,19 @@
 """A run directory keeps its files whatever happens to it: one owner at a time (an flock, released by any exit,
-kill -9 included), a resume that verifies a checkpoint against its manifest and falls back to the newest intact
-one, exactly, and pruning that never deletes through a link. Real CLI subprocesses on the tiny fp32 run.
+kill -9 included; a relaunch refused while the owner is stopping says so, and ``--wait-for-run-dir`` waits for
+it), a resume that verifies a checkpoint against its manifest and falls back to the newest intact one, exactly,
+and pruning that never deletes through a link. Real CLI subprocesses on the tiny fp32 run.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -78,6 +81,92 @@ def test_a_run_directory_has_one_owner(bundled, tmp_path):
     after = run_train(run_dir, [*TINY, "train.steps=2", "checkpoint.interval=0"], timeout=180)
     check_ok(after)
     assert json.loads((run_dir / ".llmjp_ds.lock").read_text())["pid"] != first.p.pid
+
+
+# each file of the holder's last save waits this long: the window in which it is stopping but still holds the lock
+SLOW_SAVE_S = 8
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_relaunch_waits_for_a_holder_that_is_stopping(bundled, tmp_path):
+    """The holder got SIGTERM and is writing its last checkpoint (slowed): a relaunch with ``--wait-for-run-dir
+    120`` says once that it waits, for whom and why; one without it ends at once with one line saying the holder
+    is stopping, since when and how long its save may still take; the holder saves and exits 0, and the waiting
+    relaunch then starts and resumes from that checkpoint to the end."""
+    run_dir = tmp_path / "run"
+    sets = [*DRILL, "checkpoint.interval=0", "checkpoint.grace_seconds=60"]
+    holder = Proc(train_argv(run_dir, sets), env=subprocess_env(LLMJP_DS_DRILL_SLOW_WRITE_S=str(SLOW_SAVE_S)))
+    waiter = None
+    try:
+        assert wait_for(lambda: holder.steps_done() >= 3, holder), holder.output()[-3000:]
+        holder.signal(signal.SIGTERM)
+        assert wait_for((run_dir / ".llmjp_ds.stopping").is_file, holder, timeout=30), holder.output()[-3000:]
+        waiter = Proc([*train_argv(run_dir, sets), "--wait-for-run-dir", "120"])
+        assert wait_for(lambda: "(--wait-for-run-dir)" in waiter.output(), waiter, timeout=60), waiter.output()
+        refused = run_train(run_dir, sets, timeout=60)
+        assert holder.alive(), f"the holder ended before the refusal: raise SLOW_SAVE_S\n{refused.stderr}"
+        holder_is = f"is in use by another training (pid {holder.p.pid} on {socket.gethostname()}, started "
+        lines = refused.stderr.strip().splitlines()
+        assert refused.returncode != 0 and len(lines) == 1, refused.stderr[-3000:]
+        assert holder_is in lines[0] and ", which is stopping (SIGTERM at " in lines[0], lines[0]
+        left = re.search(r"its save has at most (\d+) s left of checkpoint.grace_seconds\): relaunch with "
+                         r"--wait-for-run-dir (\d+) to wait for it$", lines[0])
+        assert left and 0 < int(left[1]) <= 60 and int(left[2]) == int(left[1]) + 10, lines[0]
+        assert holder.wait(60) == 0, holder.output()[-3000:]
+        saved = latest_of(run_dir)
+        assert waiter.wait(120) == 0, waiter.output()[-3000:]
+    finally:
+        holder.kill()
+        if waiter is not None:
+            waiter.kill()
+    (told,) = [line for line in waiter.lines if "(--wait-for-run-dir)" in line]
+    assert told.startswith(f"[llmjp-ds] run_dir {run_dir} {holder_is}") and "which is stopping (SIGTERM at " in told
+    assert told.rstrip().endswith("waiting up to 120 s for it to end (--wait-for-run-dir)"), told
+    (stop,) = events(run_dir, "preempted")
+    (resume,) = events(run_dir, "resume")  # the waiter's start, from the checkpoint the holder saved as it ended
+    assert saved == stop["tag"] == resume["tag"] and resume["step"] == stop["step"] >= 3
+    assert latest_of(run_dir) == f"step{DRILL_STEPS:08d}"
+
+
+def test_a_wait_for_the_run_dir_ends_with_the_holder_or_times_out(tmp_path, monkeypatch, capsys):
+    """In-process: ``acquire(wait_s)`` takes the lock once its holder releases it, after one line saying it
+    waits; a holder that outlasts the wait gets today's refusal with ``(waited N s)``; a rank of another job
+    (``check_peer``) waits the same way; a stopping record of an earlier owner is not read as this one's."""
+    from llmjp_ds.checkpoint.lock import STOPPING, RunDirLock
+    from llmjp_ds.errors import UserError
+
+    first = RunDirLock(tmp_path / "r").acquire()
+    with pytest.raises(UserError, match=r"started [^)]*\) \(waited 0.6 s\): wait for it to end \(or relaunch with "
+                                        r"--wait-for-run-dir SECONDS\)"):
+        RunDirLock(tmp_path / "r").acquire(wait_s=0.6)
+    assert capsys.readouterr().out.count("waiting up to 0.6 s for it to end (--wait-for-run-dir)") == 1
+    threading.Timer(0.6, first.release).start()
+    t0 = time.monotonic()
+    second = RunDirLock(tmp_path / "r").acquire(wait_s=30)
+    assert second.held and second.waited and time.monotonic() - t0 < 10
+    # a rank of another job (its rendezvous named) waits while this process holds the directory
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    threading.Timer(0.6, second.release).start()
+    peer = RunDirLock(tmp_path / "r")
+    peer.check_peer(wait_s=30)
+    assert peer.waited
+    # a stopping record is read only while its writer holds the directory
+    third = RunDirLock(tmp_path / "r").acquire()
+    third.mark_stopping("SIGUSR1", 600)
+    with pytest.raises(UserError, match=r"which is stopping \(SIGUSR1 at \d\d:\d\d:\d\d; its save has at most 600 s "):
+        RunDirLock(tmp_path / "r").acquire()
+    record = (tmp_path / "r" / STOPPING).read_text()
+    third.release()
+    fourth = RunDirLock(tmp_path / "r").acquire()
+    assert not (tmp_path / "r" / STOPPING).exists()  # the new owner removed the earlier one's record
+    (tmp_path / "r" / STOPPING).write_text(record)
+    with pytest.raises(UserError) as info:
+        RunDirLock(tmp_path / "r").acquire()
+    assert "stopping" not in str(info.value)
+    fourth.release()
 
 
 def _trail_matches(run_dir: Path, baseline_trail: dict, since: int) -> None:

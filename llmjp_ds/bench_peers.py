@@ -73,6 +73,7 @@ def hf_peer(cfg, trainer):
     import deepspeed
     import transformers
 
+    from llmjp_ds.model.torch_layers import attention_backends
     from llmjp_ds.optim import build_optimizer, schedule_lr, set_lr
     from llmjp_ds.parallel.context import ParallelContext
     from llmjp_ds.parallel.ds_config import build_ds_config
@@ -89,7 +90,8 @@ def hf_peer(cfg, trainer):
             self.lm = transformers.LlamaForCausalLM(config)
 
         def forward(self, input_ids, shift_labels):
-            return _outputs(self.lm(input_ids=input_ids, labels=input_ids).loss)
+            with attention_backends(input_ids.device, self.lm.dtype):  # transformers' sdpa: our model's backends
+                return _outputs(self.lm(input_ids=input_ids, labels=input_ids).loss)
 
     with ctx.device:
         model = PeerLM()

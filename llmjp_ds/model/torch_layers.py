@@ -175,8 +175,23 @@ def sdpa(q, k, v, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     if rep > 1:
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
+    with attention_backends(q.device, q.dtype):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
     return out.transpose(1, 2)
+
+
+def attention_backends(device: torch.device, dtype: torch.dtype):
+    """``F.scaled_dot_product_attention``'s backends: every one, except on a CPU under
+    ``ATEN_CPU_CAPABILITY=default`` in 16 bits, where torch's (2.13) flash attention still packs its operands for
+    AVX512 and fails (``pack_vnni2 is only supported when avx512 is supported``): there the math backend runs."""
+    import contextlib
+
+    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and \
+            torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel([SDPBackend.MATH])
+    return contextlib.nullcontext()
 
 
 def rotate_half(x):

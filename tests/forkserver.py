@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -272,6 +273,7 @@ def start(root: Path, env: dict) -> tuple[subprocess.Popen, str]:
 
 
 _server: tuple[subprocess.Popen, str, Path] | None = None
+_starting = threading.Lock()  # the bad-input catalogue starts commands from two threads
 
 
 def _stop() -> None:
@@ -287,9 +289,14 @@ def _stop() -> None:
 def server_path() -> str | None:
     """The socket of this session's server, started on first use; None when ``$LLMJP_DS_TEST_FORKSERVER`` is 0
     (every command a fresh interpreter)."""
-    global _server
     if os.environ.get(ENV, "1") == "0":
         return None
+    with _starting:
+        return _server_path()
+
+
+def _server_path() -> str:
+    global _server
     if _server is None or _server[0].poll() is not None:
         root = Path(tempfile.mkdtemp(prefix="llmjp-ds-forkserver-"))
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

@@ -72,13 +72,17 @@ def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor, z_loss_coeff: fl
     return LossParts(*_loss_terms(logits, targets, z_loss_coeff))
 
 
+# ATen's CPU capability -> the vector width (bits) of the compiled loss's kernels (1: scalar)
+SIMD_BITS = {"DEFAULT": 1, "AVX2": 256, "AVX512": 512}
+
+
 def _compile_options(logits: torch.Tensor) -> dict:
-    """Inductor vectorises CPU code for the processor's ISA, but ATen's vector headers follow
-    ``ATEN_CPU_CAPABILITY``: under ``default`` (no vector ISA) the reductions it generates for this loss do not
-    compile (torch 2.13), so there the kernel is scalar, as ATen's own."""
-    if logits.device.type == "cpu" and torch.backends.cpu.get_cpu_capability() == "DEFAULT":
-        return {"cpp.simdlen": 1}
-    return {}
+    """Inductor's CPU kernels at the vector width of ATen's capability (``ATEN_CPU_CAPABILITY``). Left to itself
+    (torch 2.13) it vectorised for the processor while ATen's vector headers followed the capability: under
+    ``default`` the loss's reductions did not compile, and since its cache key does not hold the capability, an
+    AVX512 kernel built earlier was loaded under ``avx2`` and crashed the process."""
+    bits = SIMD_BITS.get(torch.backends.cpu.get_cpu_capability()) if logits.device.type == "cpu" else None
+    return {"cpp.simdlen": bits} if bits else {}
 
 
 class CausalLMLoss:

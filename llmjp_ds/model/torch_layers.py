@@ -181,13 +181,14 @@ def sdpa(q, k, v, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
 
 
 def attention_backends(device: torch.device, dtype: torch.dtype):
-    """``F.scaled_dot_product_attention``'s backends: every one, except on a CPU under
-    ``ATEN_CPU_CAPABILITY=default`` in 16 bits, where torch's (2.13) flash attention still packs its operands for
-    AVX512 and fails (``pack_vnni2 is only supported when avx512 is supported``): there the math backend runs."""
+    """``F.scaled_dot_product_attention``'s backends: every one, except on a CPU under an ATen capability below
+    AVX512 (``ATEN_CPU_CAPABILITY=default`` or ``avx2``) in 16 bits, where torch's (2.13) flash attention still
+    packs its operands for the processor's AVX512 and fails (``pack_vnni2 is only supported when avx512 is
+    supported``): there the math backend runs."""
     import contextlib
 
     if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and \
-            torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+            torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "AVX2"):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         return sdpa_kernel([SDPBackend.MATH])

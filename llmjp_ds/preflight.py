@@ -222,7 +222,8 @@ def interval_line(interval: int, node_gib: float, disk_gbps: float, step_s: floa
     if step_s is None:
         return (f"a save writes ~{write_s:.0f} s at {disk_gbps:g} GB/s: keep checkpoint.interval above {write_s:.0f} s "
                 "of steps (pass --step-seconds for the count)")
-    if interval and interval < smallest_interval(write_s, step_s):
+    needed = smallest_interval(write_s, step_s)
+    if interval and interval < needed:
         return "warning: " + interval_advice(node_gib, write_s, interval, step_s)
     return (f"a save writes ~{write_s:.0f} s at {disk_gbps:g} GB/s; checkpoint.interval={interval} leaves it "
-            f"{interval * step_s:.0f} s (it needs at least {smallest_interval(write_s, step_s)} steps)")
+            f"{interval * step_s:.0f} s (it needs at least {needed} steps)")

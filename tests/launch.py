@@ -51,14 +51,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun(nproc: int, port: int | str) -> list[str]:
+    """``python -m torch.distributed.run`` starting ``nproc`` workers on this machine, its store on ``port``."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}"]
+
+
 def train_argv(run_dir, sets=(), *more: str, nproc: int = 1, port: int | str | None = None) -> list[str]:
     """The command that trains into ``run_dir`` with ``--set`` values ``sets`` then ``more`` (``nproc`` > 1:
     through torchrun, on ``port``)."""
     if nproc == 1:
         argv = [sys.executable, "-m", "llmjp_ds.train"]
     else:
-        argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                f"--master_port={port or free_port()}", "-m", "llmjp_ds.train"]
+        argv = [*torchrun(nproc, port or free_port()), "-m", "llmjp_ds.train"]
     for value in (f"run_dir={run_dir}", *sets, *more):
         argv += ["--set", value]
     return argv
@@ -121,8 +125,7 @@ def start_ranks(cmd: list[str], nproc: int, port: int, *, env: dict, stdout, std
     without the fork server, through torchrun itself."""
     if forkserver.server_path() is not None:
         return forkserver.Ranks(cmd, nproc, port, env=env, stdout=stdout, stderr=stderr)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}"]
-    return forkserver.popen([*torchrun, *cmd[1:]], env=env, stdout=stdout, stderr=stderr)
+    return forkserver.popen([*torchrun(nproc, port), *cmd[1:]], env=env, stdout=stdout, stderr=stderr)
 
 
 def run_command(cmd: list[str], log_prefix: Path, *, env: dict | None = None, timeout: float = CLI_TIMEOUT,

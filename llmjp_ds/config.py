@@ -184,6 +184,13 @@ class ParallelConfig:
     # any phase of a 172B step, including a checkpoint save of its ~2.6 TB of state
     stall_timeout_s: float = field(default=1200.0, metadata=above(
         0, "seconds without progress before a stalled job ends"))
+    # a rank that cannot reach the rendezvous, or ranks that never join it, end the job after this long
+    rendezvous_timeout_s: float = field(default=60.0, metadata=above(
+        0, "seconds for every rank to reach the rendezvous"))
+    # over several hosts: a rank (or the rendezvous store) silent this long ends the job, naming its host
+    # (parallel/rendezvous.py); 0 turns the heartbeat off
+    heartbeat_timeout_s: float = field(default=30.0, metadata=at_least(
+        0, "seconds of silence before a host counts as lost (0: no heartbeat)"))
 
 
 @dataclass

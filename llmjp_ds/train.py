@@ -56,6 +56,9 @@ def shutdown(clean: bool = True) -> None:
 
     if dist.is_available() and dist.is_initialized():
         if clean:
+            from llmjp_ds.parallel.rendezvous import stop_heartbeat
+
+            stop_heartbeat()  # before the barrier: no rank ends while another still watches it
             dist.barrier()
         dist.destroy_process_group()
 

@@ -140,7 +140,7 @@ class Trainer:
         from llmjp_ds.config import sequence_parallel_of
 
         if self.ctx is None:
-            self.ctx = ParallelContext.start(self.layout, sequence_parallel_of(self.cfg))
+            self.ctx = ParallelContext.start(self.layout, sequence_parallel_of(self.cfg), self.cfg.parallel)
 
     def build_engine(self, model=None) -> None:
         """Build the model (or take ``model``), DeepSpeed's engine and the step runner (starting the process group

@@ -16,6 +16,7 @@ import secrets
 import socket
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -27,11 +28,13 @@ from llmjp_ds.parallel.layout import Layout
 SHARED_TOKEN = ".llmjp_ds_shared"
 
 
-def init_distributed() -> list:
-    """Start torch.distributed through DeepSpeed (NCCL on CUDA, gloo on CPU); a lone process gets defaults.
+def init_distributed(rendezvous_timeout_s: float = 60.0, heartbeat_timeout_s: float = 30.0) -> list:
+    """Start torch.distributed (NCCL on CUDA, gloo on CPU); a lone process gets defaults.
 
     Returns this rank's launchers, to notice them gone (:mod:`llmjp_ds.parallel.launcher`), and turns a
-    rendezvous port in use into one line naming the port, its holder and how to choose another."""
+    rendezvous port in use into one line naming the port, its holder and how to choose another. Several ranks
+    meet through :mod:`llmjp_ds.parallel.rendezvous` (bounded by ``rendezvous_timeout_s``), which also starts the
+    heartbeat over several hosts (``heartbeat_timeout_s``; 0: none)."""
     import deepspeed
     import torch.distributed as dist
 
@@ -49,19 +52,54 @@ def init_distributed() -> list:
         os.environ.setdefault(key, default)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent serves the store
     # rank 0 serves the rendezvous store on MASTER_PORT (under torchrun its agent does, and holds the port)
-    serves_store = (os.environ["RANK"] == "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-                    and not dist.is_initialized())  # started already: DeepSpeed returns at once
+    serves_store = rank == 0 and not agent_store and not dist.is_initialized()  # started already: nothing to do
     if serves_store and not launcher.check_port_free(port):
         fail(launcher.port_in_use_message(addr, port))  # before torch logs its own lines about it
     try:
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+        if world > 1 and not dist.is_initialized():
+            _meet(backend, rank, world, addr, port, agent_store, rendezvous_timeout_s, heartbeat_timeout_s)
+        deepspeed.init_distributed(dist_backend=backend)
     except Exception as exc:
         if serves_store and launcher.is_address_in_use(exc):  # taken between the check and the store's bind
             fail(launcher.port_in_use_message(addr, port))
         raise
     return launchers
+
+
+def _meet(backend: str, rank: int, world: int, addr: str, port: int, agent_store: bool, rendezvous_timeout_s: float,
+          heartbeat_timeout_s: float) -> None:
+    """The rendezvous of ``world`` ranks (:mod:`llmjp_ds.parallel.rendezvous`), the socket interface of the
+    master's host, the process group, then the heartbeat."""
+    import torch.distributed as dist
+    from deepspeed.constants import default_pg_timeout
+
+    from llmjp_ds.parallel import rendezvous, scheduler
+
+    namespace = ""
+    if agent_store:  # torchrun's agents met already; a restart of the workers meets in a namespace of its own
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
+                                timeout=default_pg_timeout)
+        store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=rendezvous_timeout_s),
+                              wait_for_workers=False)
+        namespace = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/"
+    else:
+        store = rendezvous.open_store(rank, world, addr, port, rendezvous_timeout_s)
+    members = rendezvous.join(store, rank, world, addr, port, rendezvous_timeout_s, namespace)
+    if not agent_store:
+        others = [m.addr for m in members if m.host != socket.gethostname()]
+        if others:  # several hosts: the master's host learns the route to another one only now
+            scheduler.set_socket_interface_to(addr, port, others)
+        store.set_timeout(default_pg_timeout)
+        kwargs = {"device_id": torch.device("cuda", int(os.environ["LOCAL_RANK"]))} if backend == "nccl" else {}
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=default_pg_timeout,
+                                **kwargs)
+    rendezvous.start_heartbeat(addr, port, rank, int(os.environ["LOCAL_RANK"]), members, heartbeat_timeout_s,
+                               namespace)
 
 
 @dataclass
@@ -78,10 +116,14 @@ class ParallelContext:
     launchers: list = field(default_factory=list)  # the processes that launched this rank (parallel.launcher)
 
     @classmethod
-    def start(cls, layout: Layout, sequence_parallel: bool = False) -> "ParallelContext":
+    def start(cls, layout: Layout, sequence_parallel: bool = False, parallel=None) -> "ParallelContext":
+        """The process groups of ``layout`` (``parallel``: the config's ParallelConfig, for its rendezvous and
+        heartbeat timeouts; None: their defaults)."""
         import torch.distributed as dist
 
-        launchers = init_distributed()
+        timeouts = {} if parallel is None else {"rendezvous_timeout_s": parallel.rendezvous_timeout_s,
+                                                "heartbeat_timeout_s": parallel.heartbeat_timeout_s}
+        launchers = init_distributed(**timeouts)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         ctx = cls(layout=layout, rank=dist.get_rank(), device=device, dp_rank=dist.get_rank(),
                   dp_size=dist.get_world_size(), launchers=launchers)

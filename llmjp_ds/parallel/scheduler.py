@@ -368,8 +368,16 @@ def set_socket_interface(job: JobEnv, environ: MutableMapping[str, str] = os.env
     :func:`choose_interface`; returns it (None: one node, or no interface found; nothing changed)."""
     if job.num_nodes <= 1 or not job.master_addr or job.master_port is None:
         return None
-    name = choose_interface(job.master_addr, job.master_port, [n for n in job.nodes if n != job.master_addr],
-                            environ)
+    return set_socket_interface_to(job.master_addr, job.master_port,
+                                   [n for n in job.nodes if n != job.master_addr], environ)
+
+
+def set_socket_interface_to(master_addr: str, port: int, others, environ: MutableMapping[str, str] = os.environ
+                            ) -> str | None:
+    """GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME, where unset, name the interface :func:`choose_interface` finds
+    towards the master or ``others`` (hosts of the job); after the rendezvous ``others`` are the other hosts'
+    addresses, which the master's host needs when the launcher named no hosts (the deepspeed launcher)."""
+    name = choose_interface(master_addr, port, others, environ)
     for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         if name and not _get(environ, key):
             environ[key] = name

@@ -1,0 +1,289 @@
+"""Hosts made of network namespaces on this machine, each with its own address, name and sshd, and a real Slurm
+on them: what the multi-host tests launch across.
+
+:class:`NetHosts` makes ``n`` hosts ``node1 .. nodeN`` joined by a bridge in a namespace of its own, on a
+random 10.x.y.0/24 that exists only inside those namespaces (nothing is sent anywhere else). Each host has:
+
+* a network namespace (``ip netns``) with ``eth0`` on the bridge;
+* its own host name and its own /etc/hosts and /etc/ssh, bound over the machine's in a mount namespace of its
+  processes (``nsenter --net``, then ``unshare --mount --uts``; not ``ip netns exec``, whose fresh /sys hides
+  the cgroup filesystem that slurmd needs): ``hosts`` maps the host's own name to 127.0.1.1 as Debian writes
+  it, the others' names to their addresses; ``ssh_config`` has the key this fixture made, no host-key prompts,
+  and ``ServerAliveInterval`` 5 (docs/multi-gpu.md: how a dead host's ssh ends);
+* an sshd listening inside it, which accepts that key for root.
+
+:class:`Slurm` runs munged (its socket in the fixture's directory), a slurmctld on the first host and a slurmd
+on each, from a generated slurm.conf (``ProctrackType=proctrack/linuxproc``, ``TaskPlugin=task/none``).
+
+Everything is removed afterwards: the processes inside the namespaces (by namespace), the daemons (by the pids in
+their pid files), the namespaces. Nothing is written outside the fixture's directory but sshd's /run/sshd. Without root, ``ip netns`` or the tools, the
+tests skip with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+SSHD = "/usr/sbin/sshd"
+PACKAGES = {"ip": "iproute2", SSHD: "openssh-server", "ssh": "openssh-client", "pdsh": "pdsh",
+            "mpirun": "openmpi-bin", "slurmctld": "slurmctld", "slurmd": "slurmd", "sbatch": "slurm-client",
+            "munged": "munge", "unshare": "util-linux"}
+
+
+def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, check=check, timeout=60)
+
+
+def missing(*tools: str) -> str | None:
+    """Why the multi-host tests cannot run here (None: they can)."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, sshd)"
+    absent = [t for t in ("ip", "unshare", *tools) if shutil.which(t) is None and not Path(t).is_file()]
+    if absent:
+        return "not installed: " + ", ".join(f"{t} (Debian's {PACKAGES.get(t, t)})" for t in absent)
+    probe = f"ljprobe{os.getpid()}"
+    made = _sh("ip", "netns", "add", probe, check=False)
+    if made.returncode != 0:
+        return f"network namespaces are not available here ({made.stderr.strip()[:120]})"
+    _sh("ip", "netns", "del", probe, check=False)
+    return None
+
+
+class NetHosts:
+    """``n`` hosts of network namespaces with sshd; see the module docstring. A context manager."""
+
+    def __init__(self, n: int, root: Path):
+        self.root = Path(root)
+        self.tag = f"lj{random.randrange(16 ** 6):06x}"
+        self.subnet = f"10.{random.randint(100, 250)}.{random.randint(0, 255)}"
+        self.names = [f"node{i + 1}" for i in range(n)]
+        self.addr = {name: f"{self.subnet}.{i + 1}" for i, name in enumerate(self.names)}
+        self.ns = {name: f"{self.tag}-{name}" for name in self.names}
+        self.veth = {name: f"{self.tag}v{i + 1}" for i, name in enumerate(self.names)}
+        self.switch = f"{self.tag}-sw"
+        self.key = self.root / "id_ed25519"
+        self.sshd_pids: dict[str, int] = {}
+
+    # --- making and removing ------------------------------------------------------------------------------
+    def __enter__(self) -> "NetHosts":
+        try:
+            self._make()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _make(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.key))
+        _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.root / "host_key"))
+        shutil.copy(f"{self.key}.pub", self.root / "authorized_keys")
+        Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege separation directory
+        _sh("ip", "netns", "add", self.switch)
+        _sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _sh("ip", "-n", self.switch, "link", "set", "br0", "up")
+        for name in self.names:
+            ns, veth = self.ns[name], self.veth[name]
+            _sh("ip", "netns", "add", ns)
+            _sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _sh("ip", "link", "set", veth, "netns", self.switch)
+            _sh("ip", "-n", self.switch, "link", "set", veth, "master", "br0")
+            _sh("ip", "-n", self.switch, "link", "set", veth, "up")
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+            _sh("ip", "-n", ns, "addr", "add", f"{self.addr[name]}/24", "dev", "eth0")
+            _sh("ip", "-n", ns, "link", "set", "eth0", "up")
+            self._write_etc(name)
+            self._start_sshd(name)
+        for name in self.names:
+            self._wait_for_port(self.names[0], self.addr[name], 22)
+
+    def _write_etc(self, name: str) -> None:
+        etc = self.etc(name)
+        (etc / "ssh").mkdir(parents=True, exist_ok=True)
+        lines = ["127.0.0.1 localhost", f"127.0.1.1 {name}"]
+        lines += [f"{self.addr[other]} {other}" for other in self.names if other != name]
+        (etc / "hosts").write_text("\n".join(lines) + "\n")
+        (etc / "ssh" / "ssh_config").write_text(
+            f"Host *\n  IdentityFile {self.key}\n  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n"
+            "  LogLevel ERROR\n  BatchMode yes\n  ConnectTimeout 10\n  ServerAliveInterval 5\n"
+            "  ServerAliveCountMax 3\n")
+
+    def _start_sshd(self, name: str) -> None:
+        conf = self.root / f"sshd_{name}.conf"
+        pidfile = self.root / f"sshd_{name}.pid"
+        conf.write_text(f"ListenAddress 0.0.0.0\nHostKey {self.root / 'host_key'}\nPermitRootLogin yes\n"
+                        f"AuthorizedKeysFile {self.root / 'authorized_keys'}\nStrictModes no\nUsePAM no\n"
+                        f"PidFile {pidfile}\nPrintMotd no\nAcceptEnv *\n")
+        self.run(name, [SSHD, "-f", str(conf), "-E", str(self.root / f"sshd_{name}.log")], check=True)
+        deadline = time.monotonic() + 10
+        while not pidfile.is_file() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.sshd_pids[name] = int(pidfile.read_text())
+
+    def _wait_for_port(self, from_host: str, addr: str, port: int, timeout: float = 10) -> None:
+        probe = f"import socket; socket.create_connection(('{addr}', {port}), timeout=1).close()"
+        deadline = time.monotonic() + timeout
+        while self.run(from_host, ["python3", "-c", probe]).returncode != 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{addr}:{port} does not answer from {from_host}")
+            time.sleep(0.2)
+
+    def pids(self, name: str) -> list[int]:
+        out = _sh("ip", "netns", "pids", self.ns[name], check=False).stdout
+        return [int(p) for p in out.split()]
+
+    def close(self) -> None:
+        for name in self.names:
+            for pid in self.pids(name):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for ns in [*self.ns.values(), self.switch]:
+            _sh("ip", "netns", "del", ns, check=False)
+
+    # --- using ----------------------------------------------------------------------------------------------
+    def etc(self, name: str) -> Path:
+        return self.root / "etc" / name
+
+    def argv(self, name: str, argv: list[str]) -> list[str]:
+        """``argv`` run on host ``name``: in its network namespace, under its host name, with its /etc files."""
+        etc = self.etc(name)
+        setup = (f'hostname "$0" && mount --bind {etc}/hosts /etc/hosts && mount --bind {etc}/ssh /etc/ssh && '
+                 'exec "$@"')
+        return ["nsenter", f"--net=/run/netns/{self.ns[name]}", "unshare", "--mount", "--uts", "sh", "-c", setup,
+                name, *map(str, argv)]
+
+    def popen(self, name: str, argv: list[str], **kw) -> subprocess.Popen:
+        return subprocess.Popen(self.argv(name, argv), start_new_session=True, **kw)
+
+    def run(self, name: str, argv: list[str], check: bool = False, timeout: float = 60, **kw):
+        return subprocess.run(self.argv(name, argv), capture_output=True, text=True, check=check, timeout=timeout,
+                              **kw)
+
+    def cut(self, name: str) -> None:
+        """Take ``name``'s link down: the host goes silent (its packets go nowhere), as when a node dies."""
+        _sh("ip", "-n", self.switch, "link", "set", self.veth[name], "down")
+
+    def pids_of(self, name: str, pattern: str) -> list[int]:
+        """The processes on ``name`` whose command line holds ``pattern`` (never its sshd)."""
+        found = []
+        for pid in self.pids(name):
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if pattern in cmdline and pid != self.sshd_pids.get(name):
+                found.append(pid)
+        return found
+
+    def end_processes(self, name: str, pattern: str, sig: int = signal.SIGKILL) -> list[int]:
+        """Signal (default: SIGKILL) the processes on ``name`` whose command line holds ``pattern``; their pids."""
+        killed = []
+        for pid in self.pids_of(name, pattern):
+            try:
+                os.kill(pid, sig)
+                killed.append(pid)
+            except ProcessLookupError:
+                pass
+        return killed
+
+
+class Slurm:
+    """munged, a slurmctld on the first host and a slurmd on each host of ``hosts``. A context manager."""
+
+    def __init__(self, hosts: NetHosts, root: Path):
+        self.hosts, self.root = hosts, Path(root)
+        self.conf = self.root / "slurm.conf"
+        self.head = hosts.names[0]
+
+    def __enter__(self) -> "Slurm":
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _start(self) -> None:
+        r = self.root
+        for sub in ("state", "munge"):
+            (r / sub).mkdir(parents=True, exist_ok=True)
+        key = r / "munge" / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        key.chmod(0o600)
+        _sh("munged", "--force", f"--socket={r / 'munge' / 'munge.sock'}", f"--key-file={key}",
+            f"--pid-file={r / 'munge' / 'munged.pid'}", f"--log-file={r / 'munge' / 'munged.log'}",
+            f"--seed-file={r / 'munge' / 'munged.seed'}")
+        nodes = "\n".join(f"NodeName={n} NodeAddr={self.hosts.addr[n]} CPUs=2 State=UNKNOWN" for n in self.hosts.names)
+        self.conf.write_text(f"""ClusterName=llmjpds
+SlurmctldHost={self.head}({self.hosts.addr[self.head]})
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={r / 'munge' / 'munge.sock'}
+SlurmUser=root
+SlurmdUser=root
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+MpiDefault=none
+SwitchType=switch/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+StateSaveLocation={r / 'state'}
+SlurmdSpoolDir={r}/spool-%n
+SlurmctldPidFile={r}/slurmctld.pid
+SlurmdPidFile={r}/slurmd-%n.pid
+SlurmctldLogFile={r}/slurmctld.log
+SlurmdLogFile={r}/slurmd-%n.log
+ReturnToService=2
+SlurmdTimeout=300
+KillWait=30
+MinJobAge=30
+{nodes}
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:2
+""")
+        env = self.env()
+        self.hosts.run(self.head, ["slurmctld", "-f", str(self.conf)], check=True, env=env)
+        for name in self.hosts.names:
+            self.hosts.run(name, ["slurmd", "-f", str(self.conf)], check=True, env=env)
+        deadline = time.monotonic() + 60
+        while True:
+            out = self.hosts.run(self.head, ["sinfo", "-h", "-N", "-o", "%N %T"], env=env).stdout.split("\n")
+            states = dict(line.split() for line in out if line.strip())
+            if all(states.get(n) in ("idle", "mixed") for n in self.hosts.names):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Slurm's nodes did not come up: {states}\n{self.log_tail()}")
+            time.sleep(0.5)
+
+    def env(self, **extra) -> dict:
+        env = dict(os.environ, SLURM_CONF=str(self.conf))
+        env.update({k: str(v) for k, v in extra.items()})
+        return env
+
+    def log_tail(self, chars: int = 3000) -> str:
+        logs = sorted(self.root.glob("slurm*.log"))
+        return "\n".join(f"--- {p.name} ---\n{p.read_text(errors='replace')[-chars:]}" for p in logs)
+
+    def close(self) -> None:
+        pidfiles = [self.root / "slurmctld.pid", *self.root.glob("slurmd-*.pid"), self.root / "munge" / "munged.pid"]
+        for pidfile in pidfiles:
+            try:
+                os.kill(int(pidfile.read_text().strip()), signal.SIGTERM)
+            except (OSError, ValueError):
+                pass

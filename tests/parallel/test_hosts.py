@@ -1,0 +1,222 @@
+"""Training across two real hosts, made of network namespaces on this machine (tests/cluster.py): each has its own
+address, its own name (which resolves to 127.0.1.1 on itself, as Debian writes /etc/hosts) and its own sshd.
+
+Each way of launching runs the config of the suite's two-rank ZeRO-1 run (``runs.full("zero1")``: torchrun, two
+ranks on one host) with one rank per host, and its trail must equal that run's to the bit: the same two ranks
+reduce the same numbers in the same order over gloo, whichever host each rank is on. Then a host is taken away
+mid-run, by ending its processes or by taking its link down: the job must end within 60 s with one line naming
+the lost host, and the relaunch on the remaining host (one rank, the same global batch) resumes from the latest
+checkpoint through the reshape.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests import cluster
+from tests.launch import REPO, free_port, tail
+from tests.parallel.test_scheduler_launch import SETS, _clean_env, _same_trail
+from tests.runs import COMMON_SETS, LAYOUTS, trail
+
+pytestmark = pytest.mark.slow
+
+BIN = Path(sys.executable).parent
+CARRIED = ("LLMJP_DS_CACHE", "TORCH_EXTENSIONS_DIR")
+LOST_WITHIN_S = 60
+LONG = (*COMMON_SETS, *LAYOUTS["zero1"][1], "train.steps=100000", "optim.decay_steps=100000",
+        "checkpoint.interval=20", "checkpoint.keep_last=2")
+
+
+@pytest.fixture
+def hosts(tmp_path):
+    reason = cluster.missing(cluster.SSHD, "ssh", "pdsh", "nsenter")
+    if reason:
+        pytest.skip(reason)
+    with cluster.NetHosts(2, tmp_path / "hosts") as made:
+        yield made
+
+
+def _sets(run_dir: Path, sets) -> list[str]:
+    argv = []
+    for value in (f"run_dir={run_dir}", *sets):
+        argv += ["--set", value]
+    return argv
+
+
+def _env_file(path: Path) -> Path:
+    """What the job needs on every host, in DeepSpeed's .deepspeed_env format (DS_ENV_FILE points at it): pdsh
+    carries only these lines and a few prefixes of the runner's environment."""
+    lines = [f"{k}={os.environ[k]}" for k in CARRIED if os.environ.get(k)]
+    lines += ["OMP_NUM_THREADS=1", "WANDB_SILENT=true", "TOKENIZERS_PARALLELISM=false", "PYTHONUNBUFFERED=1"]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _deepspeed(hosts, tmp_path: Path, run_dir: Path, sets, slots=(1, 1), names=None, *more: str) -> list[str]:
+    """``deepspeed --hostfile`` (without --master_addr the runner asks the first host for its address over ssh)."""
+    names = names or hosts.names
+    hostfile = tmp_path / f"hostfile-{len(names)}"
+    hostfile.write_text("".join(f"{n} slots={s}\n" for n, s in zip(names, slots)))
+    return [str(BIN / "deepspeed"), "--hostfile", str(hostfile), "--master_port", str(free_port()), *more,
+            "llmjp_ds/train.py", *_sets(run_dir, sets)]
+
+
+def _start(hosts, name: str, argv: list[str], logs: Path, env: dict) -> subprocess.Popen:
+    logs.parent.mkdir(parents=True, exist_ok=True)
+    out = open(logs.with_suffix(".out"), "w")
+    proc = hosts.popen(name, argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    out.close()
+    return proc
+
+
+def _finish(proc: subprocess.Popen, logs: Path, timeout: float) -> str:
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        pytest.fail(f"timed out after {timeout} s\n{tail(logs.with_suffix('.out'))}", pytrace=False)
+    return logs.with_suffix(".out").read_text(errors="replace")
+
+
+def _ds_env(tmp_path: Path) -> dict:
+    return _clean_env(DS_ENV_FILE=_env_file(tmp_path / "deepspeed_env"))
+
+
+@pytest.mark.timeout(600)
+def test_deepspeed_hostfile_trains_one_world_across_two_hosts(runs, hosts, tmp_path):
+    reference = runs.full("zero1")
+    run_dir = tmp_path / "run"
+    logs = tmp_path / "logs" / "deepspeed"
+    proc = _start(hosts, "node1", _deepspeed(hosts, tmp_path, run_dir, SETS), logs, _ds_env(tmp_path))
+    out = _finish(proc, logs, 300)
+    assert proc.returncode == 0, out[-4000:]
+    assert "node1: " in out and "node2: " in out  # pdsh's prefix: the ranks ran on both hosts
+    _same_trail(run_dir, reference)
+
+
+@pytest.mark.timeout(600)
+def test_mpirun_trains_one_world_across_two_hosts(runs, hosts, tmp_path):
+    if cluster.missing("mpirun"):
+        pytest.skip(cluster.missing("mpirun"))
+    reference = runs.full("zero1")
+    run_dir = tmp_path / "run"
+    logs = tmp_path / "logs" / "mpirun"
+    env = _clean_env(OMPI_ALLOW_RUN_AS_ROOT=1, OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1, OMP_NUM_THREADS=1)
+    exports = [a for k in (*CARRIED, "OMP_NUM_THREADS", "PATH") if k in env for a in ("-x", k)]
+    argv = ["mpirun", "-H", "node1:1,node2:1", "-np", "2", "-bind-to", "none", "-map-by", "slot",
+            "-x", "MASTER_ADDR=node1", "-x", f"MASTER_PORT={free_port()}", *exports,
+            sys.executable, "-m", "llmjp_ds.train", *_sets(run_dir, SETS)]
+    proc = _start(hosts, "node1", argv, logs, env)
+    out = _finish(proc, logs, 300)
+    assert proc.returncode == 0, out[-4000:]
+    _same_trail(run_dir, reference)
+
+
+def _wait_for_checkpoint(run_dir: Path, proc: subprocess.Popen, logs: Path, timeout: float = 180) -> str:
+    latest = run_dir / "checkpoints" / "latest"
+    deadline = time.monotonic() + timeout
+    while not latest.is_file():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"no checkpoint (exit {proc.poll()})\n{tail(logs.with_suffix('.out'))}", pytrace=False)
+        time.sleep(0.5)
+    return latest.read_text().strip()
+
+
+def _lose_a_host(hosts, tmp_path: Path, how: str) -> tuple[Path, float, str]:
+    """Start the long run on both hosts, take node2 away after its first checkpoint (``how``: ``cut`` its link,
+    or ``end`` its processes); (run_dir, seconds from the loss to the job's end, output)."""
+    run_dir = tmp_path / "run"
+    logs = tmp_path / "logs" / f"lost-{how}"
+    proc = _start(hosts, "node1", _deepspeed(hosts, tmp_path, run_dir, LONG), logs, _ds_env(tmp_path))
+    _wait_for_checkpoint(run_dir, proc, logs)
+    t0 = time.monotonic()
+    if how == "cut":
+        hosts.cut("node2")
+    else:
+        assert hosts.end_processes("node2", "llmjp_ds/train.py")
+    out = _finish(proc, logs, LOST_WITHIN_S + 60)
+    return run_dir, time.monotonic() - t0, out
+
+
+def _our_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if re.match(r"^(node\d: )?error: ", line)]
+
+
+def _relaunch_on_node1(hosts, tmp_path: Path, run_dir: Path) -> None:
+    """The same config on node1 alone (one rank: the reshape resumes the two-rank checkpoint), stopped by SIGTERM
+    once it has saved again; its first step follows the latest checkpoint's and the samples continue."""
+    tag = (run_dir / "checkpoints" / "latest").read_text().strip()
+    resumed_from = int(re.search(r"\d+", tag).group())
+    before = [r for r in trail(run_dir) if r["step"] <= resumed_from]
+    logs = tmp_path / "logs" / "relaunch"
+    proc = _start(hosts, "node1", _deepspeed(hosts, tmp_path, run_dir, LONG, slots=(1,), names=["node1"]), logs,
+                  _ds_env(tmp_path))
+    deadline = time.monotonic() + 240
+    while (run_dir / "checkpoints" / "latest").read_text().strip() == tag:
+        assert proc.poll() is None and time.monotonic() < deadline, tail(logs.with_suffix(".out"))
+        time.sleep(0.5)
+    assert hosts.end_processes("node1", "llmjp_ds/train.py --local_rank", signal.SIGTERM)  # the rank: save, exit 0
+    out = _finish(proc, logs, 120)
+    assert proc.returncode == 0, out[-4000:]
+    after = [r for r in trail(run_dir) if r["step"] > resumed_from]
+    assert after and after[0]["step"] == resumed_from + 1, out[-3000:]
+    assert after[0]["consumed_samples"] == before[-1]["consumed_samples"] + 8
+    from llmjp_ds.metrics import read_metrics
+
+    reshapes = [r for r in read_metrics(run_dir) if r.get("event") == "reshape"]
+    assert reshapes and reshapes[-1]["tag"] == tag, reshapes
+
+
+@pytest.mark.timeout(900)
+def test_a_host_gone_silent_ends_the_job_within_60s_naming_it_and_the_relaunch_resumes(hosts, train_env, tmp_path):
+    run_dir, took, out = _lose_a_host(hosts, tmp_path, "cut")
+    assert took < LOST_WITHIN_S, out[-3000:]
+    lines = _our_lines(out)
+    assert len(lines) == 1, out[-3000:]
+    assert f"rank 1 on node2 ({hosts.addr['node2']}) has sent no heartbeat" in lines[0]
+    _relaunch_on_node1(hosts, tmp_path, run_dir)
+
+
+@pytest.mark.timeout(900)
+def test_a_host_whose_processes_die_ends_the_job_naming_it(hosts, train_env, tmp_path):
+    run_dir, took, out = _lose_a_host(hosts, tmp_path, "end")
+    assert took < LOST_WITHIN_S, out[-3000:]
+    lines = _our_lines(out)
+    assert len(lines) == 1, out[-3000:]
+    assert f"the connection to node2 ({hosts.addr['node2']}, rank 1) closed" in lines[0]
+
+
+@pytest.mark.timeout(600)
+def test_a_rank_that_cannot_reach_the_rendezvous_ends_the_job_naming_its_host_and_the_address(hosts, train_env,
+                                                                                             tmp_path):
+    """node2 resolves node1 to an address nobody holds (a stale /etc/hosts): its rank says so, and the job ends
+    after parallel.rendezvous_timeout_s, with no rank left waiting."""
+    stale = f"{hosts.subnet}.99"
+    etc = hosts.etc("node2") / "hosts"
+    etc.write_text(etc.read_text().replace(f"{hosts.addr['node1']} node1", f"{stale} node1"))
+    run_dir = tmp_path / "run"
+    logs = tmp_path / "logs" / "unreachable"
+    timeout_s = 20
+    t0 = time.monotonic()
+    sets = (*SETS, f"parallel.rendezvous_timeout_s={timeout_s}")
+    argv = _deepspeed(hosts, tmp_path, run_dir, sets, (1, 1), None, "--master_addr", "node1")  # a name, resolved
+    proc = _start(hosts, "node1", argv, logs, _ds_env(tmp_path))  # on each host
+    out = _finish(proc, logs, 180)
+    took = time.monotonic() - t0
+    assert proc.returncode != 0
+    lines = _our_lines(out)
+    node2 = [line for line in lines if line.startswith("node2: ")]
+    assert len(node2) == 1, out[-3000:]
+    assert f"rank 1 on node2 cannot reach the rendezvous at node1:" in node2[0] and f"({stale} there" in node2[0]
+    assert "rank 1 of 2 did not reach the rendezvous" in out  # rank 0, on node1, did not wait on
+    assert took < timeout_s + 60, out[-3000:]  # start-up (imports, ssh) plus the timeout
+    assert not hosts.pids_of("node1", "llmjp_ds/train.py") and not hosts.pids_of("node2", "llmjp_ds/train.py")

@@ -15,6 +15,10 @@ the world size as the sum of the slots (of the first ``--num-nodes`` hosts), and
 Inside a batch script, ``--write-hostfile PATH [--slots N]`` writes that hostfile from the job's allocation
 (:mod:`llmjp_ds.parallel.hostfile`) and checks it; run under a launcher or scheduler, preflight first prints
 where it found this process's place (``launch: slurm, world 16, nodes 2, master node01:12345``).
+
+``--check-hosts`` then checks the hosts as the launcher will reach them (:func:`check_hosts`): over several
+hosts pdsh must be installed (the launcher starts the other hosts with it), every host name must resolve here,
+and ``ssh <host> true`` must succeed without a prompt; under Slurm the slots must match ``--ntasks-per-node``.
 """
 
 from __future__ import annotations
@@ -138,6 +142,8 @@ def cli_main(argv: list[str], verb: str = "preflight") -> int:
     p.add_argument("--write-hostfile", metavar="PATH", help="write the DeepSpeed hostfile of this job's allocation "
                    "($PE_HOSTFILE, $PBS_NODEFILE or the Slurm nodelist) to PATH, then check it")
     p.add_argument("--slots", type=int, default=None, help="with --write-hostfile: slots (GPUs) of every host")
+    p.add_argument("--check-hosts", action="store_true",
+                   help="check that pdsh is installed and every host resolves and answers ssh (as the launcher needs)")
     p.add_argument("--num-nodes", type=int, default=None, help="use the first N hosts (as the launcher's flag)")
     p.add_argument("--config", help="run config (YAML or JSON)")
     p.add_argument("--preset", help="run preset")
@@ -159,6 +165,8 @@ def cli_main(argv: list[str], verb: str = "preflight") -> int:
         hosts = dict(list(hosts.items())[: a.num_nodes])
     world = sum(hosts.values())
     line = f"{a.hostfile}: {len(hosts)} hosts, {world} ranks"
+    if a.check_hosts:
+        line += "; " + check_hosts(a.hostfile, hosts)
     if a.config or a.preset or a.sets:
         from llmjp_ds.config import load_config
         from llmjp_ds.validate import validate_run
@@ -174,6 +182,65 @@ def cli_main(argv: list[str], verb: str = "preflight") -> int:
                            step_s=a.step_seconds)
     print(line)
     return 0
+
+
+PDSH_INSTALL = "apt install pdsh (Debian, Ubuntu), dnf install pdsh pdsh-rcmd-ssh (RHEL, Rocky)"
+
+
+def check_hosts(path, hosts: dict[str, int], env=None, ssh_timeout_s: float = 10.0) -> str:
+    """The hosts of hostfile ``path`` as the deepspeed launcher will reach them: pdsh installed (over several
+    hosts), each name resolving here, ``ssh -o BatchMode=yes host true`` succeeding, and (inside a Slurm job) the
+    slots equal to its ``--ntasks-per-node``. One line naming the first problem and its fix; else what was checked."""
+    import os
+    import shutil
+    import socket
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    env = os.environ if env is None else env
+    per_node = (env.get("SLURM_NTASKS_PER_NODE") or "").strip()
+    if per_node.isdigit():
+        wrong = {h: n for h, n in hosts.items() if n != int(per_node)}
+        if wrong:
+            host, n = next(iter(wrong.items()))
+            fail(f"{path}: {host} has slots={n} but the Slurm job runs {per_node} tasks per node "
+                 f"(SLURM_NTASKS_PER_NODE, its --ntasks-per-node): make the two agree (preflight --write-hostfile "
+                 "writes the allocation's hostfile)")
+    if len(hosts) > 1 and shutil.which("pdsh", path=env.get("PATH")) is None:
+        fail(f"pdsh is not installed: the deepspeed launcher starts the other {len(hosts) - 1} hosts of {path} with it; "
+             f"install it ({PDSH_INSTALL}), or launch with srun or mpirun (hostfiles/slurm.sbatch)")
+    for host in hosts:
+        try:
+            socket.getaddrinfo(host, 22, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            fail(f"{path}: host {host} does not resolve here ({exc.strerror or exc}): fix the name, or add it to DNS "
+                 "or /etc/hosts on every host")
+    if len(hosts) == 1 and next(iter(hosts)) in ("localhost", "127.0.0.1", socket.gethostname()):
+        return "hosts OK (this host)"
+    ssh = shutil.which("ssh", path=env.get("PATH"))
+    if ssh is None:
+        fail("ssh is not installed: pdsh reaches the hosts with it; install it (apt install openssh-client)")
+
+    def reach(host: str) -> str | None:
+        argv = [ssh, "-o", "BatchMode=yes", "-o", f"ConnectTimeout={int(ssh_timeout_s)}", host, "true"]
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=ssh_timeout_s + 5,
+                                  stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            return "no answer"
+        if done.returncode == 0:
+            return None
+        said = [line for line in done.stderr.splitlines() if line.strip()]
+        return said[-1].strip()[:160] if said else f"ssh exited with {done.returncode}"
+
+    with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
+        failed = [(h, why) for h, why in zip(hosts, pool.map(reach, hosts)) if why]
+    if failed:
+        host, why = failed[0]
+        more = f" (and {len(failed) - 1} more: {', '.join(h for h, _ in failed[1:4])})" if len(failed) > 1 else ""
+        fail(f"{path}: ssh cannot reach {host}{more}: {why}; the launcher needs `ssh {host}` to work without a "
+             "password or prompt (keys in ~/.ssh, the host's key accepted)")
+    return f"hosts OK (pdsh, names, ssh to {len(hosts)})"
 
 
 def memory_line(cfg, layout, gas: int, capacity_gib: float, ranks_per_node: int | None = None,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -175,19 +176,20 @@ class NetHosts:
         _sh("ip", "-n", self.switch, "link", "set", self.veth[name], "down")
 
     def pids_of(self, name: str, pattern: str) -> list[int]:
-        """The processes on ``name`` whose command line holds ``pattern`` (never its sshd)."""
+        """The processes on ``name`` whose command line (its words joined by spaces) matches the regular expression
+        ``pattern`` (``re.search``; never its sshd)."""
         found = []
         for pid in self.pids(name):
             try:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 continue
-            if pattern in cmdline and pid != self.sshd_pids.get(name):
+            if re.search(pattern, cmdline) and pid != self.sshd_pids.get(name):
                 found.append(pid)
         return found
 
     def end_processes(self, name: str, pattern: str, sig: int = signal.SIGKILL) -> list[int]:
-        """Signal (default: SIGKILL) the processes on ``name`` whose command line holds ``pattern``; their pids."""
+        """Signal (default: SIGKILL) the processes on ``name`` of :meth:`pids_of`; their pids."""
         killed = []
         for pid in self.pids_of(name, pattern):
             try:
@@ -219,7 +221,7 @@ class Slurm:
 
     def _start(self) -> None:
         r = self.root
-        for sub in ("state", "munge"):
+        for sub in ("state", "munge", *(f"spool-{n}" for n in self.hosts.names)):
             (r / sub).mkdir(parents=True, exist_ok=True)
         key = r / "munge" / "munge.key"
         key.write_bytes(os.urandom(1024))

@@ -31,6 +31,8 @@ pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
 CARRIED = ("LLMJP_DS_CACHE", "TORCH_EXTENSIONS_DIR")
 LOST_WITHIN_S = 60
+RANK_ON_DEEPSPEED = r"llmjp_ds/train\.py --local_rank"  # a rank's command line under DeepSpeed's launch
+RANK_ON_SLURM = r"^\S*python\S* -m llmjp_ds\.train"  # a task of the sbatch templates (not srun or mpirun)
 LONG = (*COMMON_SETS, *LAYOUTS["zero1"][1], "train.steps=100000", "optim.decay_steps=100000",
         "checkpoint.interval=20", "checkpoint.keep_last=2")
 
@@ -142,7 +144,7 @@ def _lose_a_host(hosts, tmp_path: Path, how: str) -> tuple[Path, float, str]:
     if how == "cut":
         hosts.cut("node2")
     else:
-        assert hosts.end_processes("node2", "llmjp_ds/train.py")
+        assert hosts.end_processes("node2", "llmjp_ds/train.py")  # the launch and its rank
     out = _finish(proc, logs, LOST_WITHIN_S + 60)
     return run_dir, time.monotonic() - t0, out
 
@@ -164,7 +166,7 @@ def _relaunch_on_node1(hosts, tmp_path: Path, run_dir: Path) -> None:
     while (run_dir / "checkpoints" / "latest").read_text().strip() == tag:
         assert proc.poll() is None and time.monotonic() < deadline, tail(logs.with_suffix(".out"))
         time.sleep(0.5)
-    assert hosts.end_processes("node1", "llmjp_ds/train.py --local_rank", signal.SIGTERM)  # the rank: save, exit 0
+    assert hosts.end_processes("node1", RANK_ON_DEEPSPEED, signal.SIGTERM)  # the rank: save, exit 0
     out = _finish(proc, logs, 120)
     assert proc.returncode == 0, out[-4000:]
     after = [r for r in trail(run_dir) if r["step"] > resumed_from]
@@ -220,3 +222,112 @@ def test_a_rank_that_cannot_reach_the_rendezvous_ends_the_job_naming_its_host_an
     assert "rank 1 of 2 did not reach the rendezvous" in out  # rank 0, on node1, did not wait on
     assert took < timeout_s + 60, out[-3000:]  # start-up (imports, ssh) plus the timeout
     assert not hosts.pids_of("node1", "llmjp_ds/train.py") and not hosts.pids_of("node2", "llmjp_ds/train.py")
+
+
+@pytest.fixture
+def slurm(hosts, tmp_path):
+    reason = cluster.missing("slurmctld", "slurmd", "sbatch", "munged")
+    if reason:
+        pytest.skip(reason)
+    with cluster.Slurm(hosts, tmp_path / "slurm") as made:
+        yield made
+
+
+def _sbatch(hosts, slurm, tmp_path: Path, script: str, run_dir: Path, sets, name: str, wait: bool = True):
+    """``sbatch [--wait] --nodes=2 --ntasks-per-node=1 --gpus-per-node=0 hostfiles/<script> --set ...`` from
+    node1 (the GPU request overridden on the command line, as on a Slurm without GPUs)."""
+    out = tmp_path / "logs" / f"{name}-%j.out"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    argv = ["sbatch", *(["--wait"] if wait else ["--parsable"]), "--nodes=2", "--ntasks-per-node=1",
+            "--gpus-per-node=0", f"--output={out}", f"hostfiles/{script}", *_sets(run_dir, sets)]
+    env = _clean_env(SLURM_CONF=slurm.conf, PATH=f"{BIN}:{os.environ['PATH']}",  # sbatch exports it to the job
+                     OMPI_ALLOW_RUN_AS_ROOT=1, OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1)  # these tests run as root
+    return hosts.popen("node1", argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True)
+
+
+def _job_output(tmp_path: Path, name: str) -> str:
+    return "\n".join(p.read_text(errors="replace") for p in sorted((tmp_path / "logs").glob(f"{name}-*.out")))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("script", ["slurm.sbatch", "slurm-mpirun.sbatch"])
+def test_sbatch_trains_one_world_across_two_slurm_nodes(runs, hosts, slurm, tmp_path, script):
+    if script == "slurm-mpirun.sbatch" and cluster.missing("mpirun"):
+        pytest.skip(cluster.missing("mpirun"))
+    reference = runs.full("zero1")
+    run_dir = tmp_path / "run"
+    proc = _sbatch(hosts, slurm, tmp_path, script, run_dir, SETS, script)
+    said, _ = proc.communicate(timeout=300)
+    out = _job_output(tmp_path, script)
+    assert proc.returncode == 0, f"{said}\n{out[-4000:]}\n{slurm.log_tail()}"
+    assert "node[1-2]" in out  # the job's nodelist, as its script printed it
+    _same_trail(run_dir, reference)
+
+
+def _job_id(proc: subprocess.Popen) -> str:
+    said, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, said
+    return said.strip().split(";")[0]
+
+
+def _job_state(hosts, slurm, job: str) -> str:
+    out = hosts.run("node1", ["scontrol", "show", "job", job], env=slurm.env()).stdout
+    found = re.search(r"JobState=(\S+)", out)
+    return found.group(1) if found else "GONE"
+
+
+def _wait_for_job_end(hosts, slurm, job: str, timeout: float) -> float:
+    t0 = time.monotonic()
+    while _job_state(hosts, slurm, job) in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED"):
+        if time.monotonic() - t0 > timeout:
+            pytest.fail(f"job {job} still {_job_state(hosts, slurm, job)} after {timeout} s\n{slurm.log_tail()}",
+                        pytrace=False)
+        time.sleep(0.5)
+    return time.monotonic() - t0
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("how", ["end", "cut"])
+def test_a_lost_slurm_node_ends_the_job_within_60s_naming_it(hosts, slurm, train_env, tmp_path, how):
+    """Under hostfiles/slurm.sbatch (srun --kill-on-bad-exit): node2's task killed, or node2's link taken down."""
+    run_dir = tmp_path / "run"
+    job = _job_id(_sbatch(hosts, slurm, tmp_path, "slurm.sbatch", run_dir, LONG, "lost", wait=False))
+    latest = run_dir / "checkpoints" / "latest"
+    deadline = time.monotonic() + 240
+    while not latest.is_file():
+        assert time.monotonic() < deadline, _job_output(tmp_path, "lost") + slurm.log_tail()
+        time.sleep(0.5)
+    t0 = time.monotonic()
+    if how == "cut":
+        hosts.cut("node2")
+    else:
+        assert hosts.end_processes("node2", RANK_ON_SLURM, signal.SIGKILL)
+    # the job's ranks on node1 end, then the job (on a cut link, Slurm itself waits for node2's slurmd)
+    while hosts.pids_of("node1", RANK_ON_SLURM):
+        assert time.monotonic() - t0 < LOST_WITHIN_S, _job_output(tmp_path, "lost")
+        time.sleep(0.5)
+    took = time.monotonic() - t0
+    out = _job_output(tmp_path, "lost")
+    lines = _our_lines(out)
+    assert len(lines) == 1, out[-3000:]
+    expected = (f"rank 1 on node2 ({hosts.addr['node2']}) has sent no heartbeat" if how == "cut" else
+                f"the connection to node2 ({hosts.addr['node2']}, rank 1) closed")
+    assert expected in lines[0], out[-3000:]
+    print(f"{how}: the ranks on node1 ended {took:.1f} s after node2 was lost")
+    if how == "end":
+        assert _wait_for_job_end(hosts, slurm, job, LOST_WITHIN_S - took) + took < LOST_WITHIN_S
+
+
+@pytest.mark.timeout(300)
+def test_preflight_checks_that_every_host_answers_ssh(hosts, tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node1 slots=1\nnode2 slots=1\n")
+    argv = [sys.executable, "-m", "llmjp_ds.cli", "preflight", "--check-hosts", "--hostfile", str(hostfile)]
+    good = hosts.run("node1", argv, env=_clean_env(), cwd=REPO, timeout=120)
+    assert good.returncode == 0 and "hosts OK (pdsh, names, ssh to 2)" in good.stdout, good.stderr
+    os.kill(hosts.sshd_pids["node2"], signal.SIGTERM)  # node2 is up, but nobody answers ssh there
+    bad = hosts.run("node1", argv, env=_clean_env(), cwd=REPO, timeout=120)
+    lines = [line for line in bad.stderr.splitlines() if line.strip()]
+    assert bad.returncode != 0 and len(lines) == 1, bad.stderr
+    assert lines[0].startswith(f"error: {hostfile}: ssh cannot reach node2: ") and "Connection refused" in lines[0]

@@ -14,6 +14,7 @@ NO_ALLOCATION = {key: "" for key in ("PE_HOSTFILE", "PBS_NODEFILE", "SLURM_JOB_N
 OMPI = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
         "OMPI_COMM_WORLD_LOCAL_SIZE": "2", **NO_ALLOCATION}
 WRITE = ("preflight", "--write-hostfile", "{tmp}/cluster/hosts_x")
+CHECK = ("preflight", "--check-hosts", "--hostfile")
 
 CASES: list[Case] = [
     Case("slurm-procid-not-below-ntasks", T(), ("SLURM_PROCID=2 is not below SLURM_NTASKS=2: the Slurm environment "
@@ -36,9 +37,21 @@ CASES: list[Case] = [
     Case("write-hostfile-slots-disagree", L(*WRITE, "--slots", "4"),
          ("--slots 4 disagrees with SLURM_NTASKS_PER_NODE=8 (the job's --ntasks-per-node): pass --slots 8",),
          env={**NO_ALLOCATION, "SLURM_JOB_NODELIST": "node[01-02]", "SLURM_NTASKS_PER_NODE": "8"}),
+    Case("hostfile-host-does-not-resolve", L(*CHECK, "{tmp}/cluster/unresolvable"),
+         ("cluster/unresolvable: host no-such-node.invalid does not resolve here",
+          "add it to DNS or /etc/hosts on every host"), env=NO_ALLOCATION),
+    Case("hostfile-slots-disagree-with-ntasks-per-node", L(*CHECK, "{tmp}/cluster/two_nodes"),
+         ("cluster/two_nodes: node01 has slots=8 but the Slurm job runs 4 tasks per node",),
+         env={**NO_ALLOCATION, "SLURM_NTASKS_PER_NODE": "4"}),
+    Case("hostfile-without-pdsh", L(*CHECK, "{tmp}/cluster/two_nodes"),
+         ("pdsh is not installed: the deepspeed launcher starts the other 1 hosts of", "install it (apt install pdsh"),
+         env={**NO_ALLOCATION, "PATH": "{tmp}/cluster/empty_bin"}),
 ]
 
 
 def prepare(ctx) -> None:
-    """A directory for the hostfiles the cases must not write."""
+    """A directory for the hostfiles the cases must not write, the hostfiles they check, and an empty PATH."""
     (ctx.tmp / "cluster").mkdir()
+    (ctx.tmp / "cluster" / "empty_bin").mkdir()
+    (ctx.tmp / "cluster" / "unresolvable").write_text("localhost slots=1\nno-such-node.invalid slots=1\n")
+    (ctx.tmp / "cluster" / "two_nodes").write_text("node01 slots=8\nnode02 slots=8\n")

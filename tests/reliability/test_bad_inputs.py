@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.reliability import cases_checkpoint, cases_cluster, cases_config, cases_data
-from tests.reliability.cases import FP8, SMALL, Case, L, T
+from tests.reliability.cases import FP8, SMALL, Case, L, T, sub
 from tests.reliability.conftest import (
     DEEPSPEED_STARTED, REPO, TINY, assert_latest_complete, check_ok, latest_of, run, subprocess_env, train_argv,
 )
@@ -332,7 +332,8 @@ def test_catalogue_of_bad_inputs(ctx, tmp_path):
     def one(case):
         argv = case.argv(ctx)
         t0 = time.monotonic()
-        result = run([sys.executable, *argv], env=subprocess_env(**case.env), timeout=120)
+        result = run([sys.executable, *argv], env=subprocess_env(**{k: sub(v, ctx) for k, v in case.env.items()}),
+                     timeout=120)
         took = times[case.id] = time.monotonic() - t0
         try:
             messages[case.id] = check_one_line_error(result, case.expect, took, not case.after_start and (

@@ -122,11 +122,24 @@ class ModelConfig:
     # activation recompute: none | selective (the attention core, as LLM-jp's 172B run) | full (every decoder layer)
     recompute: str = "none"
     fused_loss: bool = True  # on CUDA: the loss as one compiled kernel over bf16 logits (see model/loss.py)
-    # TE backend: the QKV split and both RoPE rotations as TE's one fused kernel (model/te_layers.split_qkv_rope)
-    fused_qkv_rope: bool = True
+    # TE backend: the QKV split and both RoPE rotations as one fused kernel (model/te_layers.split_qkv_rope): triton
+    # = ours, rotating Q and K in place in the QKV output (model/kernels/rope.py), true or te = TE's, false = none
+    fused_qkv_rope: bool | str = "triton"
     # start from an HF Llama checkpoint (continued pretraining)
     init_from_hf: str | None = field(default=None, metadata=input_path(
         "pass the directory save_pretrained wrote (config.json and safetensors)", inside="config.json"))
+
+    def __post_init__(self):
+        for key, choices in KERNEL_CHOICES.items():
+            value = getattr(self, key)
+            if not any(type(value) is type(c) and value == c for c in choices):
+                names = ", ".join(str(c).lower() if isinstance(c, bool) else c for c in choices)
+                fail(f"model.{key} must be one of {names}, got {value!r}"
+                     f"{did_you_mean(str(value), [str(c) for c in choices])}")
+
+
+# the model fields that choose a kernel, and what each may be
+KERNEL_CHOICES = {"fused_qkv_rope": (True, False, "te", "triton")}
 
 
 @dataclass

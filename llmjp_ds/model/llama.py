@@ -68,7 +68,7 @@ class SelfAttention(nn.Module):
         self.head_dim = head_dim_of(config)
         self.qkv_format = "bshd" if tp is None else "sbhd"
         self.recompute_core = recompute_core
-        self.fused_qkv_rope = True  # model.fused_qkv_rope, set by the Trainer (TE backend only)
+        self.fused_qkv_rope = "triton"  # model.fused_qkv_rope (triton, true / te, false), set by the Trainer
         std = config.initializer_range
         self.layernorm_qkv = L.LayerNormLinear(
             config.hidden_size, (config.num_attention_heads + 2 * config.num_key_value_heads) * self.head_dim,
@@ -88,7 +88,7 @@ class SelfAttention(nn.Module):
         # where the fused attention core runs (training, evaluation); the KV-cache and masked paths split as before
         core = cache is None and mask is None
         q, k, v = self._L.split_qkv_rope(qkv.view(*lead, self.num_kv, (group + 2) * self.head_dim), freqs, group,
-                                         self.head_dim, self.qkv_format, fused=self.fused_qkv_rope and core)
+                                         self.head_dim, self.qkv_format, fused=self.fused_qkv_rope if core else False)
         if core:
             out = self.core_attention(q, k, v, checkpoint_core_attention=self.recompute_core and self.training)
         else:

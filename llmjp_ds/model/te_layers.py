@@ -94,10 +94,17 @@ def apply_rope(t: torch.Tensor, freqs: torch.Tensor, qkv_format: str = "bshd") -
 
 
 def split_qkv_rope(qkv: torch.Tensor, freqs: torch.Tensor, group: int, head_dim: int, qkv_format: str = "bshd",
-                   fused: bool = True):
+                   fused: bool | str = True):
     """As :func:`llmjp_ds.model.torch_layers.split_qkv_rope`. ``fused`` (``model.fused_qkv_rope``), when every
-    sequence shares positions: TE's one kernel reads the QKV output once and writes Q and K rotated and V
-    contiguous, and its backward writes the QKV gradient in one pass; no strided copies, no concatenation."""
+    sequence shares positions: ``True`` / ``"te"``, TE's one kernel reads the QKV output once and writes Q and K
+    rotated and V contiguous, and its backward writes the QKV gradient in one pass; ``"triton"``, our kernel
+    rotates Q and K in place in the QKV output and leaves V where it is (:mod:`llmjp_ds.model.kernels.rope`;
+    TE's kernel where ours has no case). Either way no strided copies, no concatenation."""
+    if fused == "triton":
+        from llmjp_ds.model.kernels import rope
+
+        if rope.supported(qkv, freqs, head_dim):
+            return rope.rope_qkv(qkv, freqs, group, head_dim, qkv_format)
     if fused and freqs.dim() == 2 and qkv.is_contiguous():
         f = freqs[:, None, None, :]
         return apply_fused_qkv_rotary_pos_emb(qkv, f, f, [group * head_dim, head_dim, head_dim],

@@ -26,7 +26,7 @@ KERNEL_CATEGORIES = (
     ("optimizer", ("multi_tensor", "adam", "foreach")),
     ("norm", ("rmsnorm", "rms_norm", "layernorm", "layer_norm")),
     ("rope", ("rope", "rotary")),
-    ("compiled (loss)", ("triton",)),
+    ("compiled (loss)", ("triton", "cross_entropy")),  # Inductor's triton_* kernels, or model/kernels' loss
     ("elementwise/reduce", ("at::native", "elementwise", "reduce", "vectorized", "embedding", "softmax", "scatter",
                             "gather")),
     ("fp8 cast/transpose", ("cast", "quantize", "transpose", "amax", "scale")),

@@ -121,7 +121,8 @@ class ModelConfig:
     z_loss: float = field(default=1e-4, metadata=at_least(0, "the z-loss coefficient; 0 = off"))
     # activation recompute: none | selective (the attention core, as LLM-jp's 172B run) | full (every decoder layer)
     recompute: str = "none"
-    fused_loss: bool = True  # on CUDA: the loss as one compiled kernel over bf16 logits (see model/loss.py)
+    # on CUDA: the loss over bf16 logits as two Triton kernels, or one compiled kernel (model/loss.py)
+    fused_loss: bool = True
     # TE backend: the QKV split and both RoPE rotations as one fused kernel (model/te_layers.split_qkv_rope): triton
     # = ours, rotating Q and K in place in the QKV output (model/kernels/rope.py), true or te = TE's, false = none
     fused_qkv_rope: bool | str = "triton"

@@ -292,7 +292,9 @@ class LlamaForCausalLM(PreTrainedModel, GenerationMixin):
         targets = shift_labels if shift_labels is not None else (
             shift_labels_of(labels) if labels is not None else None)
         if targets is not None:
+            overwritten = self.loss_fn.overwrites(logits)  # its backward writes the gradient over the logits
             parts = self.loss_fn(logits, targets)
+            logits = None if overwritten else logits
         out = _output(loss=parts.loss, logits=logits, cache=cache if use_cache else None)
         if targets is not None:
             out["lm_loss"], out["z_loss"] = parts.lm_loss, parts.z_loss

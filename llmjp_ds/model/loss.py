@@ -4,7 +4,9 @@ Over a 100k vocabulary the logits of one micro-batch are the largest tensor of t
 0.8 GB per sequence). The eager formula makes an fp32 copy of them, keeps it for the backward and writes an
 fp32 gradient the size of it again. ``fused=True`` runs the same formula through ``torch.compile``: the fp32
 cast happens in registers inside one reduction kernel (and one pointwise backward kernel that writes the bf16
-gradient directly), so no fp32 logits ever exist in memory. Same math, same result to fp32 rounding.
+gradient directly), so no fp32 logits ever exist in memory. Same math, same result to fp32 rounding. On a CUDA
+device ``fused=True`` runs two streaming Triton kernels instead (:mod:`llmjp_ds.model.kernels.cross_entropy`),
+whose backward writes the gradient over the logits, so no second logits-sized buffer exists either.
 
 Under tensor parallelism the logits are vocabulary-parallel (each rank holds ``[s, b, V / tp]``) and no rank ever
 holds a full row: :func:`_vocab_parallel_terms` all-reduces the row maxima, the sums of exponentials and the
@@ -13,6 +15,7 @@ target logits (from the rank owning each id) over the group, and builds the same
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import NamedTuple
 
@@ -85,8 +88,25 @@ def _compile_options(logits: torch.Tensor) -> dict:
     return {"cpp.simdlen": bits} if bits else {}
 
 
+# the fused loss on a CUDA device: "triton" (llmjp_ds.model.kernels.cross_entropy) or "compiled" (torch.compile);
+# $LLMJP_DS_FUSED_LOSS picks one for a comparison (llmjp-ds bench)
+GPU_FUSED_LOSS = ("triton", "compiled")
+
+
+def gpu_fused_loss() -> str:
+    name = os.environ.get("LLMJP_DS_FUSED_LOSS", GPU_FUSED_LOSS[0])
+    if name not in GPU_FUSED_LOSS:
+        from llmjp_ds.errors import fail
+
+        fail(f"LLMJP_DS_FUSED_LOSS must be one of {', '.join(GPU_FUSED_LOSS)}, got {name!r}")
+    return name
+
+
 class CausalLMLoss:
-    """:func:`causal_lm_loss` with a fixed z-loss coefficient; ``fused`` runs it compiled (module docstring).
+    """:func:`causal_lm_loss` with a fixed z-loss coefficient; ``fused`` runs it compiled (module docstring), or
+    on a CUDA device as two streaming Triton kernels whose backward writes the gradient over the logits
+    (:mod:`llmjp_ds.model.kernels.cross_entropy`; :func:`gpu_fused_loss` says which). :meth:`overwrites` tells
+    the model whether the logits it passes will be overwritten (it then does not return them).
 
     The compiled function is built on first use and kept by this object. If no compiler works, one line goes to
     stderr and this object uses the eager formula from then on. With ``tp`` the logits are vocabulary-parallel
@@ -101,6 +121,10 @@ class CausalLMLoss:
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> LossParts:
         if self.tp is not None:
             return LossParts(*_vocab_parallel_terms(logits, targets, self.z_loss_coeff, self.tp))
+        if self.overwrites(logits):
+            from llmjp_ds.model.kernels.cross_entropy import cross_entropy_z_loss
+
+            return LossParts(*cross_entropy_z_loss(logits, targets, self.z_loss_coeff, IGNORE_INDEX))
         if self.fused and self.compiled is not False:
             try:
                 if self.compiled is None:
@@ -115,6 +139,14 @@ class CausalLMLoss:
                 print(f"[llmjp-ds] fused loss unavailable ({type(exc).__name__}: {first_line}); using the eager "
                       "loss", file=sys.stderr, flush=True)
         return causal_lm_loss(logits, targets, self.z_loss_coeff)
+
+    def overwrites(self, logits: torch.Tensor) -> bool:
+        """Whether this loss of ``logits`` runs the Triton kernels, whose backward reuses the logits' memory."""
+        if not (self.fused and self.tp is None and logits.is_cuda and gpu_fused_loss() == "triton"):
+            return False
+        from llmjp_ds.model.kernels import cross_entropy
+
+        return cross_entropy.supported(logits)
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:

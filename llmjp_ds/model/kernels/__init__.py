@@ -7,4 +7,6 @@ and are imported on first use.
 
 * :mod:`~llmjp_ds.model.kernels.rope`: RoPE on the packed QKV projection output, in place
   (``model.fused_qkv_rope: triton``).
+* :mod:`~llmjp_ds.model.kernels.cross_entropy`: cross-entropy + z-loss over bf16 logits, the gradient written
+  over them (``model.fused_loss`` on CUDA).
 """

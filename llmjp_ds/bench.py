@@ -38,7 +38,7 @@ import statistics
 import subprocess
 import sys
 
-from llmjp_ds.bench_peers import MCORE_VARIANTS, TE_LAYER_VARIANTS
+from llmjp_ds.bench_peers import MCORE_SWITCHES, MCORE_VARIANTS, TE_LAYER_VARIANTS
 from llmjp_ds.bench_profile import host_profiled_step, profile_table, profiled_step, synced_step, timed
 
 SHAPES = {
@@ -84,7 +84,23 @@ def bench_config(shape: str, variant: str, gas: int, sets: list[str] = ()):
     return build(RunConfig, data)
 
 
-def _engine_for(cfg, variant: str, shape: str):
+def peer_switches(sets) -> dict:
+    """``[KEY=VALUE, ...]`` of ``--peer-set`` as a dict (values read as YAML), each key one of
+    :data:`~llmjp_ds.bench_peers.MCORE_SWITCHES`."""
+    from llmjp_ds.config import parse_value
+    from llmjp_ds.errors import did_you_mean, fail
+
+    out = {}
+    for item in sets:
+        key, sep, value = item.partition("=")
+        if not sep or key not in MCORE_SWITCHES:
+            fail(f"--peer-set takes KEY=VALUE with KEY one of {', '.join(MCORE_SWITCHES)}, got {item!r}"
+                 f"{did_you_mean(key, MCORE_SWITCHES)}")
+        out[key] = parse_value(value)
+    return out
+
+
+def _engine_for(cfg, variant: str, shape: str, peer_sets=()):
     """(the step function ``step(i, batches) -> [lm_loss, z_loss]``, the model config) of one variant: ours
     through the Trainer (at a decoder-only shape on :func:`~llmjp_ds.bench_peers.stage_model`), a peer from
     :mod:`llmjp_ds.bench_peers`."""
@@ -93,7 +109,7 @@ def _engine_for(cfg, variant: str, shape: str):
 
     trainer = Trainer(cfg, cfg.parallel.tensor_parallel)
     if variant in MCORE_VARIANTS:
-        return bench_peers.mcore_peer(cfg, trainer, variant)
+        return bench_peers.mcore_peer(cfg, trainer, variant, peer_switches(peer_sets))
     if variant in TE_LAYER_VARIANTS:
         return bench_peers.te_layer_reference(cfg, trainer, variant)
     if not variant.startswith("ours"):
@@ -121,13 +137,13 @@ def flops_per_token(shape: str, config, seq: int) -> float:
 
 
 def run_one(shape: str, variant: str, steps: int, warmup: int, gas: int, sets: list[str] = (),
-            profile: bool = False) -> dict:
+            profile: bool = False, peer_sets: list[str] = ()) -> dict:
     import torch
 
     from llmjp_ds.metrics import Throughput
 
     cfg = bench_config(shape, variant, gas, sets)
-    train_step, config = _engine_for(cfg, variant, shape)
+    train_step, config = _engine_for(cfg, variant, shape, peer_sets if variant in MCORE_VARIANTS else ())
     seq = cfg.data.seq_len or config.max_position_embeddings
     micro = cfg.train.micro_batch_size
     cuda = torch.cuda.is_available()
@@ -160,7 +176,8 @@ def run_one(shape: str, variant: str, steps: int, warmup: int, gas: int, sets: l
               "step_s": step_s, **rates.update(step_s),
               "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
               "alloc_retries": stats.get("num_alloc_retries", 0), "losses": losses, "steps": steps,
-              "sets": list(sets) if variant.startswith("ours") else [], "gpus": world,
+              "sets": list(sets) if variant.startswith("ours") else list(peer_sets) if variant in MCORE_VARIANTS
+              else [], "gpus": world,
               "device": torch.cuda.get_device_name() if cuda else "cpu"}
     if profile:
         result["profile"] = profiled_step(lambda: step(warmup + steps), sync, cuda)
@@ -198,7 +215,10 @@ def table(results: list[dict]) -> str:
         if "error" in r:
             lines.append(f"| {r['shape']} | {label} | failed: {r['error']} |" + " |" * (columns - 3))
             continue
-        same = [x for x in results if x["shape"] == r["shape"] and "error" not in x and not x.get("sets")]
+        # an ours row with --set is an ablation; a peer row with --peer-set is the peer at other settings, and
+        # "vs peer" takes the fastest
+        same = [x for x in results if x["shape"] == r["shape"] and "error" not in x
+                and not (x.get("sets") and x["variant"].startswith("ours"))]
         hf = next((x for x in same if x["variant"] == "peer-bf16"), None)
         base = next((x for x in same if x["variant"] == "ours-bf16"), None)
         vs_hf = (f"{r['tflops_per_gpu'] / hf['tflops_per_gpu']:.2f}x"
@@ -225,12 +245,14 @@ def cli_main(argv: list[str], verb: str = "bench") -> int:
     p.add_argument("--gas", type=int, default=8, help="gradient accumulation steps")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="run-config override for the ours-* variants (ablations), e.g. model.fused_loss=false")
+    p.add_argument("--peer-set", dest="peer_sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="a Megatron-Core switch for the peer-mcore-* variants, e.g. use_transformer_engine_op_fuser=true")
     p.add_argument("--profile", action="store_true", help="also profile one step per variant (kernel time table)")
     p.add_argument("--json", help="write the raw results here")
     p.add_argument("--one", nargs=2, metavar=("SHAPE", "VARIANT"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.one:
-        result = run_one(*a.one, a.steps, a.warmup, a.gas, a.sets, a.profile)
+        result = run_one(*a.one, a.steps, a.warmup, a.gas, a.sets, a.profile, a.peer_sets)
         if int(os.environ.get("RANK", "0")) == 0:
             print("RESULT " + json.dumps(result), flush=True)
         return 0
@@ -243,6 +265,7 @@ def cli_main(argv: list[str], verb: str = "bench") -> int:
         fail("--steps and --gas must be at least 1 and --warmup at least 0")
     from llmjp_ds.validate import validate_run
 
+    peer_switches(a.peer_sets)  # a bad --peer-set fails here too
     for shape in shapes:  # a bad --set fails here, not in every variant's process
         cfg = bench_config(shape, "ours-bf16", a.gas, a.sets)
         validate_run(cfg, cfg.parallel.tensor_parallel)
@@ -290,7 +313,8 @@ def measure(shape: str, variant: str, a) -> dict:
     tp = bench_config(shape, variant, a.gas, a.sets).parallel.tensor_parallel
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={tp}"] if tp > 1 else []
     cmd = [sys.executable, *launcher, "-m", "llmjp_ds.bench", "--one", shape, variant, "--steps", str(a.steps),
-           "--warmup", str(a.warmup), "--gas", str(a.gas)] + [f"--set={s}" for s in a.sets]
+           "--warmup", str(a.warmup), "--gas", str(a.gas)] + [f"--set={s}" for s in a.sets] + \
+        [f"--peer-set={s}" for s in a.peer_sets]
     if a.profile:
         cmd.append("--profile")
     env = dict(os.environ)
@@ -299,7 +323,8 @@ def measure(shape: str, variant: str, a) -> dict:
     found = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not found:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:160]
-        result = {"shape": shape, "variant": variant, "error": tail, "sets": list(a.sets)}
+        result = {"shape": shape, "variant": variant, "error": tail,
+                  "sets": list(a.sets) if variant.startswith("ours") else list(a.peer_sets)}
     else:
         result = json.loads(found[0])
     print(json.dumps({k: v for k, v in result.items() if k != "profile"}), flush=True)

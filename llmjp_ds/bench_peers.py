@@ -6,9 +6,11 @@
 * ``peer-mcore-*``: Megatron-Core (``pip install -e ".[bench]"``), the stack LLM-jp trained the 172B model with,
   at its best single-GPU settings: ``GPTModel`` with the TE layer spec, its ``DistributedDataParallel`` (fp32
   main grads, ``grad_reduce_in_fp32``) with the distributed optimizer (TE's FusedAdam), gradient-accumulation,
-  RoPE (with ``fused_single_qkv_rope``: the QKV split and RoPE in one TE kernel, as ``model.fused_qkv_rope``
-  does for ours), bias-activation and TE cross-entropy fusions, ``forward_backward_no_pipelining`` over the
-  micro-batches.
+  RoPE (with ``fused_single_qkv_rope``: the QKV split and RoPE in one TE kernel, as ``model.fused_qkv_rope:
+  te`` does for ours), bias-activation and TE cross-entropy fusions, TE's op fuser for the MLP
+  (``use_transformer_engine_op_fuser``: measured faster at llmjp3-1.8b in BF16 and FP8, run Z of
+  docs/performance.md), ``forward_backward_no_pipelining`` over the micro-batches. ``llmjp-ds bench
+  --peer-set KEY=VALUE`` changes one of its switches (:data:`MCORE_SWITCHES`).
   FP8 is ``hybrid`` delayed scaling with amax history 1 (most_recent); ``-fp8-param`` adds FP8 primary weights.
 * ``ref-te-layer-*``: plain ``te.TransformerLayer`` forward + backward (no optimizer) at a decoder-only shape:
   the floor our full step at that shape must reach.
@@ -120,7 +122,15 @@ def _apex_wgrad_stand_in() -> None:
     sys.modules[module.__name__] = module
 
 
-def _mcore_config(config, variant: str):
+# Megatron-Core switches a bench run may add to the peer (``llmjp-ds bench --peer-set KEY=VALUE``): fields of its
+# TransformerConfig; ``use_transformer_engine_op_fuser`` also builds the layer spec with TE's op fuser
+MCORE_SWITCHES = ("fused_residual_rmsnorm", "use_transformer_engine_op_fuser", "use_te_activation_func",
+                  "persist_layer_norm", "apply_rope_fusion", "fused_single_qkv_rope", "cross_entropy_loss_fusion",
+                  "cross_entropy_fusion_impl", "bias_activation_fusion", "masked_softmax_fusion",
+                  "gradient_accumulation_fusion")
+
+
+def _mcore_config(config, variant: str, switches: dict | None = None):
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -134,8 +144,9 @@ def _mcore_config(config, variant: str):
         layernorm_epsilon=config.rms_norm_eps, gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=config.initializer_range,
         bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, gradient_accumulation_fusion=True,
-        apply_rope_fusion=True, fused_single_qkv_rope=True, bias_activation_fusion=True,
-        cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="te", **fp8)
+        **{"apply_rope_fusion": True, "fused_single_qkv_rope": True, "bias_activation_fusion": True,
+           "cross_entropy_loss_fusion": True, "cross_entropy_fusion_impl": "te",
+           "use_transformer_engine_op_fuser": True, **(switches or {})}, **fp8)
 
 
 def mcore_loss(per_token: torch.Tensor):
@@ -146,8 +157,9 @@ def mcore_loss(per_token: torch.Tensor):
     return mean, {"lm loss": mean.detach().clone()}
 
 
-def mcore_peer(cfg, trainer, variant: str):
-    """(step, model config) of Megatron-Core at its best single-GPU settings (the module docstring)."""
+def mcore_peer(cfg, trainer, variant: str, switches: dict | None = None):
+    """(step, model config) of Megatron-Core at its best single-GPU settings (the module docstring), with
+    ``switches`` (``{field: value}`` of :data:`MCORE_SWITCHES`) set in its TransformerConfig."""
     _apex_wgrad_stand_in()
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -164,8 +176,9 @@ def mcore_peer(cfg, trainer, variant: str):
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
     config, seq = trainer.model_config, cfg.data.seq_len or trainer.model_config.max_position_embeddings
-    tcfg = _mcore_config(config, variant)
-    gpt = GPTModel(tcfg, get_gpt_layer_with_transformer_engine_spec(), vocab_size=config.vocab_size,
+    tcfg = _mcore_config(config, variant, switches)
+    spec = get_gpt_layer_with_transformer_engine_spec(use_te_op_fuser=tcfg.use_transformer_engine_op_fuser)
+    gpt = GPTModel(tcfg, spec, vocab_size=config.vocab_size,
                    max_sequence_length=seq, position_embedding_type="rope", rotary_base=int(rope_theta(config)),
                    share_embeddings_and_output_weights=False).cuda()
     ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)

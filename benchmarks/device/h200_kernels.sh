@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # On the H200 (device tool): the fused Triton kernels of llmjp_ds/model/kernels (issue #33): their GPU tests,
 # their bandwidth against the paths they replace, and `llmjp-ds bench` at llmjp3-1.8b with each one on and off.
-#   source .whl/env.sh && bash benchmarks/device/h200_kernels.sh rope     # the in-place QKV RoPE alone
-#   source .whl/env.sh && bash benchmarks/device/h200_kernels.sh final    # every kernel, one at a time, + peer
+#   source .whl/env.sh && bash benchmarks/device/h200_kernels.sh check      # the kernels' tests and bandwidth
+#   source .whl/env.sh && bash benchmarks/device/h200_kernels.sh final-a    # + ours with both against the peers
+#   source .whl/env.sh && bash benchmarks/device/h200_kernels.sh final-b    # each off in turn, peer op fuser, profile
+#   source .whl/env.sh && bash benchmarks/device/h200_kernels.sh rope rope-profile   # the RoPE kernel alone
+# (run Z of docs/performance.md: final-a, then final-b)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 DEADLINE=$(( $(date +%s) + ${BUDGET_S:-560} ))

@@ -111,7 +111,7 @@ def join(store, rank: int, world: int, addr: str, port: int, timeout_s: float, n
     keys = [f"{ns}member/{r}" for r in range(world)]
     try:
         store.wait(keys, timedelta(seconds=timeout_s))
-    except (RuntimeError, OSError) as exc:
+    except (RuntimeError, OSError):
         missing = [r for r, key in enumerate(keys) if not _check(store, key)]
         if rank == 0 and missing:
             fail(f"{_ranks_text(missing)} of {world} did not reach the rendezvous at {addr}:{port} within "

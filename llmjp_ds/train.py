@@ -44,8 +44,13 @@ def train(cfg: RunConfig, wait_for_run_dir: float = 0.0) -> dict:
     from llmjp_ds.trainer import Trainer
 
     trainer = Trainer(cfg)
-    trainer.setup(wait_for_run_dir)
-    return trainer.fit()
+    try:
+        trainer.setup(wait_for_run_dir)
+        return trainer.fit()
+    except BaseException as exc:
+        if trainer.ctx is not None:
+            trainer.ctx.report_failure(exc)  # a host gone without a word: name it, once for the job
+        raise
 
 
 def shutdown(clean: bool = True) -> None:
@@ -56,9 +61,6 @@ def shutdown(clean: bool = True) -> None:
 
     if dist.is_available() and dist.is_initialized():
         if clean:
-            from llmjp_ds.parallel.rendezvous import stop_heartbeat
-
-            stop_heartbeat()  # before the barrier: no rank ends while another still watches it
             dist.barrier()
         dist.destroy_process_group()
 

@@ -414,6 +414,7 @@ class Trainer:
                     self.state.step, self.precision.rollbacks):
                 self.save(wait=True)
         self.logger.close()
+        self.ctx.finish()  # the heartbeat stops before the barrier: a rank that ends is not taken for a lost one
         self.ctx.barrier()
         return {"step": self.state.step, "loss": self.last_loss, "run_dir": str(self.run_dir),
                 "rollbacks": self.precision.rollbacks, "skipped_steps": self.state.skipped_total}

@@ -56,7 +56,28 @@ def missing(*tools: str) -> str | None:
     return None
 
 
-class NetHosts:
+class _Started:
+    """A context manager that starts in ``_make`` and undoes in ``close`` (also when ``_make`` fails half-way)."""
+
+    def __enter__(self):
+        try:
+            self._make()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _make(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class NetHosts(_Started):
     """``n`` hosts of network namespaces with sshd; see the module docstring. A context manager."""
 
     def __init__(self, n: int, root: Path):
@@ -72,17 +93,6 @@ class NetHosts:
         self.sshd_pids: dict[str, int] = {}
 
     # --- making and removing ------------------------------------------------------------------------------
-    def __enter__(self) -> "NetHosts":
-        try:
-            self._make()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def _make(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.key))
@@ -200,7 +210,7 @@ class NetHosts:
         return killed
 
 
-class Slurm:
+class Slurm(_Started):
     """munged, a slurmctld on the first host and a slurmd on each host of ``hosts``. A context manager."""
 
     def __init__(self, hosts: NetHosts, root: Path):
@@ -208,18 +218,7 @@ class Slurm:
         self.conf = self.root / "slurm.conf"
         self.head = hosts.names[0]
 
-    def __enter__(self) -> "Slurm":
-        try:
-            self._start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def _start(self) -> None:
+    def _make(self) -> None:
         r = self.root
         for sub in ("state", "munge", *(f"spool-{n}" for n in self.hosts.names)):
             (r / sub).mkdir(parents=True, exist_ok=True)

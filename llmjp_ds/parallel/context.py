@@ -28,13 +28,14 @@ from llmjp_ds.parallel.layout import Layout
 SHARED_TOKEN = ".llmjp_ds_shared"
 
 
-def init_distributed(rendezvous_timeout_s: float = 60.0, heartbeat_timeout_s: float = 30.0) -> list:
+def init_distributed(rendezvous_timeout_s: float = 60.0, heartbeat_timeout_s: float = 30.0) -> tuple[list, object]:
     """Start torch.distributed (NCCL on CUDA, gloo on CPU); a lone process gets defaults.
 
-    Returns this rank's launchers, to notice them gone (:mod:`llmjp_ds.parallel.launcher`), and turns a
-    rendezvous port in use into one line naming the port, its holder and how to choose another. Several ranks
-    meet through :mod:`llmjp_ds.parallel.rendezvous` (bounded by ``rendezvous_timeout_s``), which also starts the
-    heartbeat over several hosts (``heartbeat_timeout_s``; 0: none)."""
+    Returns this rank's launchers, to notice them gone (:mod:`llmjp_ds.parallel.launcher`), and its heartbeat
+    (None but over several hosts), and turns a rendezvous port in use into one line naming the port, its holder
+    and how to choose another. Several ranks meet through :mod:`llmjp_ds.parallel.rendezvous` (bounded by
+    ``rendezvous_timeout_s``), which also starts the heartbeat over several hosts (``heartbeat_timeout_s``; 0:
+    none)."""
     import deepspeed
     import torch.distributed as dist
 
@@ -60,21 +61,22 @@ def init_distributed(rendezvous_timeout_s: float = 60.0, heartbeat_timeout_s: fl
     serves_store = rank == 0 and not agent_store and not dist.is_initialized()  # started already: nothing to do
     if serves_store and not launcher.check_port_free(port):
         fail(launcher.port_in_use_message(addr, port))  # before torch logs its own lines about it
+    heartbeat = None
     try:
         if world > 1 and not dist.is_initialized():
-            _meet(backend, rank, world, addr, port, agent_store, rendezvous_timeout_s, heartbeat_timeout_s)
+            heartbeat = _meet(backend, rank, world, addr, port, agent_store, rendezvous_timeout_s, heartbeat_timeout_s)
         deepspeed.init_distributed(dist_backend=backend)
     except Exception as exc:
         if serves_store and launcher.is_address_in_use(exc):  # taken between the check and the store's bind
             fail(launcher.port_in_use_message(addr, port))
         raise
-    return launchers
+    return launchers, heartbeat
 
 
 def _meet(backend: str, rank: int, world: int, addr: str, port: int, agent_store: bool, rendezvous_timeout_s: float,
-          heartbeat_timeout_s: float) -> None:
+          heartbeat_timeout_s: float):
     """The rendezvous of ``world`` ranks (:mod:`llmjp_ds.parallel.rendezvous`), the socket interface of the
-    master's host, the process group, then the heartbeat."""
+    master's host, the process group, then the heartbeat (returned; None on one host)."""
     import torch.distributed as dist
     from deepspeed.constants import default_pg_timeout
 
@@ -98,8 +100,8 @@ def _meet(backend: str, rank: int, world: int, addr: str, port: int, agent_store
         kwargs = {"device_id": torch.device("cuda", int(os.environ["LOCAL_RANK"]))} if backend == "nccl" else {}
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=default_pg_timeout,
                                 **kwargs)
-    rendezvous.start_heartbeat(addr, port, rank, int(os.environ["LOCAL_RANK"]), members, heartbeat_timeout_s,
-                               namespace)
+    return rendezvous.start_heartbeat(addr, port, rank, int(os.environ["LOCAL_RANK"]), members, heartbeat_timeout_s,
+                                      namespace)
 
 
 @dataclass
@@ -114,6 +116,7 @@ class ParallelContext:
     mpu: object | None = None  # DeepSpeed's grid of the layout, handed to a ZeRO engine under TP
     stage_group: object | None = None  # this pipeline stage's ranks (TP x DP) under TP
     launchers: list = field(default_factory=list)  # the processes that launched this rank (parallel.launcher)
+    heartbeat: object | None = None  # this rank's heartbeat over several hosts (parallel.rendezvous), else None
 
     @classmethod
     def start(cls, layout: Layout, sequence_parallel: bool = False, parallel=None) -> "ParallelContext":
@@ -123,10 +126,10 @@ class ParallelContext:
 
         timeouts = {} if parallel is None else {"rendezvous_timeout_s": parallel.rendezvous_timeout_s,
                                                 "heartbeat_timeout_s": parallel.heartbeat_timeout_s}
-        launchers = init_distributed(**timeouts)
+        launchers, heartbeat = init_distributed(**timeouts)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         ctx = cls(layout=layout, rank=dist.get_rank(), device=device, dp_rank=dist.get_rank(),
-                  dp_size=dist.get_world_size(), launchers=launchers)
+                  dp_size=dist.get_world_size(), launchers=launchers, heartbeat=heartbeat)
         if layout.tensor > 1:
             ctx._tensor_groups(sequence_parallel)
         return ctx
@@ -171,6 +174,21 @@ class ParallelContext:
     def loss_copies(self) -> int:
         """How many ranks hold a copy of each loss term summed by :meth:`all_reduce` (data x tensor parallel)."""
         return self.dp_size * self.layout.tensor
+
+    def finish(self) -> None:
+        """Before the last barrier of a run that ends normally: stop the heartbeat (marked finished), so that no
+        rank that ends is taken for a lost one by a rank still in the barrier."""
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+            self.heartbeat = None
+
+    def report_failure(self, exc: BaseException) -> None:
+        """A collective failed on this rank with ``exc``: when a peer on another host closed its connections,
+        say once for the job which host (:meth:`Heartbeat.report_lost_peer`)."""
+        from llmjp_ds.parallel.failure import is_peer_failure
+
+        if self.heartbeat is not None and is_peer_failure(exc):
+            self.heartbeat.report_lost_peer(exc)
 
     # --- collectives the trainer uses ----------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:

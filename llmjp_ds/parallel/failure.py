@@ -62,10 +62,7 @@ def end_on_error(exc: BaseException) -> None:
         print(f"error: [rank {rank}] {exc}", file=sys.stderr)
         code = exc.exit_code
     elif is_peer_failure(exc):
-        from llmjp_ds.parallel.rendezvous import report_lost_peer
-
-        report_lost_peer(exc, rank)  # a peer on another host gone without a word: name that host, once
-        code = 1  # otherwise another rank failed first and said why
+        code = 1  # another rank failed first and said why (or, a host gone: ParallelContext.report_failure did)
     else:
         traceback.print_exception(exc)
         print(f"error: [rank {rank}] {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}",

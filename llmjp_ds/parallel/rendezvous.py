@@ -22,8 +22,9 @@ apart from the collectives. The first rank of each host also reads every rank's 
 still for ``parallel.heartbeat_timeout_s`` names its rank and host. A store that stops answering for that long
 names the master's host. The rank that notices first prints one line and ends the job: the other ranks see the
 ``failed`` key, or the closed store, and end quietly. A rank whose process ended leaves a refused connection,
-not silence: its peers' collectives fail at once, and the rank that failed says why. :func:`stop_heartbeat` marks
-a rank finished before the last barrier, so that a rank ending normally is never taken for a lost one.
+not silence: its peers' collectives fail at once, and the rank that failed says why. :meth:`Heartbeat.stop` marks
+a rank finished before the last barrier, so that a rank ending normally is never taken for a lost one. The
+:class:`~llmjp_ds.parallel.context.ParallelContext` holds its rank's heartbeat.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ from llmjp_ds.errors import fail
 
 PREFIX = "llmjp_ds/"
 LOST_EXIT = 3  # the exit status of a rank that ends the job for a lost peer (as the stall watchdog's)
-_ACTIVE: list["Heartbeat"] = []  # this process's heartbeat (one process, one rank)
 
 
 @dataclass(frozen=True)
@@ -229,6 +229,25 @@ class Heartbeat:
         sys.stdout.flush()
         os._exit(LOST_EXIT if line else 1)
 
+    def report_lost_peer(self, exc: BaseException) -> bool:
+        """A collective of this rank failed because a connection to a peer closed (``exc``): when the message names
+        the address of another host of the job, print once for the job which host that is; True when it does."""
+        import re
+
+        lost: dict[tuple[str, str], list[int]] = {}
+        for r, m in enumerate(self.members):
+            if m.host != socket.gethostname() and re.search(rf"(?<![\d.]){re.escape(m.addr)}(?![\d])", str(exc)):
+                lost.setdefault((m.host, m.addr), []).append(r)
+        if not lost:
+            return False
+        (host, addr), ranks = next(iter(lost.items()))
+        line = (f"error: [rank {self.rank}] the connection to {host} ({addr}, {_ranks_text(ranks)}) closed: its "
+                f"processes ended or the host went down; ending the job (relaunch without {host}: training resumes "
+                f"from the latest checkpoint)")
+        if self.claim(line):
+            print(line, file=sys.stderr, flush=True)
+        return True
+
     def claim(self, line: str) -> bool:
         """Whether ``line`` is the first failure reported in the store (the job prints one)."""
         try:
@@ -252,34 +271,4 @@ def start_heartbeat(addr: str, port: int, rank: int, local_rank: int, members: l
     """This rank's heartbeat, when the ranks span several hosts and ``timeout_s`` > 0 (None otherwise)."""
     if timeout_s <= 0 or len(hosts(members)) < 2:
         return None
-    beat = Heartbeat(addr, port, rank, members, timeout_s, checks=local_rank == 0, namespace=namespace).start()
-    _ACTIVE.append(beat)
-    return beat
-
-
-def report_lost_peer(exc: BaseException, rank: int) -> bool:
-    """A collective of this rank failed because a connection to a peer closed (``exc``): when the message names
-    the address of another host of the job, print once for the job which host that is; True when printed."""
-    import re
-
-    if not _ACTIVE:
-        return False
-    beat, text, me = _ACTIVE[0], str(exc), socket.gethostname()
-    lost = {}
-    for r, m in enumerate(beat.members):
-        if m.host != me and re.search(rf"(?<![\d.]){re.escape(m.addr)}(?![\d])", text):
-            lost.setdefault((m.host, m.addr), []).append(r)
-    if not lost:
-        return False
-    (host, addr), ranks = next(iter(lost.items()))
-    line = (f"error: [rank {rank}] the connection to {host} ({addr}, {_ranks_text(ranks)}) closed: its processes "
-            f"ended or the host went down; ending the job (relaunch without {host}: training resumes from the latest "
-            f"checkpoint)")
-    if beat.claim(line):
-        print(line, file=sys.stderr, flush=True)
-    return True
-
-
-def stop_heartbeat() -> None:
-    while _ACTIVE:
-        _ACTIVE.pop().stop()
+    return Heartbeat(addr, port, rank, members, timeout_s, checks=local_rank == 0, namespace=namespace).start()

@@ -76,14 +76,9 @@ def test_ranks_that_beat_are_not_lost_and_a_claimed_failure_ends_the_others_quie
     ("Connection closed by peer [110.9.8.2]:4567", False),
 ])
 def test_a_closed_connection_names_the_host_whose_address_it_carries(text, named, capsys, monkeypatch):
-    class Fake:
-        members = MEMBERS
-
-        def claim(self, line):
-            return True
-
-    monkeypatch.setattr(rendezvous, "_ACTIVE", [Fake()])
     monkeypatch.setattr(rendezvous.socket, "gethostname", lambda: "node1")
-    assert rendezvous.report_lost_peer(RuntimeError(text), 0) is named
+    monkeypatch.setattr(Heartbeat, "claim", lambda self, line: True)
+    beat = Heartbeat("127.0.0.1", free_port(), 0, MEMBERS, 1.0, checks=True)  # never started
+    assert beat.report_lost_peer(RuntimeError(text)) is named
     err = capsys.readouterr().err
     assert ("the connection to node2 (10.9.8.2, ranks 1, 2) closed" in err) is named

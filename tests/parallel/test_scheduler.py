@@ -331,6 +331,8 @@ REPO = Path(__file__).resolve().parents[2]
 STAND_IN = """#!/bin/bash
 echo "$(basename "$0") $* | ${MASTER_ADDR:-}:${MASTER_PORT:-}" >> "$LOG"
 if [ "$(basename "$0")" = scontrol ] && [ "$1" = show ]; then printf 'n1\\nn2\\n'; fi
+if [ "$(basename "$0")" = scancel ]; then kill -TERM "$(cat "$LOG.srun.pid")"; exit 0; fi
+echo $$ > "$LOG.$(basename "$0").pid"
 if [ "$(basename "$0")" != scontrol ] && [ -n "${HOLD:-}" ]; then
     trap 'echo "$(basename "$0") got TERM" >> "$LOG"; exit 0' TERM
     sleep 30 & wait
@@ -342,7 +344,7 @@ def _stand_ins(tmp_path) -> dict:
     """PATH with stand-ins that log their arguments (and, with HOLD=1, wait for SIGTERM as a training would)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name in ("srun", "mpirun", "scontrol", "deepspeed"):
+    for name in ("srun", "mpirun", "scontrol", "scancel", "deepspeed"):
         (bin_dir / name).write_text(STAND_IN)
         (bin_dir / name).chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PE_", "PBS_"))}
@@ -381,7 +383,9 @@ def test_slurm_templates_launch_and_requeue_before_the_time_limit(tmp_path, scri
         job.kill()
     launcher = launch.split()[0]
     after = [line for line in _log(tmp_path) if not line.startswith((f"{launcher} -", "scontrol show"))]
-    assert after == [f"{launcher} got TERM", f"scontrol requeue 1234567 | {launch.rsplit('| ', 1)[1]}"]
+    rendezvous = launch.rsplit('| ', 1)[1]
+    stop = [f"scancel --signal=TERM 1234567 | {rendezvous}"] if launcher == "srun" else []  # the steps' tasks
+    assert after == [*stop, f"{launcher} got TERM", f"scontrol requeue 1234567 | {rendezvous}"]
 
 
 def test_sge_template_writes_the_hostfile_and_starts_deepspeed(tmp_path):

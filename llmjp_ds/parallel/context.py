@@ -16,7 +16,6 @@ import secrets
 import socket
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -82,22 +81,21 @@ def _meet(backend: str, rank: int, world: int, addr: str, port: int, agent_store
 
     from llmjp_ds.parallel import rendezvous, scheduler
 
-    namespace = ""
-    if agent_store:  # torchrun's agents met already; a restart of the workers meets in a namespace of its own
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
-                                timeout=default_pg_timeout)
-        store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=rendezvous_timeout_s),
-                              wait_for_workers=False)
-        namespace = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/"
-    else:
-        store = rendezvous.open_store(rank, world, addr, port, rendezvous_timeout_s)
+    # under torchrun its agent serves the store (the agents met already); a restart of the workers meets in a
+    # namespace of its own
+    store = rendezvous.open_store(rank, world, addr, port, rendezvous_timeout_s, serve=not agent_store)
+    namespace = (f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/"
+                 if agent_store else "")
     members = rendezvous.join(store, rank, world, addr, port, rendezvous_timeout_s, namespace)
-    if not agent_store:
-        others = [m.addr for m in members if m.host != socket.gethostname()]
-        if others:  # several hosts: the master's host learns the route to another one only now
-            scheduler.set_socket_interface_to(addr, port, others)
+    others = [m.addr for m in members if m.host != socket.gethostname()]
+    if others:  # several hosts: the master's host learns the route to another one only now
+        scheduler.set_socket_interface_to(addr, port, others)
+    kwargs = {"device_id": torch.device("cuda", int(os.environ["LOCAL_RANK"]))} if backend == "nccl" else {}
+    if agent_store:
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
+                                timeout=default_pg_timeout, **kwargs)
+    else:
         store.set_timeout(default_pg_timeout)
-        kwargs = {"device_id": torch.device("cuda", int(os.environ["LOCAL_RANK"]))} if backend == "nccl" else {}
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=default_pg_timeout,
                                 **kwargs)
     return rendezvous.start_heartbeat(addr, port, rank, int(os.environ["LOCAL_RANK"]), members, heartbeat_timeout_s,

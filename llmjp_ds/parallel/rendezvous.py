@@ -69,12 +69,13 @@ def _local_addr(ip: str, port: int) -> str:
             return ip
 
 
-def open_store(rank: int, world: int, addr: str, port: int, timeout_s: float):
-    """Rank 0: serve the store on ``port``; the others: connect to ``addr:port`` within ``timeout_s``."""
+def open_store(rank: int, world: int, addr: str, port: int, timeout_s: float, serve: bool = True):
+    """Rank 0 (``serve``): serve the store on ``port``; the others, or every rank when torchrun's agent serves it:
+    connect to ``addr:port`` within ``timeout_s``."""
     import torch.distributed as dist
 
     ip = _resolve(addr, port)
-    if rank == 0:
+    if rank == 0 and serve:
         return dist.TCPStore(addr, port, world, is_master=True, timeout=timedelta(seconds=timeout_s),
                              wait_for_workers=False)
     try:

@@ -331,10 +331,11 @@ REPO = Path(__file__).resolve().parents[2]
 STAND_IN = """#!/bin/bash
 echo "$(basename "$0") $* | ${MASTER_ADDR:-}:${MASTER_PORT:-}" >> "$LOG"
 if [ "$(basename "$0")" = scontrol ] && [ "$1" = show ]; then printf 'n1\\nn2\\n'; fi
-if [ "$(basename "$0")" = scancel ]; then kill -TERM "$(cat "$LOG.srun.pid")"; exit 0; fi
-echo $$ > "$LOG.$(basename "$0").pid"
+if [ "$(basename "$0")" = scancel ]; then kill -TERM "$(cat "$LOG.launcher.pid")"; exit 0; fi
+case "$(basename "$0")" in srun|mpirun) echo $$ > "$LOG.launcher.pid";; esac
 if [ "$(basename "$0")" != scontrol ] && [ -n "${HOLD:-}" ]; then
     trap 'echo "$(basename "$0") got TERM" >> "$LOG"; exit 0' TERM
+    trap 'echo "$(basename "$0") got USR1" >> "$LOG"; exit 0' USR1
     sleep 30 & wait
 fi
 """
@@ -361,7 +362,8 @@ def _log(tmp_path) -> list[str]:
 @pytest.mark.parametrize("script, launch", [
     ("slurm.sbatch", "srun --kill-on-bad-exit=1 python -m llmjp_ds.train --config run.yaml --set a=b | :"),
     ("slurm-mpirun.sbatch", "mpirun -np 4 --npernode 2 -bind-to none -map-by slot -x MASTER_ADDR -x MASTER_PORT -x "
-                            "PATH -x LD_LIBRARY_PATH python -m llmjp_ds.train --config run.yaml --set a=b | n1:44567"),
+                            "PATH -x LD_LIBRARY_PATH python -m llmjp_ds.train --set "
+                            "checkpoint.stop_signals=[SIGTERM,SIGINT,SIGUSR1] --config run.yaml --set a=b | n1:44567"),
 ])
 def test_slurm_templates_launch_and_requeue_before_the_time_limit(tmp_path, script, launch):
     env = _stand_ins(tmp_path)
@@ -384,8 +386,10 @@ def test_slurm_templates_launch_and_requeue_before_the_time_limit(tmp_path, scri
     launcher = launch.split()[0]
     after = [line for line in _log(tmp_path) if not line.startswith((f"{launcher} -", "scontrol show"))]
     rendezvous = launch.rsplit('| ', 1)[1]
-    stop = [f"scancel --signal=TERM 1234567 | {rendezvous}"] if launcher == "srun" else []  # the steps' tasks
-    assert after == [*stop, f"{launcher} got TERM", f"scontrol requeue 1234567 | {rendezvous}"]
+    # srun: SIGTERM to the steps' tasks through scancel (not the script); mpirun: SIGUSR1, which it forwards
+    stop = [f"scancel --signal=TERM 1234567 | {rendezvous}", "srun got TERM"] if launcher == "srun" else [
+        "mpirun got USR1"]
+    assert after == [*stop, f"scontrol requeue 1234567 | {rendezvous}"]
 
 
 def test_sge_template_writes_the_hostfile_and_starts_deepspeed(tmp_path):

@@ -198,14 +198,21 @@ def test_torchrun_agent_signalled_or_killed_the_rank_saves_and_ends(baseline, tm
 
 
 @pytest.mark.timeout(120)
-def test_a_port_in_use_is_one_line_naming_it_and_its_holder(bundled, tmp_path):
+@pytest.mark.parametrize("launch", ["torchrun", "srun"])
+def test_a_port_in_use_is_one_line_naming_it_and_its_holder(bundled, tmp_path, launch):
     """A stale process holds the rendezvous port: the relaunch ends with one line (the port, the host, the
-    holder's pid and command line, how to choose another), no traceback, and writes nothing."""
+    holder's pid and command line, how to choose another), no traceback, and writes nothing. ``srun``: rank 0 of
+    a Slurm step of two tasks, which serves the store itself, refuses before waiting for the other."""
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        env = subprocess_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=0, WORLD_SIZE=1, LOCAL_RANK=0)
+        if launch == "torchrun":
+            env = subprocess_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=0, WORLD_SIZE=1, LOCAL_RANK=0)
+        else:
+            env = subprocess_env(SLURM_JOB_ID=4242, SLURM_STEP_ID=0, SLURM_NTASKS=2, SLURM_PROCID=0, SLURM_LOCALID=0,
+                                 SLURM_NODEID=0, SLURM_JOB_NODELIST="localhost", SLURM_NTASKS_PER_NODE=2,
+                                 MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         result = run(train_argv(tmp_path / "run", TINY, "train.steps=2"), env=env, timeout=100)
     assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
     lines = result.stderr.splitlines()

@@ -60,17 +60,6 @@ def _resolve(addr: str, port: int) -> str:
              f"MASTER_ADDR to the first host's address")
 
 
-def _local_addr(ip: str, port: int) -> str:
-    """This host's address on the route to ``ip`` (a UDP connect picks the route and sends nothing)."""
-    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((ip, port))
-            return s.getsockname()[0]
-        except OSError:
-            return ip
-
-
 def open_store(rank: int, world: int, addr: str, port: int, timeout_s: float, serve: bool = True):
     """Rank 0 (``serve``): serve the store on ``port``; the others, or every rank when torchrun's agent serves it:
     connect to ``addr:port`` within ``timeout_s``."""
@@ -108,7 +97,9 @@ def _ranks_text(ranks: list[int]) -> str:
 def join(store, rank: int, world: int, addr: str, port: int, timeout_s: float, namespace: str = "") -> list[Member]:
     """Announce this rank and wait for all ``world`` ranks (``timeout_s``); every rank's host and address."""
     ns = f"{PREFIX}{namespace}"
-    me = Member(socket.gethostname(), _local_addr(_resolve(addr, port), port))
+    from llmjp_ds.parallel.scheduler import route_interface
+
+    me = Member(socket.gethostname(), route_interface(addr, port)[0])  # open_store resolved addr already
     store.set(f"{ns}member/{rank}", f"{me.host}\t{me.addr}")
     store.set(f"{ns}beat/{rank}", "0")
     keys = [f"{ns}member/{r}" for r in range(world)]
@@ -145,11 +136,11 @@ class Heartbeat:
     """This rank's beat, and (``checks``) the watch over every rank's; see the module docstring."""
 
     def __init__(self, addr: str, port: int, rank: int, members: list[Member], timeout_s: float, checks: bool,
-                 namespace: str = "", master_host: str | None = None):
+                 namespace: str = ""):
         self.addr, self.port, self.rank, self.members = addr, port, rank, members
         self.timeout_s, self.checks = timeout_s, checks
         self.ns = f"{PREFIX}{namespace}"
-        self.master_host = master_host or members[0].host
+        self.master_host = members[0].host  # rank 0 serves the store (under torchrun its agent, on the same host)
         self.interval_s = max(0.2, min(5.0, timeout_s / 6))
         self.answered = time.monotonic()  # when the store last answered a round of beats
         self._stop = threading.Event()
@@ -209,8 +200,7 @@ class Heartbeat:
         line = (f"error: [rank {self.rank}] rank {rank} on {m.host} ({m.addr}) has sent no heartbeat for "
                 f"{silent_s:.0f} s: the host died, its network went down, or the process was stopped; ending the "
                 f"job (relaunch without {m.host}: training resumes from the latest checkpoint)")
-        won = store.compare_set(f"{self.ns}failed", "", line).decode() == line
-        self._end(line if won else None)
+        self._end(line if self.claim(line, store) else None)
 
     def _store_lost(self, exc: BaseException, since: float) -> None:
         if "refused" in str(exc).lower() or "reset" in str(exc).lower() or "broken pipe" in str(exc).lower():
@@ -251,11 +241,13 @@ class Heartbeat:
             print(line, file=sys.stderr, flush=True)
         return True
 
-    def claim(self, line: str) -> bool:
-        """Whether ``line`` is the first failure reported in the store (the job prints one)."""
-        try:
-            store = self._connect()
+    def claim(self, line: str, store=None) -> bool:
+        """Whether ``line`` is the first failure reported in the store (the job prints one); ``store``: the
+        heartbeat thread's connection (its errors are the thread's to handle), else a new one."""
+        if store is not None:
             return store.compare_set(f"{self.ns}failed", "", line).decode() == line
+        try:
+            return self.claim(line, self._connect())
         except (RuntimeError, OSError):
             return True  # the store is gone too: say it here
 

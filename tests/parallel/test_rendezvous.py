@@ -77,7 +77,7 @@ def test_ranks_that_beat_are_not_lost_and_a_claimed_failure_ends_the_others_quie
 ])
 def test_a_closed_connection_names_the_host_whose_address_it_carries(text, named, capsys, monkeypatch):
     monkeypatch.setattr(rendezvous.socket, "gethostname", lambda: "node1")
-    monkeypatch.setattr(Heartbeat, "claim", lambda self, line: True)
+    monkeypatch.setattr(Heartbeat, "claim", lambda self, line, store=None: True)
     beat = Heartbeat("127.0.0.1", free_port(), 0, MEMBERS, 1.0, checks=True)  # never started
     assert beat.report_lost_peer(RuntimeError(text)) is named
     err = capsys.readouterr().err

@@ -169,6 +169,9 @@ class OptimConfig:
     eps: float = field(default=1e-8, metadata=above(0, "AdamW's denominator term"))
     weight_decay: float = field(default=0.1, metadata=at_least(0))  # not on norm weights
     clip_grad: float = field(default=1.0, metadata=at_least(0, "the gradient-norm clip; 0 = off"))
+    # on CUDA with DeepSpeed's BF16 optimizer: the clip, AdamW and the bf16 copy of the weights in one Triton
+    # pass (llmjp_ds.model.kernels.adamw); elsewhere, and when false, DeepSpeed's step
+    fused_step: bool = True
 
 
 @dataclass

@@ -5,7 +5,9 @@
 #   source .whl/env.sh && bash benchmarks/device/h200_kernels.sh final-a    # + ours with both against the peers
 #   source .whl/env.sh && bash benchmarks/device/h200_kernels.sh final-b    # each off in turn, peer op fuser, profile
 #   source .whl/env.sh && bash benchmarks/device/h200_kernels.sh rope rope-profile   # the RoPE kernel alone
-# (run Z of docs/performance.md: final-a, then final-b)
+#   source .whl/env.sh && bash benchmarks/device/h200_kernels.sh step-a   # GPU tests, bandwidth, 1.8B vs the peers
+#   source .whl/env.sh && bash benchmarks/device/h200_kernels.sh step-b   # the slice, the stage, the flip, FP8 profile
+# (run Z of docs/performance.md: final-a, then final-b; run AA: step-a, then step-b)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 DEADLINE=$(( $(date +%s) + ${BUDGET_S:-560} ))
@@ -27,6 +29,23 @@ bandwidth() {
   timeout 180 python benchmarks/device/kernel_bandwidth.py --kernels "$1" --json "$OUT/bandwidth.json" \
     > "$OUT/bandwidth.log" 2>&1
   echo "rc=$?" >> "$S"; grep -E "^\||Error" "$OUT/bandwidth.log" >> "$S"; }
+flip() {  # the 1.8B's layer shape, 2 layers: BF16 -> FP8 delayed at step 6 (calibrated on 4-5), 14 steps
+  # uninterrupted, against 10 steps with a checkpoint and a resume to 14; every kernel at its default
+  if (( $(left) < 150 )); then echo "=== flip skipped (time)" | tee -a "$S"; return; fi
+  echo "=== flip ($(date +%T)): 14 steps uninterrupted vs 10 + resume to 14" | tee -a "$S"
+  local common=(--preset llmjp3-1.8b --set logging.wandb=disabled --set train.global_batch_size=8
+    --set train.micro_batch_size=2 --set optim.warmup_steps=2 --set optim.decay_steps=14 --set train.eval_interval=0
+    --set model.backend=te --set model.overrides.num_layers=2 --set precision.log_amax=true
+    --set "precision.phases=[{precision: bf16}, {precision: fp8, start_step: 6, recipe: delayed, fp8_format: hybrid, amax_history_len: 16, calibration_steps: 2}]")
+  rm -rf /tmp/flip-a /tmp/flip-b
+  timeout 200 python -m llmjp_ds.train "${common[@]}" --set run_dir=/tmp/flip-a --set train.steps=14 \
+    --set checkpoint.interval=0 --set checkpoint.save_at_end=false > "$OUT/flip-a.log" 2>&1; echo "flip-a rc=$?" >> "$S"
+  timeout 150 python -m llmjp_ds.train "${common[@]}" --set run_dir=/tmp/flip-b --set train.steps=10 \
+    --set checkpoint.interval=10 > "$OUT/flip-b.log" 2>&1; echo "flip-b rc=$?" >> "$S"
+  timeout 150 python -m llmjp_ds.train "${common[@]}" --set run_dir=/tmp/flip-b --set train.steps=14 \
+    --set checkpoint.save_at_end=false >> "$OUT/flip-b.log" 2>&1; echo "flip-b resumed rc=$?" >> "$S"
+  cp /tmp/flip-a/metrics.jsonl "$OUT/flip-a-metrics.jsonl"; cp /tmp/flip-b/metrics.jsonl "$OUT/flip-b-metrics.jsonl"
+  python benchmarks/device/resume_summary.py /tmp/flip-a /tmp/flip-b 2>&1 | tee -a "$S"; }
 B=(--shapes llmjp3-1.8b --steps 3 --warmup 2)
 for mode in "$@"; do
 case $mode in
@@ -58,6 +77,19 @@ case $mode in
       --peer-set use_transformer_engine_op_fuser=true
     LLMJP_DS_FUSED_LOSS=triton bench 1.8b-profile --shapes llmjp3-1.8b --steps 2 --warmup 2 --variants ours-bf16 \
       --profile --set model.fused_qkv_rope=triton ;;
+  step-a)  # every GPU test; the kernels' bandwidth; 1.8B ours against the peers at their best; the fused step off
+    TESTS_S=200 tests gpu-tests tests
+    bandwidth rope,loss,adamw
+    bench 1.8b-all "${B[@]}" --variants ours-bf16,ours-fp8-delayed,peer-mcore-bf16,peer-mcore-fp8-param
+    bench 1.8b-step-off "${B[@]}" --variants ours-bf16,ours-fp8-delayed --set optim.fused_step=false ;;
+  step-b)  # the 172B slice and TP4 stage against the peers; the flip and a resume with every kernel on; FP8 profile
+    bench slice-all --shapes 172b-slice --steps 3 --warmup 2 \
+      --variants ours-bf16,ours-fp8-delayed,peer-mcore-bf16,peer-mcore-fp8-param
+    bench slice-step-off --shapes 172b-slice --steps 3 --warmup 2 --variants ours-bf16,ours-fp8-delayed \
+      --set optim.fused_step=false
+    bench stage --shapes 172b-tp4-stage --steps 3 --warmup 2
+    flip
+    bench 1.8b-fp8-profile --shapes llmjp3-1.8b --steps 2 --warmup 2 --variants ours-fp8-delayed --profile ;;
   *) echo "unknown mode $mode" | tee -a "$S" ;;
 esac
 done

@@ -3,10 +3,11 @@
     source .whl/env.sh && python benchmarks/device/kernel_bandwidth.py [--json OUT.json]
 
 Each row: one kernel call at a bench shape's size (llmjp3-1.8b: micro-batch 2 x 4096 tokens; 172b-slice: 1 x
-4096), its median time over 50 calls (CUDA events) and the bytes it must move (what it reads and writes once,
-as the roofline counts them) over that time. Times are device times (calls replayed from a CUDA graph). The
-in-place RoPE backward is the forward kernel with the sine negated, on the gradient buffer TE's attention
-writes in the QKV layout.
+4096; the optimizer step: 2^30 fp32 elements), its median time over 50 calls (CUDA events) and the bytes it must
+move (what it reads and writes once, as the roofline counts them) over that time. Times are device times (calls
+replayed from a CUDA graph; the loss and the optimizer step: wall time over back-to-back calls). The in-place
+RoPE backward is the forward kernel with the sine negated, on the gradient buffer TE's attention writes in the
+QKV layout.
 """
 
 from __future__ import annotations
@@ -139,6 +140,36 @@ def loss_rows(name, rows, vocab):
     return out
 
 
+def adamw_rows(elements: int = 2**30):
+    """One optimizer step over a flat fp32 partition of ``elements`` (DeepSpeed's layout: one per parameter
+    group), clipping: DeepSpeed's path (the clip's multiply, torch's fused AdamW, the copy into the bf16
+    weights) against the one-pass kernel. Bytes as the roofline counts them: 8 + 28 + 6 per element against
+    30. The per-step cost at a shape is this time scaled by its parameter count (``parameter_count_for``)."""
+    from llmjp_ds.model.kernels import adamw
+
+    param = torch.randn(elements, device="cuda")
+    param.grad = torch.randn(elements, device="cuda")
+    lowp = torch.empty(elements, device="cuda", dtype=torch.bfloat16)
+    opt = torch.optim.AdamW([param], lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+    coef = torch.tensor(0.5, device="cuda")
+    state = {}
+    parts = {"clip (multiply)": (lambda: param.grad.mul_(coef), 8),
+             "torch fused AdamW": (opt.step, 28),
+             "copy into the bf16 weights": (lambda: lowp.copy_(param), 6)}
+    rows = []
+    for path, (fn, per) in parts.items():
+        ms = loop_ms(fn)
+        rows.append({"shape": f"{elements:,} elements", "kernel": "optimizer step", "path": f"DeepSpeed: {path}",
+                     "direction": "-", "ms": ms, "bytes": per * elements, "tb_s": per * elements / ms / 1e9})
+    total_ms = sum(r["ms"] for r in rows)
+    rows.append({"shape": f"{elements:,} elements", "kernel": "optimizer step", "path": "DeepSpeed: all three",
+                 "direction": "-", "ms": total_ms, "bytes": 42 * elements, "tb_s": 42 * elements / total_ms / 1e9})
+    ms = loop_ms(lambda: adamw.adamw_step_(param, param.grad, state, lowp, opt.param_groups[0], coef))
+    rows.append({"shape": f"{elements:,} elements", "kernel": "optimizer step", "path": "one pass (triton)",
+                 "direction": "-", "ms": ms, "bytes": 30 * elements, "tb_s": 30 * elements / ms / 1e9})
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--json")
@@ -151,6 +182,8 @@ def main():
         if "loss" in a.kernels:
             rows += loss_rows(name, shape["tokens"][0] * shape["tokens"][1], 99584 if name == "llmjp3-1.8b" else 99840)
         torch.cuda.empty_cache()
+    if "adamw" in a.kernels:
+        rows += adamw_rows()
     print("| shape | kernel | path | direction | ms per call | MB moved | TB/s |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

@@ -97,7 +97,7 @@ def initialize(cfg: RunConfig, model, layout: Layout, mpu=None):
 
     from llmjp_ds.optim import build_optimizer
     from llmjp_ds.parallel.ds_config import build_ds_config
-    from llmjp_ds.parallel.deepspeed_internals import fuse_grad_accumulation
+    from llmjp_ds.parallel.deepspeed_internals import fuse_grad_accumulation, fuse_optimizer_step
 
     # fp32 + ZeRO-0 is the one layout where DeepSpeed steps our AdamW directly, with no overflow check: a
     # non-finite step must still be skipped (and reported through was_step_applied) there
@@ -107,4 +107,6 @@ def initialize(cfg: RunConfig, model, layout: Layout, mpu=None):
                                            mpu=mpu)
     if cfg.parallel.fused_grad_accumulation:
         fuse_grad_accumulation(engine.optimizer, engine.module.modules())
+    if cfg.optim.fused_step and torch.cuda.is_available():
+        fuse_optimizer_step(engine.optimizer)
     return engine

@@ -14,6 +14,15 @@
 
 If a DeepSpeed lacks any of them the run keeps DeepSpeed's own accumulation and says so in one line.
 
+**The optimizer step in one pass** (:func:`fuse_optimizer_step`), read from the same file's ``step``,
+``update_lp_params`` and ``clear_hp_grads``: ``get_grads_for_norm()``, ``norm_type``, ``clip_grad``, ``mpu``,
+``fp32_groups_flat_partition`` / ``fp32_groups_gradient_flat_partition`` (each group's flat fp32 weights and
+gradients of this rank, the base optimizer's parameters), ``bf16_partitioned_groups[i][rank]`` (the bf16 slice
+they update), ``bf16_groups_flat``, ``real_dp_process_group``, ``nccl_start_alignment_factor`` and
+``allgather_bucket_size`` (for ``runtime/utils.py``'s ``all_gather_dp_groups``), ``overflow`` and
+``_global_grad_norm`` (what the engine reads back), ``clear_hp_grads`` / ``clear_lp_grads`` and
+``_lazy_init_hp_params_optimizer_state``.
+
 **The ZeRO-1 checkpoint format and optimizer state**, for a resume on another layout (``parallel/reshape.py``),
 read from DeepSpeed 0.19.8's ``runtime/zero/stage_1_and_2.py``, ``runtime/bf16_optimizer.py`` and
 ``checkpoint/constants.py``:
@@ -118,6 +127,71 @@ def fuse_grad_accumulation(optimizer, modules) -> int:
         fused += len(weights)
     return fused
 
+
+
+BF16_STEP_INTERNALS = ("get_grads_for_norm", "fp32_groups_flat_partition", "fp32_groups_gradient_flat_partition",
+                       "bf16_partitioned_groups", "bf16_groups_flat", "real_dp_process_group", "clear_hp_grads",
+                       "clear_lp_grads", "_lazy_init_hp_params_optimizer_state", "nccl_start_alignment_factor",
+                       "allgather_bucket_size", "norm_type", "clip_grad", "mpu")
+
+
+def fuse_optimizer_step(optimizer) -> bool:
+    """DeepSpeed's ``BF16_Optimizer.step`` with the clip, torch's fused AdamW and the bf16 copy of the master
+    weights as one Triton pass per parameter group (:mod:`llmjp_ds.model.kernels.adamw`), on CUDA. The rest is
+    DeepSpeed's, in its order: the gradient norm (``get_global_norm_of_tensors`` over ``get_grads_for_norm()``),
+    the skipped step on a non-finite norm, the all-gather of the bf16 partitions and the gradient reset. Returns
+    whether the step was replaced: not for MoE or Muon, bf16 gradient accumulation, or an optimizer other than
+    torch's AdamW on CUDA tensors (those keep DeepSpeed's step)."""
+    from deepspeed import comm as dist
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer  # DeepSpeed 0.19.8
+    from deepspeed.runtime.utils import all_gather_dp_groups, get_global_norm_of_tensors, is_invalid_grad_norm
+
+    from llmjp_ds.model.kernels import adamw
+
+    if not isinstance(optimizer, BF16_Optimizer):
+        return False
+    if not all(hasattr(optimizer, name) for name in BF16_STEP_INTERNALS):
+        print("[llmjp-ds] this DeepSpeed's BF16_Optimizer lacks the fields optim.fused_step uses: stepping "
+              "DeepSpeed's way", flush=True)
+        return False
+    base = optimizer.optimizer
+    if (getattr(optimizer, "has_moe_layers", False) or getattr(optimizer, "_uses_muon", False)
+            or optimizer.grad_acc_dtype is not torch.float32 or type(base) is not torch.optim.AdamW
+            or any(g.get("amsgrad") or g.get("maximize") for g in base.param_groups)
+            or not all(adamw.supported(flat) for flat in optimizer.fp32_groups_flat_partition)):
+        return False
+
+    @torch.no_grad()
+    def step(closure=None):
+        if closure is not None:
+            raise NotImplementedError("the fused step takes no closure")
+        optimizer.overflow = False
+        grads, _ = optimizer.get_grads_for_norm()
+        norm = get_global_norm_of_tensors(input_tensors=grads, mpu=optimizer.mpu, norm_type=optimizer.norm_type)
+        optimizer._global_grad_norm = norm
+        if is_invalid_grad_norm(norm):
+            optimizer.overflow = True
+            optimizer._global_grad_norm = float("inf")
+            optimizer.clear_hp_grads()
+            optimizer.clear_lp_grads()
+            return
+        clip = adamw.clip_factor(norm, optimizer.clip_grad)
+        for i, (group, master, grad) in enumerate(zip(base.param_groups, optimizer.fp32_groups_flat_partition,
+                                                      optimizer.fp32_groups_gradient_flat_partition)):
+            rank = dist.get_rank(group=optimizer.real_dp_process_group[i])
+            adamw.adamw_step_(master, grad, base.state[master], optimizer.bf16_partitioned_groups[i][rank], group,
+                              clip)
+        optimizer._lazy_init_hp_params_optimizer_state()
+        # update_lp_params without its copy (the kernel wrote this rank's bf16 partition)
+        all_gather_dp_groups(groups_flat=optimizer.bf16_groups_flat,
+                             partitioned_param_groups=optimizer.bf16_partitioned_groups,
+                             dp_process_group=optimizer.real_dp_process_group,
+                             start_alignment_factor=optimizer.nccl_start_alignment_factor,
+                             allgather_bucket_size=optimizer.allgather_bucket_size)
+        optimizer.clear_hp_grads()
+
+    optimizer.step = step
+    return True
 
 # --- the pipeline module ---------------------------------------------------------------------------------------
 

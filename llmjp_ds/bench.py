@@ -173,7 +173,7 @@ def run_one(shape: str, variant: str, steps: int, warmup: int, gas: int, sets: l
     rates = Throughput(flops_per_token(shape, config, seq), gas * micro * seq, world)
     stats = torch.cuda.memory_stats() if cuda else {}
     result = {"shape": shape, "variant": variant, "micro_batch": micro, "gas": gas, "seq_len": seq,
-              "step_s": step_s, **rates.update(step_s),
+              "step_s": step_s, "step_times_s": times, **rates.update(step_s),
               "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
               "alloc_retries": stats.get("num_alloc_retries", 0), "losses": losses, "steps": steps,
               "sets": list(sets) if variant.startswith("ours") else list(peer_sets) if variant in MCORE_VARIANTS

@@ -6,20 +6,27 @@
 #   source .whl/env.sh && bash benchmarks/device/h200_kernels.sh final-b    # each off in turn, peer op fuser, profile
 #   source .whl/env.sh && bash benchmarks/device/h200_kernels.sh rope rope-profile   # the RoPE kernel alone
 #   source .whl/env.sh && bash benchmarks/device/h200_kernels.sh step-a   # GPU tests, bandwidth, 1.8B vs the peers
-#   source .whl/env.sh && bash benchmarks/device/h200_kernels.sh step-b   # the slice, the stage, the flip, FP8 profile
-# (run Z of docs/performance.md: final-a, then final-b; run AA: step-a, then step-b)
+#   source .whl/env.sh && bash benchmarks/device/h200_kernels.sh step-b   # the 172B slice and stage vs the peers
+#   source .whl/env.sh && bash benchmarks/device/h200_kernels.sh step-c   # the flip and resume, 1.8B FP8 again
+# (run Z of docs/performance.md: final-a, then final-b; run AA: step-a, step-b, step-c)
+# The GPU's clocks, power and throttle reasons are logged every half second to $OUT/gpu-clocks.csv.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 DEADLINE=$(( $(date +%s) + ${BUDGET_S:-560} ))
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor TORCH_EXTENSIONS_DIR=/tmp/torch_ext TRITON_CACHE_DIR=/tmp/triton
 S="$OUT/summary.md"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+  --format=csv -lms 500 > "$OUT/gpu-clocks.csv" 2>&1 &
+SMI=$!; trap 'kill $SMI 2>/dev/null' EXIT
 left() { echo $(( DEADLINE - $(date +%s) )); }
 bench() { local name=$1; shift
   if (( $(left) < 40 )); then echo "=== $name skipped (time)" | tee -a "$S"; return; fi
   echo "=== $name ($(date +%T)): llmjp-ds bench $*" | tee -a "$S"
   timeout "$(left)" python -m llmjp_ds.cli bench "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
-  echo "rc=$?" >> "$S"; grep -E "^\||^profile|^host" "$OUT/$name.log" >> "$S"; }
+  echo "rc=$?" >> "$S"; grep -E "^\||^profile|^host" "$OUT/$name.log" >> "$S"
+  python -c "import json, sys; [print('step times', r['variant'], r['sets'], [round(t, 4) for t in r['step_times_s']])
+             for r in json.load(open(sys.argv[1]))]" "$OUT/$name.json" >> "$S" 2>&1; }
 tests() { local name=$1; shift
   echo "=== $name ($(date +%T)): pytest -m gpu $*" | tee -a "$S"
   timeout "${TESTS_S:-240}" python -m pytest -m gpu -q -s -p no:cacheprovider "$@" > "$OUT/$name.txt" 2>&1
@@ -82,13 +89,17 @@ case $mode in
     bandwidth rope,loss,adamw
     bench 1.8b-all "${B[@]}" --variants ours-bf16,ours-fp8-delayed,peer-mcore-bf16,peer-mcore-fp8-param
     bench 1.8b-step-off "${B[@]}" --variants ours-bf16,ours-fp8-delayed --set optim.fused_step=false ;;
-  step-b)  # the 172B slice and TP4 stage against the peers; the flip and a resume with every kernel on; FP8 profile
+  step-b)  # the 172B slice and TP4 stage against the peers, the fused step off at the slice
     bench slice-all --shapes 172b-slice --steps 3 --warmup 2 \
       --variants ours-bf16,ours-fp8-delayed,peer-mcore-bf16,peer-mcore-fp8-param
     bench slice-step-off --shapes 172b-slice --steps 3 --warmup 2 --variants ours-bf16,ours-fp8-delayed \
       --set optim.fused_step=false
-    bench stage --shapes 172b-tp4-stage --steps 3 --warmup 2
+    bench stage --shapes 172b-tp4-stage --steps 3 --warmup 2 ;;
+  step-c)  # the flip and a resume with every kernel on; the 1.8B FP8 step with the fused step on, off, on; profile
     flip
+    bench 1.8b-fp8-on --shapes llmjp3-1.8b --steps 6 --warmup 2 --variants ours-fp8-delayed
+    bench 1.8b-fp8-off --shapes llmjp3-1.8b --steps 6 --warmup 2 --variants ours-fp8-delayed --set optim.fused_step=false
+    bench 1.8b-fp8-on-again --shapes llmjp3-1.8b --steps 6 --warmup 2 --variants ours-fp8-delayed
     bench 1.8b-fp8-profile --shapes llmjp3-1.8b --steps 2 --warmup 2 --variants ours-fp8-delayed --profile ;;
   *) echo "unknown mode $mode" | tee -a "$S" ;;
 esac

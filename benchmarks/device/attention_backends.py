@@ -12,22 +12,10 @@ gradient, for one).
 from __future__ import annotations
 
 import torch
+from kernel_bandwidth import loop_ms  # the same directory: wall time over back-to-back calls
 
 SHAPES = {"llmjp3-1.8b": dict(b=2, s=4096, heads=16, kv=16, d=128),
           "172b-slice": dict(b=1, s=4096, heads=96, kv=16, d=128)}
-
-
-def wall_ms(fn, iters: int = 10) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def kernel_ms(fn, iters: int = 5) -> tuple[float, float]:
@@ -99,7 +87,7 @@ def main():
         for label, layout, fn in cases:
             try:
                 (q, k, v), _ = inputs(b, s, h, kv, d, layout, grad=False)
-                fwd = wall_ms(lambda: fn(q, k, v))
+                fwd = loop_ms(lambda: fn(q, k, v))
                 (q, k, v), leaves = inputs(b, s, h, kv, d, layout, grad=True)
                 out = fn(q, k, v)
                 grad_out = torch.randn_like(out)
@@ -107,7 +95,7 @@ def main():
                 def both():
                     torch.autograd.grad(fn(q, k, v), leaves, grad_out)
 
-                total = wall_ms(both)
+                total = loop_ms(both)
                 (q0, k0, v0), _ = inputs(b, s, h, kv, d, layout, grad=False)
                 fwd_kernels, _ = kernel_ms(lambda: fn(q0, k0, v0))
                 both_kernels, glue = kernel_ms(both)

@@ -26,7 +26,9 @@ SwiGLU, the logits layer and the causal attention term halved; no recompute coun
 the device's dense BF16 peak (:data:`llmjp_ds.metrics.PEAK_TFLOPS`). ``--profile`` adds profiled steps per
 variant: GPU time by kernel category (GEMM share) and the top kernels, then the host's time by Python function
 (cProfile), which says where a step whose GPU idles (launch-bound) spends its time, and one step under CUDA's
-sync debug mode: where the host waited for the GPU.
+sync debug mode: where the host waited for the GPU. The last column is the GPU's mean SM clock over the timed
+steps and the share of them it spent at its power cap (``nvidia-smi``, every 100 ms): an H200 at its 700 W cap
+runs well below its maximum clock, so rows of one call can differ in clock as well as in work.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import subprocess
 import sys
 
 from llmjp_ds.bench_peers import MCORE_SWITCHES, MCORE_VARIANTS, TE_LAYER_VARIANTS
-from llmjp_ds.bench_profile import host_profiled_step, profile_table, profiled_step, synced_step, timed
+from llmjp_ds.bench_profile import clock_log, host_profiled_step, profile_table, profiled_step, synced_step, timed
 
 SHAPES = {
     # name: (run preset, model overrides, micro batch)
@@ -161,13 +163,18 @@ def run_one(shape: str, variant: str, steps: int, warmup: int, gas: int, sets: l
         return train_step(i, batches)
 
     times, losses = [], []
-    for i in range(warmup + steps):
-        if i == warmup and cuda:
-            torch.cuda.reset_peak_memory_stats()
-        parts, took = timed(lambda: step(i), sync)
-        if i >= warmup:
+    for i in range(warmup):
+        losses.append(float(timed(lambda: step(i), sync)[0][0]))
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    # nvidia-smi names this process's GPU by its UUID, "GPU-..." (CUDA_VISIBLE_DEVICES renumbers the indices)
+    uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid) if cuda else None
+    gpu = uuid if uuid is None or uuid.startswith("GPU-") else f"GPU-{uuid}"
+    with clock_log(gpu) as clocks:
+        for i in range(warmup, warmup + steps):
+            parts, took = timed(lambda: step(i), sync)
             times.append(took)
-        losses.append(float(parts[0]))
+            losses.append(float(parts[0]))
     step_s = statistics.median(times)
     world = cfg.parallel.tensor_parallel
     rates = Throughput(flops_per_token(shape, config, seq), gas * micro * seq, world)
@@ -176,6 +183,7 @@ def run_one(shape: str, variant: str, steps: int, warmup: int, gas: int, sets: l
               "step_s": step_s, "step_times_s": times, **rates.update(step_s),
               "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
               "alloc_retries": stats.get("num_alloc_retries", 0), "losses": losses, "steps": steps,
+              "gpu_clocks": clocks,
               "sets": list(sets) if variant.startswith("ours") else list(peer_sets) if variant in MCORE_VARIANTS
               else [], "gpus": world,
               "device": torch.cuda.get_device_name() if cuda else "cpu"}
@@ -207,7 +215,7 @@ def vs_peer(r: dict, same: list[dict]) -> str:
 
 def table(results: list[dict]) -> str:
     head = ("| shape | variant | tokens/s | TFLOP/s per GPU | MFU | peak mem GiB | alloc retries | vs peer | "
-            "vs transformers + DeepSpeed | vs ours-bf16 | first-step loss |")
+            "vs transformers + DeepSpeed | vs ours-bf16 | first-step loss | SM MHz (power-capped) |")
     columns = head.count("|") - 1
     lines = [head, "|" + "---|" * columns]
     for r in results:
@@ -227,9 +235,12 @@ def table(results: list[dict]) -> str:
                    if base and r is not base and r["variant"].startswith("ours") else "")
         # every variant's loss before its first update: the same model at the same init computes about ln(vocab)
         first_loss = f"{r['losses'][0]:.4f}" if r.get("losses") else ""
+        # the GPU's mean SM clock over the timed steps, and how much of them it spent at its power cap
+        c = r.get("gpu_clocks") or {}
+        clock = f"{c['sm_mhz']:,.0f} ({100 * c['power_capped']:.0f}%)" if c else ""
         lines.append(f"| {r['shape']} | {label} | {r['tokens_per_s']:,.0f} | {r['tflops_per_gpu']:.0f} | "
                      f"{100 * r.get('mfu', 0.0):.1f}% | {r['peak_mem_gib']:.1f} | {r['alloc_retries']} | "
-                     f"{vs_peer(r, same)} | {vs_hf} | {vs_base} | {first_loss} |")
+                     f"{vs_peer(r, same)} | {vs_hf} | {vs_base} | {first_loss} | {clock} |")
     return "\n".join(lines)
 
 

@@ -1,10 +1,19 @@
 """Where a ``llmjp-ds bench`` step's time goes (``--profile``): GPU time by kernel category and the heaviest
 kernels (torch.profiler), the host's time by Python function (cProfile), and the calls that make the host wait
-for the GPU (CUDA's sync debug mode). Pure summaries of what the profilers report, and the profiled steps."""
+for the GPU (CUDA's sync debug mode); and the GPU's clock and power while the timed steps run (``nvidia-smi``), since
+a GPU at its power cap lowers its clock and a row's throughput with it. Pure summaries of what the profilers and
+nvidia-smi report, and the profiled steps."""
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import subprocess
+import tempfile
 import time
+
+# nvidia-smi's clocks_throttle_reasons.active bit for the software power cap
+POWER_CAP = 0x4
 
 
 def timed(fn, sync):
@@ -163,3 +172,44 @@ def synced_step(step, sync) -> dict:
             torch.cuda.set_sync_debug_mode("default")
     sync()
     return sync_summary(sites)
+
+
+def clock_summary(lines) -> dict:
+    """Mean SM clock (MHz), mean power (W) and the share of samples held by the power cap, from nvidia-smi's
+    ``--query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active --format=csv,noheader,nounits`` lines
+    (lines it could not read, such as ``[N/A]``, are left out); empty without samples."""
+    samples = []
+    for line in lines:
+        fields = [f.strip() for f in line.split(",")]
+        try:
+            samples.append((float(fields[0]), float(fields[1]), int(fields[2], 16)))
+        except (ValueError, IndexError):
+            continue
+    if not samples:
+        return {}
+    n = len(samples)
+    return {"samples": n, "sm_mhz": sum(s[0] for s in samples) / n, "power_w": sum(s[1] for s in samples) / n,
+            "power_capped": sum(1 for s in samples if s[2] & POWER_CAP) / n}
+
+
+@contextlib.contextmanager
+def clock_log(gpu: str | None, interval_ms: int = 100):
+    """Sample ``gpu``'s (an nvidia-smi ``--id``: index or UUID) SM clock, power and throttle reasons while the
+    block runs; the yielded dict is filled with :func:`clock_summary` at its end. Nothing is sampled (the dict
+    stays empty) without a GPU or without nvidia-smi."""
+    summary: dict = {}
+    smi = shutil.which("nvidia-smi")
+    if gpu is None or smi is None:
+        yield summary
+        return
+    with tempfile.TemporaryFile(mode="w+") as out:
+        proc = subprocess.Popen([smi, f"--id={gpu}", "--query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active",
+                                 "--format=csv,noheader,nounits", f"--loop-ms={interval_ms}"],
+                                stdout=out, stderr=subprocess.DEVNULL)
+        try:
+            yield summary
+        finally:
+            proc.terminate()
+            proc.wait()
+            out.seek(0)
+            summary.update(clock_summary(out.read().splitlines()))

@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -387,9 +388,57 @@ def test_vs_peer_names_the_fastest_peer_of_the_rows_precision():
     # vs peer, vs transformers + DeepSpeed, vs ours-bf16, first-step loss
     assert "| 1.12x peer-mcore-bf16 | 1.40x |  | 11.9264 |" in text
     assert "| peer-mcore-bf16 | 1 | 500 | 0.0% | 1.0 | 0 |  |  |  | 11.9168 |" in text
-    assert text.splitlines()[2].endswith("| 11.9264 |") and text.splitlines()[4].endswith("|  |  |  |  |")
+    # the clock column is empty where nvidia-smi gave no samples
+    assert text.splitlines()[2].endswith("| 11.9264 |  |") and text.splitlines()[4].endswith("|  |  |  |  |  |")
     stage = [_row("t", "ours-fp8-current", 870), _row("t", "ref-te-layer-fp8-current", 867)]
     assert bench.vs_peer(stage[0], stage) == "1.00x ref-te-layer-fp8-current"
+
+
+# --- the GPU's clock while the timed steps run --------------------------------------------------------------------
+
+SMI_LINES = ["1980, 250.31, 0x0000000000000000", "1605, 699.76, 0x0000000000000004",
+             "1515, 700.12, 0x0000000000000004", "[N/A], [N/A], [N/A]", "garbage", ""]
+
+
+def test_clock_summary_means_and_power_capped_share():
+    c = bench_profile.clock_summary(SMI_LINES)
+    assert c["samples"] == 3
+    assert c["sm_mhz"] == pytest.approx((1980 + 1605 + 1515) / 3)
+    assert c["power_w"] == pytest.approx((250.31 + 699.76 + 700.12) / 3)
+    assert c["power_capped"] == pytest.approx(2 / 3)
+    assert bench_profile.clock_summary(["[N/A], [N/A], [N/A]"]) == {}
+
+
+def test_clock_log_samples_nvidia_smi_while_the_block_runs(tmp_path, monkeypatch):
+    """A stand-in nvidia-smi on PATH that prints one sample per call of its loop, as the real one does with
+    ``--loop-ms``: the block's summary is filled from what it printed, and its arguments name the GPU."""
+    args = tmp_path / "args.txt"
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\necho \"$@\" > {args}\n"
+                   "while true; do echo '1605, 699.5, 0x0000000000000004'; echo '1980, 300, 0x0'; sleep 0.05; done\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    with bench_profile.clock_log("GPU-1234") as clocks:
+        assert clocks == {}
+        time.sleep(0.5)
+    assert clocks["samples"] >= 2 and 0 < clocks["power_capped"] < 1
+    assert 1605 <= clocks["sm_mhz"] <= 1980
+    assert "--id=GPU-1234" in args.read_text() and "clocks_throttle_reasons.active" in args.read_text()
+    with bench_profile.clock_log(None) as none:  # no GPU: nothing sampled
+        pass
+    assert none == {}
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with bench_profile.clock_log("GPU-1234") as missing:  # no nvidia-smi
+        pass
+    assert missing == {}
+
+
+def test_table_shows_the_clock_of_each_row():
+    rows = [_row("s", "ours-bf16", 560), _row("s", "peer-mcore-bf16", 500)]
+    rows[0]["gpu_clocks"] = bench_profile.clock_summary(SMI_LINES)
+    text = bench.table(rows).splitlines()
+    assert "SM MHz (power-capped)" in text[0]
+    assert text[2].endswith("| 1,700 (67%) |") and text[3].endswith("|  |")
 
 
 def test_variants_of_a_shape_and_their_errors(capsys):

@@ -128,7 +128,6 @@ def fuse_grad_accumulation(optimizer, modules) -> int:
     return fused
 
 
-
 BF16_STEP_INTERNALS = ("get_grads_for_norm", "fp32_groups_flat_partition", "fp32_groups_gradient_flat_partition",
                        "bf16_partitioned_groups", "bf16_groups_flat", "real_dp_process_group", "clear_hp_grads",
                        "clear_lp_grads", "_lazy_init_hp_params_optimizer_state", "nccl_start_alignment_factor",
@@ -192,6 +191,7 @@ def fuse_optimizer_step(optimizer) -> bool:
 
     optimizer.step = step
     return True
+
 
 # --- the pipeline module ---------------------------------------------------------------------------------------
 

@@ -116,7 +116,7 @@ def test_kernel_matches_torch_fused_adamw():
 GAS, MICRO, SEQ, STEPS = 2, 2, 16, 4
 
 
-def _engine_run(fused: bool, device: str, clip: float, nan_step: int | None = None) -> dict:
+def _engine_run(fused: bool, device: str, clip: float, nan_step: int | None = None, data: int = 1) -> dict:
     from llmjp_ds.config import load_config
     from llmjp_ds.model import LlamaForCausalLM
     from llmjp_ds.model.shapes import model_config
@@ -125,7 +125,7 @@ def _engine_run(fused: bool, device: str, clip: float, nan_step: int | None = No
     from llmjp_ds.parallel.layout import Layout
 
     cfg = load_config(None, ["precision.dtype=bf16", "parallel.zero_stage=1", f"train.micro_batch_size={MICRO}",
-                             f"train.global_batch_size={MICRO * GAS}", "optim.lr=0.01", "optim.warmup_steps=0",
+                             f"train.global_batch_size={MICRO * GAS * data}", "optim.lr=0.01", "optim.warmup_steps=0",
                              f"optim.clip_grad={clip}", f"optim.fused_step={str(fused).lower()}",
                              "logging.wandb=disabled"], "demo")
     config = model_config("tiny", hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -133,13 +133,15 @@ def _engine_run(fused: bool, device: str, clip: float, nan_step: int | None = No
     torch.manual_seed(0)
     backend = "te" if device == "cuda" else "torch"
     model = LlamaForCausalLM(config, backend=backend, z_loss_coeff=1e-4)
-    engine = initialize(cfg, model, Layout(1))
+    rank = torch.distributed.get_rank()
+    engine = initialize(cfg, model, Layout(data))
     opt = engine.optimizer
     if fused and device == "cpu":  # initialize fuses on CUDA only; the interpreter runs the kernel on the CPU
         assert fuse_optimizer_step(opt)
     out = {"replaced": "step" in vars(opt), "losses": [], "norms": [], "applied": [],
            "initial": [m.detach().cpu().clone() for m in opt.fp32_groups_flat_partition]}
-    ids = torch.randint(0, 512, (STEPS, GAS, MICRO, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    # each data-parallel rank its own batches
+    ids = torch.randint(0, 512, (STEPS, GAS, MICRO, SEQ + 1), generator=torch.Generator().manual_seed(1 + rank))
     for s in range(STEPS):
         for m in range(GAS):
             inp, tgt = ids[s, m, :, :-1].to(device), ids[s, m, :, 1:].to(device)
@@ -150,6 +152,7 @@ def _engine_run(fused: bool, device: str, clip: float, nan_step: int | None = No
         out["norms"].append(float(engine.get_global_grad_norm()))
         out["applied"].append(engine.was_step_applied())
     out["lowp"] = [flat.detach().cpu().clone() for flat in opt.bf16_groups_flat]
+    out["partitions"] = [len(parts) for parts in opt.bf16_partitioned_groups]
     out["masters"] = [m.detach().cpu().clone() for m in opt.fp32_groups_flat_partition]
     state = opt.state_dict()["base_optimizer_state"]
     out["state_keys"] = sorted((k, tuple(sorted(v))) for k, v in state["state"].items())
@@ -221,3 +224,48 @@ def test_deepspeed_step_fused_and_not_agree_under_the_interpreter():
 @needs_cuda
 def test_deepspeed_step_fused_and_not_agree():
     _engines_agree("cuda")
+
+
+# --- two data-parallel ranks: each steps its partition, the all-gather hands the other ranks' bf16 weights over --
+
+def _two_rank_worker(rank: int, port: int, out_dir: str) -> None:
+    from llmjp_ds.model.kernels import adamw
+    from llmjp_ds.parallel.context import init_distributed
+
+    adamw.supported = lambda param: param.dtype == torch.float32 and param.is_contiguous()
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    init_distributed()
+    runs = {fused: _engine_run(fused, "cpu", 0.05, data=2) for fused in (False, True)}
+    torch.save(runs, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def check_two_ranks_under_the_interpreter():
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_two_rank_worker, args=(_free_port(), out_dir), nprocs=2, start_method="spawn")
+        ranks = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(2)]
+    for fused in (False, True):
+        a, b = ranks[0][fused], ranks[1][fused]
+        assert a["partitions"] == b["partitions"] == [2] * len(a["partitions"])  # ZeRO-1 over two ranks
+        assert a["replaced"] is fused
+        # after the all-gather every rank holds every rank's updated bf16 weights
+        for x, y in zip(a["lowp"], b["lowp"]):
+            assert torch.equal(x, y)
+        assert a["losses"] != b["losses"]  # each rank its own batches
+    ds, ours = ranks[0][False], ranks[0][True]
+    print(f"[fused step, 2 ranks] losses {ds['losses']} vs {ours['losses']}")
+    assert ours["losses"][:GAS] == ds["losses"][:GAS]
+    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(ds["losses"]), rtol=2e-3, atol=0)
+    for rank in ranks:  # each rank's master partition moved as DeepSpeed moves it
+        for a, b, start in zip(rank[True]["masters"], rank[False]["masters"], rank[False]["initial"]):
+            assert ((a - b).norm() / (b - start).norm()).item() < 0.05
+
+
+@cpu_with_triton
+def test_two_data_parallel_ranks_fused_and_not_agree_under_the_interpreter():
+    interpreted("check_two_ranks_under_the_interpreter", __name__)

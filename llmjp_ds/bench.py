@@ -168,8 +168,8 @@ def run_one(shape: str, variant: str, steps: int, warmup: int, gas: int, sets: l
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     # nvidia-smi names this process's GPU by its UUID, "GPU-..." (CUDA_VISIBLE_DEVICES renumbers the indices)
-    uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid) if cuda else None
-    gpu = uuid if uuid is None or uuid.startswith("GPU-") else f"GPU-{uuid}"
+    uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None) if cuda else None
+    gpu = None if uuid is None else str(uuid) if str(uuid).startswith("GPU-") else f"GPU-{uuid}"
     with clock_log(gpu) as clocks:
         for i in range(warmup, warmup + steps):
             parts, took = timed(lambda: step(i), sync)

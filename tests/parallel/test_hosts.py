@@ -375,10 +375,15 @@ def test_a_usr1_before_the_time_limit_saves_requeues_and_the_rerun_ends_bit_iden
     sent = hosts.run("node1", ["scancel", "--signal=USR1", "--batch", job], env=slurm.env())
     assert sent.returncode == 0, sent.stderr
     deadline = time.monotonic() + 300
+    moved = False
     while not any(r.get("step") == steps for r in trail(run_dir)):
         assert time.monotonic() < deadline, _job_output(tmp_path, "requeue") + slurm.log_tail()
-        if _job_state(hosts, slurm, job) == "PENDING":  # requeued: Slurm holds it ~2 minutes before it may start
-            hosts.run("node1", ["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm.env())
+        # requeued: Slurm holds it ~2 minutes before it may start. Moved once to a few seconds from now, not to
+        # now: slurmd revoked the first run's credential when it killed it, and a credential made within the
+        # same second as that revocation counts as revoked ("Job credential revoked"), which kills the rerun
+        if not moved and _job_state(hosts, slurm, job) == "PENDING":
+            moved = hosts.run("node1", ["scontrol", "update", f"JobId={job}", "StartTime=now+5"],
+                              env=slurm.env()).returncode == 0
         time.sleep(1)
     _wait_for_job_end(hosts, slurm, job, 120)
     events = [r for r in read_metrics(run_dir) if "event" in r]

@@ -8,7 +8,8 @@ and the bf16 copy of the master weights.
 * Through DeepSpeed: the tiny Llama of the torch backend under ``BF16_Optimizer`` (bf16, ZeRO-1, fp32
   accumulation, ``parallel.build.initialize``) with and without the fused step, the same batches: the same losses
   and gradient norms step by step, the same weights at the end, a step with a non-finite gradient skipped by both,
-  and checkpoints of the same form (torch's AdamW state).
+  and checkpoints of the same form (torch's AdamW state); and over two data-parallel ranks (ZeRO-1, gloo), where
+  each rank steps its partition and the all-gather must hand every rank the others' bf16 weights.
 
 On a CPU with Triton installed the kernel runs under Triton's interpreter (in a fresh process: Triton reads the
 switch once); on the H200 the same checks run on CUDA (``-m gpu``).

@@ -5,9 +5,11 @@ and the bf16 copy of the master weights.
 * The kernel alone: several steps of one flat partition (a length that is no multiple of the block), clipped and
   not, with and without weight decay, against ``torch.optim.AdamW`` stepping the clipped gradient (fused on
   CUDA, foreach on the CPU).
-* Through DeepSpeed: the tiny Llama of the torch backend under ``BF16_Optimizer`` (bf16, ZeRO-1, fp32
-  accumulation, ``parallel.build.initialize``) with and without the fused step, the same batches: the same losses
-  and gradient norms step by step, the same weights at the end, a step with a non-finite gradient skipped by both,
+* Through DeepSpeed: a tiny Llama (the torch backend on a CPU, TE on the H200) under ``BF16_Optimizer`` (bf16,
+  ZeRO-1, fp32 accumulation, ``parallel.build.initialize``) with and without the fused step, the same batches:
+  the same first step to the bit, losses and gradient norms close step by step, weight updates and second moments
+  that agree as a whole, bf16 weights that are the master weights rounded, a step with a non-finite gradient
+  skipped by both,
   and checkpoints of the same form (torch's AdamW state); and over two data-parallel ranks (ZeRO-1, gloo), where
   each rank steps its partition and the all-gather must hand every rank the others' bf16 weights.
 

@@ -65,7 +65,7 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, state: dict, lowp: torc
     coef = torch.stack([lr / (1 - torch.pow(beta1, t)), torch.sqrt(1 - torch.pow(beta2, t)), clip.double()])
     coef = coef.float()
     n = param.numel()
-    if n == 0:  # an empty partition (a group smaller than the data-parallel ranks): its step still counts
+    if n == 0:  # nothing to launch (Triton refuses an empty grid); the step still counts, as in torch
         return
     adamw_kernel[(triton.cdiv(n, BLOCK),)](
         param, grad, state["exp_avg"], state["exp_avg_sq"], lowp, coef, n, lr, float(beta1), float(beta2),

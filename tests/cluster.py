@@ -135,8 +135,9 @@ class NetHosts(_Started):
                         f"AuthorizedKeysFile {self.root / 'authorized_keys'}\nStrictModes no\nUsePAM no\n"
                         f"PidFile {pidfile}\nPrintMotd no\nAcceptEnv *\n")
         self.run(name, [SSHD, "-f", str(conf), "-E", str(self.root / f"sshd_{name}.log")], check=True)
+        # sshd creates its pid file before it writes the pid: wait for the number, not for the file
         deadline = time.monotonic() + 10
-        while not pidfile.is_file() and time.monotonic() < deadline:
+        while not (pidfile.is_file() and pidfile.read_text().strip()) and time.monotonic() < deadline:
             time.sleep(0.05)
         self.sshd_pids[name] = int(pidfile.read_text())
 

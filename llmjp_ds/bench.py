@@ -169,7 +169,7 @@ def run_one(shape: str, variant: str, steps: int, warmup: int, gas: int, sets: l
         torch.cuda.reset_peak_memory_stats()
     # nvidia-smi names this process's GPU by its UUID, "GPU-..." (CUDA_VISIBLE_DEVICES renumbers the indices)
     uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None) if cuda else None
-    gpu = None if uuid is None else str(uuid) if str(uuid).startswith("GPU-") else f"GPU-{uuid}"
+    gpu = None if uuid is None else "GPU-" + str(uuid).removeprefix("GPU-")
     with clock_log(gpu) as clocks:
         for i in range(warmup, warmup + steps):
             parts, took = timed(lambda: step(i), sync)

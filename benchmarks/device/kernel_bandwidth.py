@@ -47,6 +47,12 @@ def timed_ms(fn, reps: int = 20, iters: int = 10) -> float:
     return statistics.median(times)
 
 
+def bandwidth_row(shape, kernel, path, direction, ms, moved) -> dict:
+    """One table row: ``moved`` bytes in ``ms`` milliseconds."""
+    return {"shape": shape, "kernel": kernel, "path": path, "direction": direction, "ms": ms, "bytes": moved,
+            "tb_s": moved / ms / 1e9}
+
+
 def rope_rows(name, tokens, kv, group, d):
     import transformer_engine.pytorch  # noqa: F401  (loads TE's extension first)
     import transformer_engine_torch as tex
@@ -66,8 +72,7 @@ def rope_rows(name, tokens, kv, group, d):
     rows = []
 
     def row(path, direction, ms, moved):
-        rows.append({"shape": name, "kernel": "qkv rope", "path": path, "direction": direction, "ms": ms,
-                     "bytes": moved, "tb_s": moved / ms / 1e9})
+        rows.append(bandwidth_row(name, "qkv rope", path, direction, ms, moved))
 
     fmt = QKVFormat["bshd"]
     row("te fused_qkv_rope", "forward",
@@ -134,8 +139,7 @@ def loss_rows(name, rows, vocab):
 
         base = loop_ms(lambda: logits.detach().clone())
         ms = loop_ms(step) - base
-        out.append({"shape": name, "kernel": "cross-entropy + z-loss", "path": kernel,
-                    "direction": "forward + backward", "ms": ms, "bytes": moved, "tb_s": moved / ms / 1e9})
+        out.append(bandwidth_row(name, "cross-entropy + z-loss", kernel, "forward + backward", ms, moved))
     os.environ.pop("LLMJP_DS_FUSED_LOSS")
     return out
 
@@ -156,17 +160,13 @@ def adamw_rows(elements: int = 2**30):
     parts = {"clip (multiply)": (lambda: param.grad.mul_(coef), 8),
              "torch fused AdamW": (opt.step, 28),
              "copy into the bf16 weights": (lambda: lowp.copy_(param), 6)}
-    rows = []
-    for path, (fn, per) in parts.items():
-        ms = loop_ms(fn)
-        rows.append({"shape": f"{elements:,} elements", "kernel": "optimizer step", "path": f"DeepSpeed: {path}",
-                     "direction": "-", "ms": ms, "bytes": per * elements, "tb_s": per * elements / ms / 1e9})
-    total_ms = sum(r["ms"] for r in rows)
-    rows.append({"shape": f"{elements:,} elements", "kernel": "optimizer step", "path": "DeepSpeed: all three",
-                 "direction": "-", "ms": total_ms, "bytes": 42 * elements, "tb_s": 42 * elements / total_ms / 1e9})
+    shape = f"{elements:,} elements"
+    rows = [bandwidth_row(shape, "optimizer step", f"DeepSpeed: {path}", "-", loop_ms(fn), per * elements)
+            for path, (fn, per) in parts.items()]
+    rows.append(bandwidth_row(shape, "optimizer step", "DeepSpeed: all three", "-", sum(r["ms"] for r in rows),
+                              42 * elements))
     ms = loop_ms(lambda: adamw.adamw_step_(param, param.grad, state, lowp, opt.param_groups[0], coef))
-    rows.append({"shape": f"{elements:,} elements", "kernel": "optimizer step", "path": "one pass (triton)",
-                 "direction": "-", "ms": ms, "bytes": 30 * elements, "tb_s": 30 * elements / ms / 1e9})
+    rows.append(bandwidth_row(shape, "optimizer step", "one pass (triton)", "-", ms, 30 * elements))
     return rows
 
 

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 
 import pytest
 import torch
 
+from tests.launch import free_port
 from tests.model.test_kernel_rope import interpreted
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
@@ -165,12 +165,6 @@ def _engine_run(fused: bool, device: str, clip: float, nan_step: int | None = No
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _engines_agree(device: str) -> None:
     from llmjp_ds.model.kernels import adamw
     from llmjp_ds.parallel.context import init_distributed
@@ -179,7 +173,7 @@ def _engines_agree(device: str) -> None:
         adamw.supported = lambda param: param.dtype == torch.float32 and param.is_contiguous()
     if not torch.distributed.is_initialized():
         for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                           "MASTER_PORT": str(_free_port())}.items():
+                           "MASTER_PORT": str(free_port())}.items():
             os.environ.setdefault(key, value)
         init_distributed()
     for clip, nan_step in ((0.05, None), (0.0, 2)):
@@ -250,7 +244,7 @@ def check_two_ranks_under_the_interpreter():
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_two_rank_worker, args=(_free_port(), out_dir), nprocs=2, start_method="spawn")
+        mp.start_processes(_two_rank_worker, args=(free_port(), out_dir), nprocs=2, start_method="spawn")
         ranks = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(2)]
     for fused in (False, True):
         a, b = ranks[0][fused], ranks[1][fused]

@@ -1,12 +1,15 @@
 """Where a ``llmjp-ds bench`` step's time goes (``--profile``): GPU time by kernel category and the heaviest
-kernels (torch.profiler), the host's time by Python function (cProfile), and the calls that make the host wait
-for the GPU (CUDA's sync debug mode); and the GPU's clock and power while the timed steps run (``nvidia-smi``), since
+kernels (torch.profiler), where the GPU waited for the host (the same trace's gaps between kernels, each put down
+to the host op that launched the kernel after it), the host's time by Python function (cProfile), and the calls
+that make the host wait for the GPU (CUDA's sync debug mode); and the GPU's clock and power while the timed steps run (``nvidia-smi``), since
 a GPU at its power cap lowers its clock and a row's throughput with it. Pure summaries of what the profilers and
 nvidia-smi report, and the profiled steps."""
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import shutil
 import subprocess
 import tempfile
@@ -74,6 +77,85 @@ def profile_summary(kernels: list[tuple[str, float]], wall_s: float, top: int = 
                             for n, v in heavy]}
 
 
+# trace event categories: what runs on the GPU, and the host calls that launch it (correlated by id)
+GPU_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_EVENTS = ("cuda_runtime", "cuda_driver")
+HOST_OPS = ("cpu_op", "user_annotation")
+BACKWARD_OP = "autograd::engine::evaluate_function"
+
+
+def _enclosing_ops(ops: list[tuple[float, float, str]], times: list[float]) -> list[list[str]]:
+    """For each of the sorted ``times``, the names of the ``ops`` (``(start, end, name)`` of one thread, properly
+    nested) that were running then, outermost first."""
+    ops = sorted(ops, key=lambda o: (o[0], -o[1]))
+    out, stack, i = [], [], 0
+    for t in times:
+        while i < len(ops) and ops[i][0] <= t:
+            while stack and stack[-1][1] < ops[i][0]:
+                stack.pop()
+            stack.append(ops[i])
+            i += 1
+        while stack and stack[-1][1] < t:
+            stack.pop()
+        out.append([o[2] for o in stack if o[1] >= t])
+    return out
+
+
+def idle_gaps(events: list[dict], queued_us: float = 5.0, top: int = 10) -> dict:
+    """Where the GPU waited for the host in one traced step, from the events of torch.profiler's chrome trace.
+    Every gap between one GPU operation's end and the next one's start is put down to the host op that launched
+    the next (the launch call's correlation id; its enclosing ops on that thread, outermost first). Gaps under
+    ``queued_us`` are the GPU's own turnaround between queued kernels, reported as one sum; the longer ones mean
+    the host fell behind, and are summed by side (``backward``: inside an autograd engine's function; else
+    ``forward/step``) and by the outermost and innermost launching op."""
+    xs = [e for e in events if e.get("ph") == "X"]
+    gpu = sorted((e for e in xs if e.get("cat") in GPU_EVENTS), key=lambda e: e["ts"])
+    launches = {e["args"]["correlation"]: e for e in xs
+                if e.get("cat") in LAUNCH_EVENTS and "correlation" in e.get("args", {})}
+    small_us, small_n, gaps = 0.0, 0, []
+    end = None
+    for e in gpu:
+        gap = 0.0 if end is None else e["ts"] - end
+        if gap > 0:
+            if gap < queued_us:
+                small_us, small_n = small_us + gap, small_n + 1
+            else:
+                gaps.append((gap, launches.get(e.get("args", {}).get("correlation"))))
+        end = e["ts"] + e["dur"] if end is None else max(end, e["ts"] + e["dur"])
+    by_tid: dict = {}
+    for e in xs:
+        if e.get("cat") in HOST_OPS:
+            by_tid.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    queries: dict = {}
+    for k, (_, launch) in enumerate(gaps):
+        if launch is not None:
+            queries.setdefault(launch["tid"], []).append((launch["ts"], k))
+    stacks: dict[int, list[str]] = {}
+    for tid, qs in queries.items():
+        qs.sort()
+        for (_, k), names in zip(qs, _enclosing_ops(by_tid.get(tid, []), [t for t, _ in qs])):
+            stacks[k] = names
+    sides: dict[str, float] = {}
+    outer: dict[str, list] = {}
+    inner: dict[str, list] = {}
+    for k, (gap, launch) in enumerate(gaps):
+        names = stacks.get(k) or ["(unknown)" if launch is None else launch["name"]]
+        side = "backward" if any(n.startswith(BACKWARD_OP) for n in names) else "forward/step"
+        sides[side] = sides.get(side, 0.0) + gap
+        for table, name in ((outer, names[0]), (inner, names[-1])):
+            entry = table.setdefault(name, [0.0, 0])
+            entry[0] += gap
+            entry[1] += 1
+
+    def rows(table):
+        return [{"op": n[:100], "ms": v[0] / 1e3, "gaps": v[1]} for n, v in sorted(table.items(), key=lambda kv: -kv[1][0])[:top]]
+
+    return {"queued_us": queued_us, "short_ms": small_us / 1e3, "short": small_n,
+            "long_ms": sum(g for g, _ in gaps) / 1e3, "long": len(gaps),
+            "by_side": {s: ms / 1e3 for s, ms in sorted(sides.items())},
+            "by_outer": rows(outer), "by_inner": rows(inner)}
+
+
 def host_summary(rows, wall_s: float, top: int = 15) -> dict:
     """The host's share of one step by Python function, from cProfile rows ``(file, line, function, calls,
     self seconds, cumulative seconds)``: the heaviest by self time (where the interpreter is busy) and by
@@ -112,6 +194,16 @@ def profile_table(result: dict) -> str:
     lines += [f"| {c['category']} | {c['ms']:.1f} | {100 * c['share']:.1f}% |" for c in p["categories"]]
     lines += ["| top kernel | category | ms | calls |", "|---|---|---|---|"]
     lines += [f"| `{k['kernel']}` | {k['category']} | {k['ms']:.1f} | {k['calls']} |" for k in p["top_kernels"]]
+    gaps = p.get("idle_gaps")
+    if gaps:
+        sides = ", ".join(f"{side} {ms:.1f} ms" for side, ms in gaps["by_side"].items())
+        lines.append(f"GPU waiting for the host: {gaps['long_ms']:.1f} ms in {gaps['long']:,} gaps of "
+                     f"{gaps['queued_us']:g} us or more ({sides}); {gaps['short_ms']:.1f} ms in {gaps['short']:,} "
+                     "shorter gaps between queued kernels")
+        for key, title in (("by_outer", "outermost host op launching the next kernel"),
+                           ("by_inner", "innermost host op launching the next kernel")):
+            lines += [f"| {title} | ms | gaps |", "|---|---|---|"]
+            lines += [f"| `{r['op']}` | {r['ms']:.1f} | {r['gaps']} |" for r in gaps[key]]
     host = result.get("host_profile")
     if host:
         lines.append(f"host {result['shape']} {result['variant']}: step {host['wall_ms']:.0f} ms under cProfile")
@@ -136,7 +228,15 @@ def profiled_step(step, sync, cuda: bool) -> dict:
         _, wall = timed(step, sync)
     kernels = [(e.name, e.time_range.elapsed_us()) for e in prof.events()
                if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
-    return profile_summary(kernels, wall)
+    summary = profile_summary(kernels, wall)
+    if cuda:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "trace.json")
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                trace = json.load(f)
+        summary["idle_gaps"] = idle_gaps(trace["traceEvents"] if isinstance(trace, dict) else trace)
+    return summary
 
 
 def host_profiled_step(step, sync) -> dict:

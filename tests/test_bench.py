@@ -154,6 +154,54 @@ def test_sync_summary_counts_by_site_and_renders_under_the_profile():
     assert "host synchronisations in one step of 8 micro-batches: 9" in text and "| `train.py:90` | 8 |" in text
 
 
+def _x(cat, name, ts, dur, tid=1, corr=None):
+    e = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 1}
+    if corr is not None:
+        e["args"] = {"correlation": corr}
+    return e
+
+
+# a forward on thread 1 (an autograd function's GEMM, launched late), a backward on thread 2, and kernels that
+# queue back to back; times in microseconds
+TRACE = [
+    _x("cpu_op", "_LayerNormLinear", 0, 100), _x("cpu_op", "aten::mm", 10, 80),
+    _x("cuda_runtime", "cudaLaunchKernel", 20, 5, corr=1), _x("cuda_runtime", "cudaLaunchKernel", 85, 5, corr=2),
+    _x("kernel", "gemm_a", 30, 10, tid=7, corr=1),
+    _x("kernel", "gemm_b", 95, 10, tid=7, corr=2),  # 55 us after gemm_a: the host was inside aten::mm
+    _x("kernel", "gemm_c", 107, 10, tid=7, corr=3),  # 2 us: queued
+    _x("cuda_runtime", "cudaLaunchKernel", 100, 2, corr=3),
+    _x("cpu_op", BACKWARD := "autograd::engine::evaluate_function: _LayerNormLinearBackward", 150, 300, tid=2),
+    _x("cpu_op", "aten::add", 400, 20, tid=2), _x("cuda_driver", "cuLaunchKernel", 410, 3, tid=2, corr=4),
+    _x("kernel", "triton_add", 420, 5, tid=7, corr=4),  # 303 us after gemm_c, launched in the backward
+    _x("gpu_memset", "Memset", 426, 1, tid=7, corr=5),  # its launch was not traced
+    _x("user_annotation", "step", 0, 500),
+]
+
+
+def test_idle_gaps_puts_each_wait_on_the_op_that_launched_the_next_kernel():
+    g = bench_profile.idle_gaps(TRACE, queued_us=5.0)
+    assert g["short"] == 2 and g["short_ms"] == pytest.approx(0.003)  # 2 us and 1 us
+    assert g["long"] == 2 and g["long_ms"] == pytest.approx(0.358)
+    assert g["by_side"] == {"backward": pytest.approx(0.303), "forward/step": pytest.approx(0.055)}
+    outer = {r["op"]: r["ms"] for r in g["by_outer"]}
+    inner = {r["op"]: r["ms"] for r in g["by_inner"]}
+    # thread 1's outermost op is the step's annotation; thread 2 has only the autograd function
+    assert outer == {BACKWARD[:100]: pytest.approx(0.303), "step": pytest.approx(0.055)}
+    assert inner == {"aten::add": pytest.approx(0.303), "aten::mm": pytest.approx(0.055)}
+    assert bench_profile.idle_gaps(TRACE, queued_us=500.0)["long"] == 0
+
+
+def test_idle_gaps_renders_under_the_profile_and_survives_an_unlaunched_kernel():
+    trace = [_x("kernel", "a", 0, 10, corr=1), _x("kernel", "b", 50, 10, corr=99)]
+    g = bench_profile.idle_gaps(trace)
+    assert g["by_inner"] == [{"op": "(unknown)", "ms": pytest.approx(0.04), "gaps": 1}]
+    assert bench_profile.idle_gaps([])["long"] == 0
+    profile = {**bench_profile.profile_summary([("gemm", 10.0)], 1e-3), "idle_gaps": bench_profile.idle_gaps(TRACE)}
+    text = bench_profile.profile_table({"shape": "tiny", "variant": "ours-bf16", "gas": 8, "profile": profile})
+    assert "GPU waiting for the host: 0.4 ms in 2 gaps of 5 us or more (backward 0.3 ms, forward/step 0.1 ms)" in text
+    assert "| `aten::add` | 0.3 | 1 |" in text
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_synced_step_finds_each_synchronising_call_and_its_line():

@@ -126,6 +126,11 @@ class ModelConfig:
     # TE backend: the QKV split and both RoPE rotations as one fused kernel (model/te_layers.split_qkv_rope): triton
     # = ours, rotating Q and K in place in the QKV output (model/kernels/rope.py), true or te = TE's, false = none
     fused_qkv_rope: bool | str = "triton"
+    # TE backend: the causal attention core of training and evaluation. te = TE's DotProductAttention; cudnn =
+    # torch's scaled_dot_product_attention on its cuDNN backend: the same cuDNN kernels for a third of the host's
+    # time per call, but the Q, K, V gradients come back as three tensors, which RoPE's backward then packs (one
+    # more pass over V's). For steps whose profile shows the GPU waiting on the attention's host work
+    attention_core: str = "te"
     # start from an HF Llama checkpoint (continued pretraining)
     init_from_hf: str | None = field(default=None, metadata=input_path(
         "pass the directory save_pretrained wrote (config.json and safetensors)", inside="config.json"))
@@ -140,7 +145,7 @@ class ModelConfig:
 
 
 # the model fields that choose a kernel, and what each may be
-KERNEL_CHOICES = {"fused_qkv_rope": (True, False, "te", "triton")}
+KERNEL_CHOICES = {"fused_qkv_rope": (True, False, "te", "triton"), "attention_core": ("te", "cudnn")}
 
 
 @dataclass

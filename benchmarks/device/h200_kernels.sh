@@ -8,6 +8,9 @@
 #   source .whl/env.sh && bash benchmarks/device/h200_kernels.sh step-a   # GPU tests, bandwidth, 1.8B vs the peers
 #   source .whl/env.sh && bash benchmarks/device/h200_kernels.sh step-b   # the 172B slice and stage vs the peers
 #   source .whl/env.sh && bash benchmarks/device/h200_kernels.sh step-c   # the flip and resume, 1.8B FP8 again
+#   source .whl/env.sh && bash benchmarks/device/h200_kernels.sh hostbound   # where the GPU waits for the host
+#   source .whl/env.sh && bash benchmarks/device/h200_kernels.sh attn-a   # GPU tests, 1.8B with each attention core
+#   source .whl/env.sh && bash benchmarks/device/h200_kernels.sh attn-b   # the slice with each core, stage, profile
 # (run Z of docs/performance.md: final-a, then final-b; run AA: step-a, step-b, step-c)
 # The GPU's clocks, power and throttle reasons are logged every half second to $OUT/gpu-clocks.csv.
 set -uo pipefail
@@ -24,7 +27,7 @@ bench() { local name=$1; shift
   if (( $(left) < 40 )); then echo "=== $name skipped (time)" | tee -a "$S"; return; fi
   echo "=== $name ($(date +%T)): llmjp-ds bench $*" | tee -a "$S"
   timeout "$(left)" python -m llmjp_ds.cli bench "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
-  echo "rc=$?" >> "$S"; grep -E "^\||^profile|^host" "$OUT/$name.log" >> "$S"
+  echo "rc=$?" >> "$S"; grep -E "^\||^profile|^host|^GPU" "$OUT/$name.log" >> "$S"
   python -c "import json, sys; [print('step times', r['variant'], r['sets'], [round(t, 4) for t in r['step_times_s']])
              for r in json.load(open(sys.argv[1]))]" "$OUT/$name.json" >> "$S" 2>&1; }
 tests() { local name=$1; shift
@@ -95,6 +98,30 @@ case $mode in
     bench slice-step-off --shapes 172b-slice --steps 3 --warmup 2 --variants ours-bf16,ours-fp8-delayed \
       --set optim.fused_step=false
     bench stage --shapes 172b-tp4-stage --steps 3 --warmup 2 ;;
+  hostbound)  # where the GPU waits for the host: each part of a layer's host time, and the 1.8B step's gaps
+    echo "=== host overhead ($(date +%T))" | tee -a "$S"
+    timeout 240 python benchmarks/device/host_overhead.py > "$OUT/host-overhead.txt" 2>&1
+    echo "rc=$?" >> "$S"; grep -E "^\||Error" "$OUT/host-overhead.txt" >> "$S"
+    bench 1.8b-gaps --shapes llmjp3-1.8b --steps 2 --warmup 2 --profile \
+      --variants ours-bf16,ours-fp8-delayed,peer-mcore-bf16,peer-mcore-fp8-param ;;
+  attn-a)  # model.attention_core: the GPU tests, each part's host time, the 1.8B with each core against the peers
+    tests gpu-tests tests
+    echo "=== host overhead ($(date +%T))" | tee -a "$S"
+    timeout 120 python benchmarks/device/host_overhead.py > "$OUT/host-overhead.txt" 2>&1
+    echo "rc=$?" >> "$S"; grep -E "^\||Error" "$OUT/host-overhead.txt" >> "$S"
+    bench 1.8b-all --shapes llmjp3-1.8b --steps 6 --warmup 2 \
+      --variants ours-bf16,peer-mcore-bf16,ours-fp8-delayed,peer-mcore-fp8-param --set model.attention_core=cudnn
+    bench 1.8b-core-te --shapes llmjp3-1.8b --steps 6 --warmup 2 --variants ours-bf16,ours-fp8-delayed \
+      --set model.attention_core=te
+    bench 1.8b-fp8-profile --shapes llmjp3-1.8b --steps 2 --warmup 2 --variants ours-fp8-delayed --profile ;;
+  attn-b)  # the 172B slice with each attention core against the peers, the stage, the 1.8B BF16 profile
+    bench slice-all --shapes 172b-slice --steps 3 --warmup 2 \
+      --variants ours-bf16,peer-mcore-bf16,ours-fp8-delayed,peer-mcore-fp8-param --set model.attention_core=cudnn
+    bench slice-core-te --shapes 172b-slice --steps 3 --warmup 2 --variants ours-bf16,ours-fp8-delayed \
+      --set model.attention_core=te
+    bench stage --shapes 172b-tp4-stage --steps 3 --warmup 2 --set model.attention_core=cudnn
+    bench 1.8b-bf16-profile --shapes llmjp3-1.8b --steps 2 --warmup 2 --variants ours-bf16 --profile \
+      --set model.attention_core=cudnn ;;
   step-c)  # the flip and a resume with every kernel on; the 1.8B FP8 step with the fused step on, off, on; profile
     flip
     bench 1.8b-fp8-on --shapes llmjp3-1.8b --steps 6 --warmup 2 --variants ours-fp8-delayed

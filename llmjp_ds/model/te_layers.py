@@ -78,9 +78,45 @@ def LayerNormMLP(hidden_size, ffn_hidden_size, eps, init_std, output_std, params
     )
 
 
+class _DotProductAttention(te.DotProductAttention):
+    """TE's attention module (its name and ``_extra_state`` stay in checkpoints), whose causal core runs through
+    torch's ``scaled_dot_product_attention`` on the cuDNN backend when ``via_torch`` (``model.attention_core:
+    cudnn``, set by the Trainer). Both run cuDNN's fused attention kernels. TE's module spends ~0.3 ms of host time
+    per call choosing them, torch ~0.1 ms; but torch's backward returns the Q, K and V gradients as three tensors,
+    where TE's writes them into one buffer in the QKV layout. TE runs the call instead for a recomputed core
+    (``checkpoint_core_attention``), and from the first call torch cannot place on cuDNN (its reason is kept in
+    ``torch_refused``). No recipe of ours runs attention itself in FP8."""
+
+    via_torch = False
+    torch_refused: str | None = None
+
+    def forward(self, query_layer, key_layer, value_layer, checkpoint_core_attention: bool = False):
+        if self.via_torch and self.torch_refused is None and not checkpoint_core_attention:
+            try:
+                return cudnn_attention(query_layer, key_layer, value_layer, self.qkv_format)
+            except RuntimeError as e:  # torch's backend checks run before any kernel is launched
+                self.torch_refused = str(e).splitlines()[0]
+        return super().forward(query_layer, key_layer, value_layer,
+                               checkpoint_core_attention=checkpoint_core_attention)
+
+
+def cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qkv_format: str = "bshd") -> torch.Tensor:
+    """Causal attention of ``[b, s, heads, d]`` (``bshd``) or ``[s, b, heads, d]`` (``sbhd``) tensors, strided views
+    of the QKV buffer included, on torch's cuDNN backend only (it raises where cuDNN cannot run the case); the
+    output in the same format, ``[*lead, heads, d]``. Grouped KV heads go to cuDNN as they are."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    to_bhsd, back = ((1, 2, 0, 3), (2, 0, 1, 3)) if qkv_format == "sbhd" else ((0, 2, 1, 3), (0, 2, 1, 3))
+    q, k, v = (t.permute(*to_bhsd) for t in (q, k, v))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                               enable_gqa=q.shape[1] != k.shape[1])
+    return out.permute(*back)
+
+
 def DotProductAttention(num_attention_heads, head_dim, num_gqa_groups, qkv_format="bshd", **_):
     """``num_attention_heads`` and ``num_gqa_groups`` are this rank's (the heads are split by the QKV GEMM)."""
-    return te.DotProductAttention(
+    return _DotProductAttention(
         num_attention_heads, head_dim, num_gqa_groups=num_gqa_groups, attention_dropout=0.0,
         qkv_format=qkv_format, attn_mask_type="causal",
     )

@@ -210,3 +210,46 @@ def test_fused_qkv_rope_matches_the_split_and_two_rotations(qkv_format):
     for a, b in zip(fused + [g_fused], formula + [g_formula]):
         # the formula casts cos/sin to bf16 first, as HF does: one bf16 rounding of |x| <= ~5
         torch.testing.assert_close(a, b, atol=5e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@needs_te
+@pytest.mark.parametrize("group,qkv_format", [(1, "bshd"), (3, "bshd"), (1, "sbhd"), (3, "sbhd")])
+def test_cudnn_attention_core_matches_te_dot_product_attention(group, qkv_format):
+    """``model.attention_core: cudnn`` (torch's SDPA on its cuDNN backend) gives TE's DotProductAttention's output
+    and Q, K, V gradients: on the strided Q, K, V views of one QKV buffer (the model's in-place RoPE, one query
+    head per KV group) and on separate tensors with several query heads per group, batch- and sequence-first.
+    TE's own path still runs a recomputed core."""
+    from llmjp_ds.model import te_layers
+
+    kv, d, b, s = 4, 128, 2, 512
+    torch.manual_seed(0)
+    packed = torch.randn(b, s, kv, (group + 2) * d, device="cuda", dtype=torch.bfloat16)
+    if qkv_format == "sbhd":
+        packed = packed.transpose(0, 1).contiguous()
+    if group == 1:
+        views = (packed[..., :d], packed[..., d:2 * d], packed[..., 2 * d:])
+    else:
+        views = tuple(t.contiguous() for t in (packed[..., :group * d].reshape(*packed.shape[:2], kv * group, d),
+                                                packed[..., group * d:(group + 1) * d], packed[..., (group + 1) * d:]))
+    core = te_layers.DotProductAttention(kv * group, d, kv, qkv_format=qkv_format)
+    upstream = torch.randn(*packed.shape[:2], kv * group, d, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for via_torch, recompute in ((True, False), (False, False), (True, True)):
+        core.via_torch = via_torch
+        qkv = [t.detach().clone().requires_grad_(True) for t in views] if group > 1 else None
+        if group == 1:  # the views of one leaf, as the model's RoPE hands them over
+            leaf = packed.detach().clone().requires_grad_(True)
+            qkv = [leaf[..., :d], leaf[..., d:2 * d], leaf[..., 2 * d:]]
+        out = core(*qkv, checkpoint_core_attention=recompute)
+        out.reshape(upstream.shape).backward(upstream)
+        grads = [leaf.grad] if group == 1 else [t.grad for t in qkv]
+        results.append([out.detach().reshape(upstream.shape)] + grads)
+    assert core.torch_refused is None
+    (cudnn, te_core, recomputed) = results
+    worst = max((a.float() - b.float()).abs().max().item() for a, b in zip(cudnn, te_core))
+    print(f"[cudnn attention core g={group} {qkv_format}] max |torch cuDNN - TE| {worst:.2e}")
+    for a, b in zip(cudnn, te_core):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=1e-2)
+    for a, b in zip(recomputed, te_core):  # the recomputed core is TE's
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=1e-2)

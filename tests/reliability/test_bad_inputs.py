@@ -88,6 +88,8 @@ CASES = [
          ("ZeRO-3 is not supported with tensor parallelism: use parallel.zero_stage=1",), env={"WORLD_SIZE": "2"}),
     Case("recompute-unknown", T("model.recompute=partial"),
          ("model.recompute must be one of none, selective, full, got 'partial'",)),
+    Case("attention-core-unknown", T("model.attention_core=flash"),
+         ("model.attention_core must be one of te, cudnn, got 'flash'",)),
     Case("activation-checkpointing-replaced", T("model.activation_checkpointing=true"),
          ("config key 'model.activation_checkpointing' was replaced by 'model.recompute': use model.recompute=full "
           "(was true)",)),

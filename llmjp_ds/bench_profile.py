@@ -1,9 +1,9 @@
 """Where a ``llmjp-ds bench`` step's time goes (``--profile``): GPU time by kernel category and the heaviest
 kernels (torch.profiler), where the GPU waited for the host (the same trace's gaps between kernels, each put down
 to the host op that launched the kernel after it), the host's time by Python function (cProfile), and the calls
-that make the host wait for the GPU (CUDA's sync debug mode); and the GPU's clock and power while the timed steps run (``nvidia-smi``), since
-a GPU at its power cap lowers its clock and a row's throughput with it. Pure summaries of what the profilers and
-nvidia-smi report, and the profiled steps."""
+that make the host wait for the GPU (CUDA's sync debug mode); and the GPU's clock and power while the timed steps
+run (``nvidia-smi``), since a GPU at its power cap lowers its clock and a row's throughput with it. Pure summaries
+of what the profilers and nvidia-smi report, and the profiled steps."""
 
 from __future__ import annotations
 
@@ -148,7 +148,8 @@ def idle_gaps(events: list[dict], queued_us: float = 5.0, top: int = 10) -> dict
             entry[1] += 1
 
     def rows(table):
-        return [{"op": n[:100], "ms": v[0] / 1e3, "gaps": v[1]} for n, v in sorted(table.items(), key=lambda kv: -kv[1][0])[:top]]
+        ranked = sorted(table.items(), key=lambda kv: -kv[1][0])[:top]
+        return [{"op": n[:100], "ms": v[0] / 1e3, "gaps": v[1]} for n, v in ranked]
 
     return {"queued_us": queued_us, "short_ms": small_us / 1e3, "short": small_n,
             "long_ms": sum(g for g, _ in gaps) / 1e3, "long": len(gaps),

@@ -78,7 +78,8 @@ def main() -> None:
         "layernorm_mlp (LayerNormMLP)": lambda: layer.layernorm_mlp(x),
     }
     for core, via_torch in (("te", False), ("cudnn", True)):
-        parts[f"core_attention, model.attention_core={core}"] = with_core(via_torch, lambda: attn.core_attention(q, k, v))
+        parts[f"core_attention, model.attention_core={core}"] = with_core(
+            via_torch, lambda: attn.core_attention(q, k, v))
         parts[f"decoder layer forward, model.attention_core={core}"] = with_core(via_torch, lambda: layer(x, freqs))
         parts[f"decoder layer forward + backward, model.attention_core={core}"] = with_core(
             via_torch, lambda: layer(x, freqs).backward(grad))

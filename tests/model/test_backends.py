@@ -227,20 +227,18 @@ def test_cudnn_attention_core_matches_te_dot_product_attention(group, qkv_format
     packed = torch.randn(b, s, kv, (group + 2) * d, device="cuda", dtype=torch.bfloat16)
     if qkv_format == "sbhd":
         packed = packed.transpose(0, 1).contiguous()
-    if group == 1:
-        views = (packed[..., :d], packed[..., d:2 * d], packed[..., 2 * d:])
-    else:
-        views = tuple(t.contiguous() for t in (packed[..., :group * d].reshape(*packed.shape[:2], kv * group, d),
-                                                packed[..., group * d:(group + 1) * d], packed[..., (group + 1) * d:]))
+    views = tuple(t.contiguous() for t in (packed[..., :group * d].reshape(*packed.shape[:2], kv * group, d),
+                                            packed[..., group * d:(group + 1) * d], packed[..., (group + 1) * d:]))
     core = te_layers.DotProductAttention(kv * group, d, kv, qkv_format=qkv_format)
     upstream = torch.randn(*packed.shape[:2], kv * group, d, device="cuda", dtype=torch.bfloat16)
     results = []
     for via_torch, recompute in ((True, False), (False, False), (True, True)):
         core.via_torch = via_torch
-        qkv = [t.detach().clone().requires_grad_(True) for t in views] if group > 1 else None
         if group == 1:  # the views of one leaf, as the model's RoPE hands them over
             leaf = packed.detach().clone().requires_grad_(True)
             qkv = [leaf[..., :d], leaf[..., d:2 * d], leaf[..., 2 * d:]]
+        else:
+            qkv = [t.detach().clone().requires_grad_(True) for t in views]
         out = core(*qkv, checkpoint_core_attention=recompute)
         out.reshape(upstream.shape).backward(upstream)
         grads = [leaf.grad] if group == 1 else [t.grad for t in qkv]

@@ -20,7 +20,6 @@ the tests below, so the file stays fast on two cores.
 from __future__ import annotations
 
 import datetime
-import socket
 import time
 import traceback
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 from llmjp_ds.model import model_config
 from llmjp_ds.model.hf_adapter import tp_merge, tp_merge_state_dicts, tp_shard, tp_shard_state_dict, tp_split_dim
 from llmjp_ds.model.loss import IGNORE_INDEX, causal_lm_loss
+from tests.launch import free_port
 
 SEED = 1234
 Z_LOSS = 1e-4
@@ -126,12 +126,6 @@ def test_per_rank_swiglu_mlps_sum_to_the_whole_mlp(size):
 
 
 # --- two gloo processes ---------------------------------------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _loss_inputs(shift: float = 0.0):
     """Whole logits ``[s, b, V]`` and targets ``[b, s]`` with ignored positions and ids on both sides of the
@@ -249,7 +243,7 @@ def tp2(tmp_path_factory):
     import torch.multiprocessing as mp
 
     out = tmp_path_factory.mktemp("tp2")
-    ctx = mp.start_processes(_tp2_worker, args=(_free_port(), str(out)), nprocs=2, join=False,
+    ctx = mp.start_processes(_tp2_worker, args=(free_port(), str(out)), nprocs=2, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + 100
     try:

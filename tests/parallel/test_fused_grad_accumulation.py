@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import types
@@ -28,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from tests.launch import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 GAS, MICRO, SEQ, STEPS = 3, 2, 16, 2
@@ -256,17 +256,11 @@ def _main(path: str) -> None:
 
 # --- the tests -----------------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     path = tmp_path_factory.mktemp("fused-accum") / "runs.pt"
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
+               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
     env.pop("LOCAL_WORLD_SIZE", None)
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "llmjp-ds" / "torch_extensions"))
     proc = subprocess.run([sys.executable, __file__, str(path)], cwd=REPO, env=env, capture_output=True, text=True,

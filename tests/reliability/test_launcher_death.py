@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.launch import free_port
 from tests.reliability.conftest import (
     DRILL_STEPS, TINY, Proc, assert_latest_complete, events, latest_of, loss_trail, run, subprocess_env, tag_step,
     train_argv, wait_for,
@@ -32,12 +33,6 @@ pytestmark = pytest.mark.slow
 
 SETS = [*TINY, f"train.steps={DRILL_STEPS}", "checkpoint.interval=0"]  # the baseline's schedule; saves: signals
 ENDS_WITHIN = 25  # s from the signal to the trainer gone: under DeepSpeed's launch, less than its 30 s SIGKILL
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -27,7 +27,6 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from tests.launch import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 GAS, MICRO, SEQ, STEPS = 3, 2, 16, 2
@@ -258,6 +257,8 @@ def _main(path: str) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    from tests.launch import free_port  # here: the runs import this file as a script, outside the package
+
     path = tmp_path_factory.mktemp("fused-accum") / "runs.pt"
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")

@@ -31,6 +31,9 @@ LOCK = ".llmjp_ds.lock"
 STOPPING = ".llmjp_ds.stopping"
 POLL_S = 0.5  # how often a relaunch that waits for the run directory tries again
 SKEW_S = 10  # added to a suggested wait: the holder's clock (another node) may differ a little from ours
+# how long another job's record must stand in a held lock file before a rank believes it: this job's rank 0 takes
+# the lock first and replaces the record of the run directory's last owner just after (a resume, a copied run)
+SETTLE_S = 5.0
 
 
 def job_id() -> str | None:
@@ -143,12 +146,20 @@ class RunDirLock:
 
     def check_peer(self, wait_s: float = 0.0) -> None:
         """On a rank other than 0: fail if the run directory is held by a process of another job (free, it is
-        this job's rank 0 that takes it next); ``wait_s``: wait for that process to end first, as :meth:`acquire`."""
+        this job's rank 0 that takes it next); ``wait_s``: wait for that process to end first, as :meth:`acquire`.
+        A held lock whose record names another job counts once the record has stood for :data:`SETTLE_S`: until
+        then it may be the last owner's, which this job's rank 0 has locked and not yet replaced."""
         deadline, told = time.monotonic() + wait_s, False
+        seen, since = None, 0.0
         while True:
             info = _held_by(self.path)
             if info is None or (info.get("job") is not None and info.get("job") == job_id()):
                 return
+            if info != seen:
+                seen, since = info, time.monotonic()
+            if time.monotonic() - since < SETTLE_S:
+                time.sleep(0.1)
+                continue
             if time.monotonic() >= deadline:
                 _refuse(self.run_dir, info, info.get("what", "training"), relaunch=True, waited=wait_s)
             if not told:

@@ -133,9 +133,11 @@ def test_a_wait_for_the_run_dir_ends_with_the_holder_or_times_out(tmp_path, monk
     """In-process: ``acquire(wait_s)`` takes the lock once its holder releases it, after one line saying it
     waits; a holder that outlasts the wait gets today's refusal with ``(waited N s)``; a rank of another job
     (``check_peer``) waits the same way; a stopping record of an earlier owner is not read as this one's."""
+    from llmjp_ds.checkpoint import lock
     from llmjp_ds.checkpoint.lock import STOPPING, RunDirLock
     from llmjp_ds.errors import UserError
 
+    monkeypatch.setattr(lock, "SETTLE_S", 0.1)  # a peer believes another job's record at once (see below)
     first = RunDirLock(tmp_path / "r").acquire()
     with pytest.raises(UserError, match=r"started [^)]*\) \(waited 0.6 s\): wait for it to end \(or relaunch with "
                                         r"--wait-for-run-dir SECONDS\)"):
@@ -248,6 +250,44 @@ def test_export_force_replaces_an_earlier_export_only(baseline, tmp_path):
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(str(out)).config.model_type == "llama"
+
+
+def test_a_peer_rank_waits_for_its_rank_0_to_replace_the_last_owners_record(tmp_path, monkeypatch):
+    """In-process: this job's rank 0 takes the lock, then replaces the record of the directory's last owner (a
+    resumed or copied run keeps it in the lock file). A rank that looks in between reads that record under a held
+    lock; it must not take it for a live holder of another job. A record that stands is refused, after
+    ``SETTLE_S``."""
+    import fcntl
+
+    from llmjp_ds.checkpoint import lock
+    from llmjp_ds.checkpoint.lock import RunDirLock
+    from llmjp_ds.errors import UserError
+
+    monkeypatch.setattr(lock, "SETTLE_S", 1.0)
+    run_dir = tmp_path / "r"
+    RunDirLock(run_dir).acquire().release()  # the last owner, a lone process: its record stays in the file
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    rank0 = os.open(run_dir / lock.LOCK, os.O_RDWR)
+    fcntl.flock(rank0, fcntl.LOCK_EX)  # rank 0 has the lock, and has not yet written its own record
+
+    def write_record():
+        os.ftruncate(rank0, 0)
+        os.pwrite(rank0, json.dumps({"pid": os.getpid(), "job": "127.0.0.1:29500"}).encode(), 0)
+
+    threading.Timer(0.3, write_record).start()
+    t0 = time.monotonic()
+    RunDirLock(run_dir).check_peer()  # returns: the record became this job's
+    assert time.monotonic() - t0 < 1.0
+    os.close(rank0)
+    holder = RunDirLock(run_dir).acquire()  # a live holder, of the job at port 29500
+    monkeypatch.setenv("MASTER_PORT", "29501")  # this rank's job is another one
+    t0 = time.monotonic()
+    with pytest.raises(UserError, match="is in use by another training"):
+        RunDirLock(run_dir).check_peer()
+    assert 1.0 <= time.monotonic() - t0 < 5.0
+    holder.release()
 
 
 def test_the_lock_is_released_by_the_kernel(tmp_path):

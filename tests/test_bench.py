@@ -163,6 +163,7 @@ def _x(cat, name, ts, dur, tid=1, corr=None):
 
 # a forward on thread 1 (an autograd function's GEMM, launched late), a backward on thread 2, and kernels that
 # queue back to back; times in microseconds
+BACKWARD = "autograd::engine::evaluate_function: _LayerNormLinearBackward"
 TRACE = [
     _x("cpu_op", "_LayerNormLinear", 0, 100), _x("cpu_op", "aten::mm", 10, 80),
     _x("cuda_runtime", "cudaLaunchKernel", 20, 5, corr=1), _x("cuda_runtime", "cudaLaunchKernel", 85, 5, corr=2),
@@ -170,7 +171,7 @@ TRACE = [
     _x("kernel", "gemm_b", 95, 10, tid=7, corr=2),  # 55 us after gemm_a: the host was inside aten::mm
     _x("kernel", "gemm_c", 107, 10, tid=7, corr=3),  # 2 us: queued
     _x("cuda_runtime", "cudaLaunchKernel", 100, 2, corr=3),
-    _x("cpu_op", BACKWARD := "autograd::engine::evaluate_function: _LayerNormLinearBackward", 150, 300, tid=2),
+    _x("cpu_op", BACKWARD, 150, 300, tid=2),
     _x("cpu_op", "aten::add", 400, 20, tid=2), _x("cuda_driver", "cuLaunchKernel", 410, 3, tid=2, corr=4),
     _x("kernel", "triton_add", 420, 5, tid=7, corr=4),  # 303 us after gemm_c, launched in the backward
     _x("gpu_memset", "Memset", 426, 1, tid=7, corr=5),  # its launch was not traced

@@ -39,6 +39,10 @@ bandwidth() {
   timeout 180 python benchmarks/device/kernel_bandwidth.py --kernels "$1" --json "$OUT/bandwidth.json" \
     > "$OUT/bandwidth.log" 2>&1
   echo "rc=$?" >> "$S"; grep -E "^\||Error" "$OUT/bandwidth.log" >> "$S"; }
+host_overhead() {  # each part of a decoder layer's host and GPU time per call
+  echo "=== host overhead ($(date +%T)): python benchmarks/device/host_overhead.py" | tee -a "$S"
+  timeout 240 python benchmarks/device/host_overhead.py > "$OUT/host-overhead.txt" 2>&1
+  echo "rc=$?" >> "$S"; grep -E "^\||Error" "$OUT/host-overhead.txt" >> "$S"; }
 flip() {  # the 1.8B's layer shape, 2 layers: BF16 -> FP8 delayed at step 6 (calibrated on 4-5), 14 steps
   # uninterrupted, against 10 steps with a checkpoint and a resume to 14; every kernel at its default
   if (( $(left) < 150 )); then echo "=== flip skipped (time)" | tee -a "$S"; return; fi
@@ -99,16 +103,12 @@ case $mode in
       --set optim.fused_step=false
     bench stage --shapes 172b-tp4-stage --steps 3 --warmup 2 ;;
   hostbound)  # where the GPU waits for the host: each part of a layer's host time, and the 1.8B step's gaps
-    echo "=== host overhead ($(date +%T))" | tee -a "$S"
-    timeout 240 python benchmarks/device/host_overhead.py > "$OUT/host-overhead.txt" 2>&1
-    echo "rc=$?" >> "$S"; grep -E "^\||Error" "$OUT/host-overhead.txt" >> "$S"
+    host_overhead
     bench 1.8b-gaps --shapes llmjp3-1.8b --steps 2 --warmup 2 --profile \
       --variants ours-bf16,ours-fp8-delayed,peer-mcore-bf16,peer-mcore-fp8-param ;;
   attn-a)  # model.attention_core: the GPU tests, each part's host time, the 1.8B with each core against the peers
     tests gpu-tests tests
-    echo "=== host overhead ($(date +%T))" | tee -a "$S"
-    timeout 120 python benchmarks/device/host_overhead.py > "$OUT/host-overhead.txt" 2>&1
-    echo "rc=$?" >> "$S"; grep -E "^\||Error" "$OUT/host-overhead.txt" >> "$S"
+    host_overhead
     bench 1.8b-all --shapes llmjp3-1.8b --steps 6 --warmup 2 \
       --variants ours-bf16,peer-mcore-bf16,ours-fp8-delayed,peer-mcore-fp8-param --set model.attention_core=cudnn
     bench 1.8b-core-te --shapes llmjp3-1.8b --steps 6 --warmup 2 --variants ours-bf16,ours-fp8-delayed \

@@ -131,6 +131,9 @@ class ModelConfig:
     # time per call, but the Q, K, V gradients come back as three tensors, which RoPE's backward then packs (one
     # more pass over V's). For steps whose profile shows the GPU waiting on the attention's host work
     attention_core: str = "te"
+    # TE backend: each residual's gradient is added inside the backward of the norm that reads the residual (TE's
+    # rmsnorm_bwd_add), not by autograd in a kernel of its own (model/residual_grad.py). Off under recompute: full
+    fused_residual_norm: bool = True
     # start from an HF Llama checkpoint (continued pretraining)
     init_from_hf: str | None = field(default=None, metadata=input_path(
         "pass the directory save_pretrained wrote (config.json and safetensors)", inside="config.json"))

@@ -11,6 +11,8 @@
 #   source .whl/env.sh && bash benchmarks/device/h200_kernels.sh hostbound   # where the GPU waits for the host
 #   source .whl/env.sh && bash benchmarks/device/h200_kernels.sh attn-a   # GPU tests, 1.8B with each attention core
 #   source .whl/env.sh && bash benchmarks/device/h200_kernels.sh attn-b   # the slice with each core, stage, profile
+#   source .whl/env.sh && bash benchmarks/device/h200_kernels.sh resid-a  # GPU tests, 1.8B with the residual fusion
+#   source .whl/env.sh && bash benchmarks/device/h200_kernels.sh resid-b  # the stage and slice with it; the flip
 # (run Z of docs/performance.md: final-a, then final-b; run AA: step-a, step-b, step-c)
 # The GPU's clocks, power and throttle reasons are logged every half second to $OUT/gpu-clocks.csv.
 set -uo pipefail
@@ -128,6 +130,21 @@ case $mode in
     bench 1.8b-fp8-off --shapes llmjp3-1.8b --steps 6 --warmup 2 --variants ours-fp8-delayed --set optim.fused_step=false
     bench 1.8b-fp8-on-again --shapes llmjp3-1.8b --steps 6 --warmup 2 --variants ours-fp8-delayed
     bench 1.8b-fp8-profile --shapes llmjp3-1.8b --steps 2 --warmup 2 --variants ours-fp8-delayed --profile ;;
+  resid-a)  # model.fused_residual_norm: every GPU test; 1.8B against the peers, the fusion off between two ons
+    tests gpu-tests tests
+    bench 1.8b-all --shapes llmjp3-1.8b --steps 6 --warmup 2 \
+      --variants ours-bf16,peer-mcore-bf16,ours-fp8-delayed,peer-mcore-fp8-param
+    bench 1.8b-resid-off --shapes llmjp3-1.8b --steps 6 --warmup 2 --variants ours-bf16,ours-fp8-delayed \
+      --set model.fused_residual_norm=false
+    bench 1.8b-resid-on --shapes llmjp3-1.8b --steps 6 --warmup 2 --variants ours-bf16,ours-fp8-delayed
+    bench 1.8b-bf16-profile --shapes llmjp3-1.8b --steps 2 --warmup 2 --variants ours-bf16 --profile ;;
+  resid-b)  # the stage with the fusion on and off, the slice against the peers, the flip and a resume with it
+    bench stage --shapes 172b-tp4-stage --steps 3 --warmup 2
+    bench stage-resid-off --shapes 172b-tp4-stage --steps 3 --warmup 2 --variants ours-bf16,ours-fp8-delayed \
+      --set model.fused_residual_norm=false
+    bench slice-all --shapes 172b-slice --steps 3 --warmup 2 \
+      --variants ours-bf16,peer-mcore-bf16,ours-fp8-delayed,peer-mcore-fp8-param
+    flip ;;
   *) echo "unknown mode $mode" | tee -a "$S" ;;
 esac
 done

@@ -33,6 +33,7 @@ from llmjp_ds.model.backend import layers_module, resolve_backend
 from llmjp_ds.model.loss import CausalLMLoss, LossParts
 from llmjp_ds.model.loss import shift_labels as shift_labels_of
 from llmjp_ds.model.main_grad import HeadLinear, TokenEmbedding
+from llmjp_ds.model.residual_grad import residual_add
 from llmjp_ds.model.shapes import check_supported, rope_theta
 from llmjp_ds.model.tensor_parallel import TensorParallel, leave_row, mark_sharded
 
@@ -114,10 +115,14 @@ class DecoderLayer(nn.Module):
             config.hidden_size, config.intermediate_size, eps=config.rms_norm_eps, init_std=config.initializer_range,
             output_std=config.initializer_range / math.sqrt(2.0 * config.num_hidden_layers), params_dtype=params_dtype,
             tp=tp)
+        # model.fused_residual_norm (TE backend), set by the Trainer: each residual's gradient is added inside the
+        # backward of the norm that reads the residual (model/residual_grad.py)
+        self.fused_residual_norm = False
 
     def forward(self, x, freqs, mask=None, cache=None):
-        x = x + self.self_attention(x, freqs, mask, cache)
-        return x + self.layernorm_mlp(x)
+        add = residual_add if self.fused_residual_norm else torch.add
+        x = add(x, self.self_attention(x, freqs, mask, cache))
+        return add(x, self.layernorm_mlp(x))
 
 
 def _device_for(backend: str):

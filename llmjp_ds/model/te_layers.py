@@ -15,11 +15,39 @@ from torch import nn
 
 import transformer_engine.pytorch as te
 from transformer_engine.pytorch.attention.rope import apply_fused_qkv_rotary_pos_emb, apply_rotary_pos_emb
+from transformer_engine.pytorch.module import layernorm_linear as _te_layernorm_linear
+from transformer_engine.pytorch.module import layernorm_mlp as _te_layernorm_mlp
+
+from llmjp_ds.model import residual_grad
 
 from llmjp_ds.model.torch_layers import apply_rope as torch_apply_rope
 from llmjp_ds.model.torch_layers import split_qkv
 from llmjp_ds.model.torch_layers import sdpa  # noqa: F401  (the masked / KV-cache path, shared by both backends)
 from llmjp_ds.model.weight_reuse import ReusesFP8Weights
+
+
+class _NormBackwardTakesResidual:
+    """TE's extension module as ``LayerNormLinear`` and ``LayerNormMLP`` call it, but whose ``rmsnorm_bwd`` adds
+    the residual gradient :func:`llmjp_ds.model.residual_grad.residual_add` left for the norm's input, in the same
+    kernel (TE's ``rmsnorm_bwd_add``, the kernel of its ``BackwardAddRMSNorm`` op). With nothing left for it, the
+    call is TE's own. Every other name is TE's."""
+
+    def __init__(self, tex):
+        self._tex = tex
+
+    def __getattr__(self, name):
+        return getattr(self._tex, name)
+
+    def rmsnorm_bwd(self, dy, x, rsigma, gamma, sm_margin, zero_centered_gamma):
+        add = residual_grad.take(x)
+        if add is None:
+            return self._tex.rmsnorm_bwd(dy, x, rsigma, gamma, sm_margin, zero_centered_gamma)
+        return self._tex.rmsnorm_bwd_add(dy, x, add.to(dy.dtype), rsigma, gamma, sm_margin, zero_centered_gamma)
+
+
+for _module in (_te_layernorm_linear, _te_layernorm_mlp):
+    if not isinstance(_module.tex, _NormBackwardTakesResidual):
+        _module.tex = _NormBackwardTakesResidual(_module.tex)
 
 
 # MAIN_GRAD_WEIGHTS: the weights whose gradient TE's GEMM accumulates into ``main_grad``

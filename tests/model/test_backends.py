@@ -251,3 +251,43 @@ def test_cudnn_attention_core_matches_te_dot_product_attention(group, qkv_format
         torch.testing.assert_close(a, b, atol=2e-2, rtol=1e-2)
     for a, b in zip(recomputed, te_core):  # the recomputed core is TE's
         torch.testing.assert_close(a, b, atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+@needs_te
+@pytest.mark.parametrize("fp8", [False, True])
+def test_fused_residual_norm_matches_autograds_add(fp8):
+    """``model.fused_residual_norm``: each residual's gradient added inside TE's norm backward
+    (``rmsnorm_bwd_add``) gives the model's loss and every gradient of the unfused path (autograd's add), within
+    a bf16 rounding per layer, in BF16 and in FP8 delayed scaling; two adds per layer fewer run."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.common.recipe import DelayedScaling, Format
+
+    from llmjp_ds.model import residual_grad
+
+    config = small_config(hidden_size=256, num_attention_heads=4, num_key_value_heads=4, ffn_hidden_size=512,
+                          num_layers=3, seq_len=256, vocab_size=512)
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(config, backend="te", params_dtype=torch.bfloat16).train()
+    ids = torch.randint(0, config.vocab_size, (2, 257), device="cuda")
+    results = []
+    for fused in (False, True):
+        model = LlamaForCausalLM(config, backend="te", params_dtype=torch.bfloat16).train()
+        model.load_state_dict(reference.state_dict())  # the same weights and a fresh FP8 state for each path
+        for layer in model.model.layers:
+            layer.fused_residual_norm = fused
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            with te.autocast(enabled=fp8, recipe=DelayedScaling(fp8_format=Format.HYBRID)):
+                loss = model.training_loss(ids[:, :-1], ids[:, 1:]).loss
+            loss.backward()
+            torch.cuda.synchronize()
+        adds = sum(e.count for e in prof.key_averages() if "CUDAFunctor_add" in e.key)
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}, adds))
+    assert not residual_grad.pending()
+    (loss_plain, grads_plain, adds_plain), (loss_fused, grads_fused, adds_fused) = results
+    worst = max(((grads_fused[n] - g).float().norm() / g.float().norm()).item() for n, g in grads_plain.items())
+    print(f"[fused residual norm fp8={fp8}] adds {adds_plain} -> {adds_fused}, loss {loss_plain.item():.6f} / "
+          f"{loss_fused.item():.6f}, worst relative gradient difference {worst:.2e}")
+    assert torch.equal(loss_fused, loss_plain)  # the forward is the same
+    assert adds_plain - adds_fused == 2 * config.num_hidden_layers
+    assert worst < 2e-2, worst

@@ -258,8 +258,9 @@ def test_cudnn_attention_core_matches_te_dot_product_attention(group, qkv_format
 @pytest.mark.parametrize("fp8", [False, True])
 def test_fused_residual_norm_matches_autograds_add(fp8):
     """``model.fused_residual_norm``: each residual's gradient added inside TE's norm backward
-    (``rmsnorm_bwd_add``) gives the model's loss and every gradient of the unfused path (autograd's add), within
-    a bf16 rounding per layer, in BF16 and in FP8 delayed scaling; two adds per layer fewer run."""
+    (``rmsnorm_bwd_add``) gives the model's loss and the gradients of the unfused path (autograd's add): in BF16
+    within a bf16 rounding per layer; in FP8 delayed scaling (after two calibrating iterations) as close to the
+    BF16 gradients as the unfused path's. Two adds per layer fewer run."""
     import transformer_engine.pytorch as te
     from transformer_engine.common.recipe import DelayedScaling, Format
 
@@ -270,24 +271,40 @@ def test_fused_residual_norm_matches_autograds_add(fp8):
     torch.manual_seed(0)
     reference = LlamaForCausalLM(config, backend="te", params_dtype=torch.bfloat16).train()
     ids = torch.randint(0, config.vocab_size, (2, 257), device="cuda")
-    results = []
-    for fused in (False, True):
+
+    def run(fused: bool, fp8: bool):
         model = LlamaForCausalLM(config, backend="te", params_dtype=torch.bfloat16).train()
         model.load_state_dict(reference.state_dict())  # the same weights and a fresh FP8 state for each path
         for layer in model.model.layers:
             layer.fused_residual_norm = fused
+        for _ in range(2 if fp8 else 0):  # delayed scaling: scales from the amaxes of these iterations
+            with te.autocast(enabled=True, recipe=DelayedScaling(fp8_format=Format.HYBRID)):
+                loss = model.training_loss(ids[:, :-1], ids[:, 1:]).loss
+            loss.backward()
+            model.zero_grad(set_to_none=True)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             with te.autocast(enabled=fp8, recipe=DelayedScaling(fp8_format=Format.HYBRID)):
                 loss = model.training_loss(ids[:, :-1], ids[:, 1:]).loss
             loss.backward()
             torch.cuda.synchronize()
         adds = sum(e.count for e in prof.key_averages() if "CUDAFunctor_add" in e.key)
-        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}, adds))
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, adds
+
+    def distance(grads, to):  # the worst relative distance over the parameters, and where
+        return max((((grads[n] - g).float().norm() / g.float().norm()).item(), n) for n, g in to.items())
+
+    (loss_plain, grads_plain, adds_plain), (loss_fused, grads_fused, adds_fused) = (run(f, fp8) for f in (False, True))
     assert not residual_grad.pending()
-    (loss_plain, grads_plain, adds_plain), (loss_fused, grads_fused, adds_fused) = results
-    worst = max(((grads_fused[n] - g).float().norm() / g.float().norm()).item() for n, g in grads_plain.items())
+    apart = distance(grads_fused, grads_plain)
     print(f"[fused residual norm fp8={fp8}] adds {adds_plain} -> {adds_fused}, loss {loss_plain.item():.6f} / "
-          f"{loss_fused.item():.6f}, worst relative gradient difference {worst:.2e}")
+          f"{loss_fused.item():.6f}, fused vs unfused: worst relative gradient difference {apart[0]:.2e} ({apart[1]})")
     assert torch.equal(loss_fused, loss_plain)  # the forward is the same
     assert adds_plain - adds_fused == 2 * config.num_hidden_layers
-    assert worst < 2e-2, worst
+    if not fp8:
+        assert apart[0] < 2e-2, apart
+        return
+    _, grads_bf16, _ = run(False, False)
+    fused_err, plain_err = distance(grads_fused, grads_bf16), distance(grads_plain, grads_bf16)
+    print(f"[fused residual norm fp8] against BF16: fused {fused_err[0]:.2e} ({fused_err[1]}), "
+          f"unfused {plain_err[0]:.2e} ({plain_err[1]})")
+    assert fused_err[0] <= 1.5 * plain_err[0] + 1e-2, (fused_err, plain_err)

@@ -13,6 +13,7 @@
 #   source .whl/env.sh && bash benchmarks/device/h200_kernels.sh attn-b   # the slice with each core, stage, profile
 #   source .whl/env.sh && bash benchmarks/device/h200_kernels.sh resid-a  # GPU tests, 1.8B with the residual fusion
 #   source .whl/env.sh && bash benchmarks/device/h200_kernels.sh resid-b  # the stage and slice with it; the flip
+#   source .whl/env.sh && bash benchmarks/device/h200_kernels.sh flip     # the flip and a resume alone
 # (run Z of docs/performance.md: final-a, then final-b; run AA: step-a, step-b, step-c)
 # The GPU's clocks, power and throttle reasons are logged every half second to $OUT/gpu-clocks.csv.
 set -uo pipefail
@@ -145,6 +146,7 @@ case $mode in
     bench slice-all --shapes 172b-slice --steps 3 --warmup 2 \
       --variants ours-bf16,peer-mcore-bf16,ours-fp8-delayed,peer-mcore-fp8-param
     flip ;;
+  flip) flip ;;  # the flip and a resume alone
   *) echo "unknown mode $mode" | tee -a "$S" ;;
 esac
 done

@@ -9,8 +9,9 @@ the norm's backward instead, which reads it once more and writes ``x``'s whole g
 The hand-over is a single slot. The add's backward runs before its branch's (the branch feeds it), and the first
 norm backward after it is the branch's own. The slot is keyed by the storage of ``x``, which the norm keeps for
 its backward: a norm that finds a gradient meant for another tensor raises, and so does an add whose slot is still
-full or a backward pass that ends with it full, instead of dropping a gradient. A recomputed branch (``model.recompute: full``) saves a recomputed ``x``, not
-the one the add saw, so the Trainer leaves the fusion off there.
+full or a backward pass that ends with it full, instead of dropping a gradient. A recomputed branch
+(``model.recompute: full``) saves a recomputed ``x``, not the one the add saw, so the Trainer leaves the fusion
+off there.
 """
 
 from __future__ import annotations

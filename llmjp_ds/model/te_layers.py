@@ -19,7 +19,6 @@ from transformer_engine.pytorch.module import layernorm_linear as _te_layernorm_
 from transformer_engine.pytorch.module import layernorm_mlp as _te_layernorm_mlp
 
 from llmjp_ds.model import residual_grad
-
 from llmjp_ds.model.torch_layers import apply_rope as torch_apply_rope
 from llmjp_ds.model.torch_layers import split_qkv
 from llmjp_ds.model.torch_layers import sdpa  # noqa: F401  (the masked / KV-cache path, shared by both backends)

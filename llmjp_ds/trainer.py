@@ -167,9 +167,8 @@ class Trainer:
         layers = [m for m in self.engine.module.modules() if isinstance(m, DecoderLayer)]
         for layer in layers:
             layer.self_attention.fused_qkv_rope = self.cfg.model.fused_qkv_rope
-            layer.fused_residual_norm = (self.backend == "te" and self.cfg.model.fused_residual_norm
-                                         and self.cfg.model.recompute != "full")
             if self.backend == "te":
+                layer.fused_residual_norm = self.cfg.model.fused_residual_norm and self.cfg.model.recompute != "full"
                 layer.self_attention.core_attention.via_torch = self.cfg.model.attention_core == "cudnn"
         self.precision.attach(self.engine.module, layers, self.model_config.num_hidden_layers,
                               self.ctx.amax_reduction_group, tensor_parallel=self.ctx.tp is not None)

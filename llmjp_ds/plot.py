@@ -115,13 +115,9 @@ def _beside_lines(steps: dict[int, dict], beside: list[tuple[str, dict]]) -> dic
     return lines
 
 
-def _draw(steps: dict[int, dict], events: list[dict], title: str, where: str = "the metrics",
-          beside: list[tuple[str, dict]] = ()):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
-
-    panels = []  # (title, [(key, label, style)], twin (key, label) or None)
+def _panels(steps: dict[int, dict], beside: list, extra: dict, where: str) -> list:
+    """(title, [(key, label, style)], twin (key, label) or None) of each panel with something to draw."""
+    panels = []
     if _series(steps, "loss")[0] or _series(steps, "valid_loss")[0]:
         panels.append(("loss", [("loss", "train loss", "-"), ("valid_loss", "valid loss", "o-")],
                        ("z_loss", "z-loss")))
@@ -135,11 +131,21 @@ def _draw(steps: dict[int, dict], events: list[dict], title: str, where: str = "
         panels.append(("tokens/s", [("tokens_per_s", "tokens/s", "-")], None))
     if not panels:
         fail(f"{where} holds no loss, lr or throughput to plot: nothing to draw yet")
-    extra = _beside_lines(steps, list(beside))
     if extra["grad norm"]:
         panels.insert(1, ("grad norm", [("grad_norm", "grad norm", "-")], None))
     if extra["delta"]:
         panels.insert(2, (f"loss - {beside[0][0]}", [], None))
+    return panels
+
+
+def _draw(steps: dict[int, dict], events: list[dict], title: str, where: str = "the metrics",
+          beside: list[tuple[str, dict]] = ()):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    extra = _beside_lines(steps, list(beside))
+    panels = _panels(steps, list(beside), extra, where)
 
     fig = Figure(figsize=(10, 2.8 * len(panels) + 0.6), layout="constrained")
     FigureCanvasAgg(fig)

@@ -36,7 +36,8 @@ ALLOWED = {
               "bench_peers", "bench_profile"},
     "preflight": {"errors", "config", "validate", "model", "parallel", "checkpoint"},
     "demo": {"checkpoint", "config", "metrics", "train"},
-    "plot": {"errors", "metrics"},
+    "curves": {"errors", "metrics"},
+    "plot": {"errors", "metrics", "curves"},
     "cli": {"errors"},
 }
 

@@ -36,7 +36,7 @@ import numpy as np
 
 from llmjp_ds.data import megatron_internals
 from llmjp_ds.data.dataset import file_identity, index_root
-from llmjp_ds.data.indexed import IndexedDataset
+from llmjp_ds.data.indexed import sequence_lengths
 from llmjp_ds.errors import fail
 
 # GPTDatasetConfig fields pretrain_gpt.py (core_gpt_dataset_config_from_args, Megatron-LM core_v0.16.1 and the
@@ -106,10 +106,11 @@ def split_matrix(split) -> list:
 
 def check_split_tokens(prefixes: list[str], split) -> None:
     """Each split with a share must hold tokens in every corpus: megatron-core's epoch count loops forever on an
-    empty one. Its split is by sequence: ``round(bound * sequences)``. Run before any process group."""
+    empty one. Its split is by sequence: ``round(bound * sequences)``. Run before any process group, on corpora
+    already opened (checked) once."""
     matrix = split_matrix(split)
     for prefix in prefixes:
-        lengths = IndexedDataset(prefix).sequence_lengths
+        lengths = sequence_lengths(prefix)
         for name, bounds in zip(SPLITS, matrix):
             if bounds is None:
                 continue

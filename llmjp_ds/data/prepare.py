@@ -134,13 +134,9 @@ def resolve_data(blend, tokenizer, model_vocab_size: int, split, seed: int, cach
         tokenizer = Path(tokenizer) if tokenizer else None
     else:
         blend, tokenizer = prepare_bundled()
-    if order == "megatron":
-        from llmjp_ds.data.megatron_order import check_split_tokens
-
-        if weighted and any(w <= 0 for w, _ in blend):
-            fail("data.blend has a weight of 0: Megatron's builder needs every weight > 0; leave that corpus out of "
-                 "the blend, or set data.order=llmjp")
-        check_split_tokens([p for _, p in blend], split)
+    if order == "megatron" and weighted and any(w <= 0 for w, _ in blend):
+        fail("data.blend has a weight of 0: Megatron's builder needs every weight > 0; leave that corpus out of the "
+             "blend, or set data.order=llmjp")
     vocab = eod = None
     if tokenizer is not None:
         if not tokenizer.exists():
@@ -154,4 +150,8 @@ def resolve_data(blend, tokenizer, model_vocab_size: int, split, seed: int, cach
     # fail here, before anything is written and before any process group exists (not in data.build())
     for _, prefix in blend:
         check_vocab(IndexedDataset(prefix), vocab or model_vocab_size, cache_dir)
+    if order == "megatron":
+        from llmjp_ds.data.megatron_order import check_split_tokens
+
+        check_split_tokens([p for _, p in blend], split)
     return DataPlan(blend, tokenizer, vocab, list(split), seed, cache_dir, order, weighted, test_samples, eod)

@@ -222,3 +222,15 @@ def test_a_megatron_cache_directory_is_reused(megatron, corpora, blend_name, tmp
     corpora_used = len(blend) // 2 if blend_name == "weighted" else len(blend)
     assert megatron_files() == before and len(before) == corpora_used * 3 * 4 + 3 * 3  # GPTDatasets, 3 blends
     assert first_difference(our_reads(cfg, train, valid, 0), megatron_lm_reads(ref_train, ref_valid, 0)) is None
+
+
+def test_a_split_without_tokens_fails_before_megatron_core_loops_on_it(megatron, corpora, tmp_path):
+    """megatron-core's epoch count never ends on a split share that rounds to no sequence (150 documents, valid
+    share 1/1000): refused with one line, before any process group."""
+    from llmjp_ds.data.prepare import resolve_data
+    from llmjp_ds.errors import UserError
+
+    with pytest.raises(UserError, match=r"the valid split of corpus .*c_text_document \(sequences 150\.\.150 of 150\) "
+                                        r"holds no tokens, and Megatron's builder would loop forever on it"):
+        resolve_data([corpora[2]], None, 1000, [999, 1], SEED, str(tmp_path), "megatron")
+    resolve_data([corpora[2]], None, 1000, [99, 1], SEED, str(tmp_path), "megatron")  # 2 documents: fine

@@ -234,3 +234,31 @@ def test_a_split_without_tokens_fails_before_megatron_core_loops_on_it(megatron,
                                         r"holds no tokens, and Megatron's builder would loop forever on it"):
         resolve_data([corpora[2]], None, 1000, [999, 1], SEED, str(tmp_path), "megatron")
     resolve_data([corpora[2]], None, 1000, [99, 1], SEED, str(tmp_path), "megatron")  # 2 documents: fine
+
+
+class _Planted:
+    """An object whose unpickling writes a file: what a crafted cache file could run."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_pickled_cache_file_is_refused_unread(megatron, corpora, tmp_path):
+    """A cache file holding objects (a crafted one, in a shared --data-cache-path) must never be unpickled:
+    megatron-core opens every cached index with numpy.load(mmap_mode="r"), which refuses object arrays before any
+    pickle is read (0.16 passes allow_pickle=True, so without the memory map the pickle would run). The run ends
+    with one line, and the planted code has not run."""
+    from llmjp_ds.errors import UserError
+
+    blend = BLENDS["weighted"](corpora)
+    cache = tmp_path / "megatron"
+    megatron_lm_datasets(megatron, blend, ",".join(map(str, SPLIT)), cache)
+    target = sorted(cache.glob("*-GPTDataset-train-shuffle_index.npy"))[0]
+    marker = tmp_path / "ran"
+    np.save(target, np.array([_Planted(marker)], dtype=object), allow_pickle=True)
+    with pytest.raises(UserError, match="cannot read or write Megatron's sample index cache in .*megatron"):
+        trainer_datasets(run_config(blend, cache))
+    assert not marker.exists()

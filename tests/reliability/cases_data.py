@@ -6,7 +6,7 @@ import gzip
 import json
 import lzma
 
-from tests.reliability.cases import SMALL, Case, L, T  # noqa: F401
+from tests.reliability.cases import SMALL, Case, L, T, sub  # noqa: F401
 
 
 def _pp(src, out="out_x", *more):
@@ -25,6 +25,8 @@ def _without_megatron(*sets):
     return argv
 
 
+MEGATRON_CACHE = ("data.order=megatron", "data.blend=[{tmp}/good_text_document]",
+                  "data.cache_dir={tmp}/data/megatron_cache")
 TRUNCATED = "ends before its compressed stream does (truncated"
 REFETCH = "an interrupted download or copy?): re-fetch it"
 
@@ -101,6 +103,9 @@ CASES: list[Case] = [
                                        run="{tmp}/data/run_megatron_small"),
          ("Megatron's train split of this blend holds", "the run reads: prefixes without weights are each taken "
           "once; give data.blend weights (Megatron then repeats corpora), or lower train.steps"), after_start=True),
+    Case("megatron-cache-damaged", T(SMALL, *MEGATRON_CACHE, run="{tmp}/data/run_megatron_cache"),
+         ("cannot read or write Megatron's sample index cache in", "data/megatron_cache (", "a file there is damaged "
+          "(a build that was killed) or not megatron-core's: delete it, it is rebuilt"), after_start=True),
     Case("samples-beyond-the-run", L("samples", "--start", "1599", "--count", "2", "--output", "{tmp}/data/w.npy"),
          ("--start 1599 --count 2 reads up to train sample 1600, but the run reads 1600 train samples",)),
     Case("samples-unknown-split", L("samples", "--split", "vaild", "--start", "0", "--count", "1", "--output",
@@ -181,6 +186,19 @@ def prepare(ctx) -> None:
     (d / "hosts_utf16").write_bytes("node-a slots=8\n".encode("utf-16"))
     (d / "hosts_latin1").write_bytes("node-a slots=8\nnodé-b slots=8\n".encode("latin-1"))
     (d / "hosts_nul").write_bytes(b"node-a slots=8\nnode\x00-b slots=8\n")
+    _megatron_cache(ctx)
+
+
+def _megatron_cache(ctx) -> None:
+    """megatron-core's index cache of the run MEGATRON_CACHE configures, one file cut in half (a killed build)."""
+    from llmjp_ds.config import load_config, model_config_of, sample_counts, seq_len_of
+    from llmjp_ds.trainer import data_plan
+
+    cfg = load_config(None, [sub(s, ctx) for s in (SMALL, *MEGATRON_CACHE)])
+    model_config = model_config_of(cfg)
+    data_plan(cfg, model_config).build(seq_len_of(cfg, model_config), *sample_counts(cfg))
+    (cut,) = (ctx.tmp / "data" / "megatron_cache").glob("*-GPTDataset-train-shuffle_index.npy")
+    cut.write_bytes(cut.read_bytes()[:cut.stat().st_size // 2])
 
 
 def _columnar(d, data: bytes) -> None:

@@ -262,3 +262,18 @@ def test_a_pickled_cache_file_is_refused_unread(megatron, corpora, tmp_path):
     with pytest.raises(UserError, match="cannot read or write Megatron's sample index cache in .*megatron"):
         trainer_datasets(run_config(blend, cache))
     assert not marker.exists()
+
+
+def test_megatron_core_problem_names_a_missing_or_old_megatron_core(monkeypatch):
+    """What validate_run says under data.order=megatron (the catalogue's megatron-core-missing runs it end to end)."""
+    import importlib.metadata
+    import importlib.util
+
+    from llmjp_ds.data import megatron_internals
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.15.0")
+    assert megatron_internals.megatron_core_problem() == (
+        "megatron-core 0.15.0 is older than 0.16, the first version its dataset code was checked against")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert megatron_internals.megatron_core_problem().startswith("megatron-core is not importable")

@@ -151,6 +151,9 @@ class ModelConfig:
 KERNEL_CHOICES = {"fused_qkv_rope": (True, False, "te", "triton"), "attention_core": ("te", "cudnn")}
 
 
+DATA_ORDERS = ("llmjp", "megatron")
+
+
 @dataclass
 class DataConfig:
     # Megatron-style blend "w1 prefix1 w2 prefix2 ..." (or one prefix); empty = the bundled demo corpus
@@ -159,10 +162,14 @@ class DataConfig:
     tokenizer: str | None = field(default=None, metadata=input_path(
         "pass a SentencePiece .model or an HF tokenizer dir"))
     seq_len: int | None = field(default=None, metadata=at_least(1))  # default: the model's max_position_embeddings
-    split: list[float] = field(default_factory=lambda: [0.99, 0.01],  # train / valid, by documents
+    split: list[float] = field(default_factory=lambda: [0.99, 0.01],  # train / valid [/ test] shares of documents
                                metadata=at_least(0, "a share of the documents"))
-    seed: int = field(default=1234, metadata=SEED)
+    seed: int = field(default=1234, metadata=SEED)  # Megatron-LM's --seed under order: megatron
     cache_dir: str | None = field(default=None, metadata=output_path())
+    # which samples, in which order: llmjp (data/dataset.py: per-epoch shuffles, divisor blend, prefix-stable) or
+    # megatron (megatron-core's BlendedMegatronDatasetBuilder + GPTDataset, as Megatron-LM's pretrain_gpt.py: the
+    # same blend, seq_len, seed, split and run length give Megatron's windows; needs llmjp-ds[megatron])
+    order: str = field(default="llmjp", metadata=one_of(*DATA_ORDERS, why="the sample order"))
 
 
 @dataclass
@@ -324,6 +331,7 @@ def _preset_llmjp3(size: str, lr: float, gbs: int) -> RunConfig:
     return RunConfig(
         run_dir=f"runs/llmjp3-{size}",
         model=ModelConfig(shape=f"llmjp3-{size}", z_loss=1e-4),
+        data=DataConfig(order="megatron"),  # LLM-jp trained with Megatron-LM: its samples, in its order
         optim=OptimConfig(lr=lr, min_lr_ratio=0.1, warmup_steps=2000, beta1=0.9, beta2=0.95, eps=1e-8,
                           weight_decay=0.1, clip_grad=1.0),
         train=TrainConfig(global_batch_size=gbs, micro_batch_size=1, steps=2_100_000_000_000 // (gbs * 4096)),
@@ -621,9 +629,24 @@ def load_config(path: str | Path | None = None, sets: list[str] = (), preset: st
 # --- quantities derived from the config -----------------------------------------------------------------
 
 def sample_counts(cfg: RunConfig) -> tuple[int, int]:
-    """(train, valid) samples the run reads; no validation split is needed when ``eval_interval`` is 0."""
+    """(train, valid) samples the run reads; no validation split is needed when ``eval_interval`` is 0. Under
+    ``data.order: megatron`` the valid count is Megatron-LM's (:func:`megatron_sample_counts`)."""
     t = cfg.train
+    if cfg.data.order == "megatron":
+        return megatron_sample_counts(cfg)[:2]
     return t.steps * t.global_batch_size, (max(1, t.eval_batches) * t.global_batch_size if t.eval_interval else 0)
+
+
+def megatron_sample_counts(cfg: RunConfig) -> tuple[int, int, int]:
+    """(train, valid, test) sizes Megatron-LM asks its dataset builder for (``get_train_valid_test_num_samples``
+    in megatron/training/training.py): ``train_iters * gbs``, ``(train_iters // eval_interval + 1) * eval_iters
+    * gbs`` (its evaluations never restart the validation iterator, and one more follows the last step) and
+    ``eval_iters * gbs``, with train_iters = ``train.steps`` and eval_iters = ``train.eval_batches`` (at least 1,
+    as our validation reads); no validation (``eval_interval`` 0) is eval_iters 0."""
+    t = cfg.train
+    eval_iters = max(1, t.eval_batches) if t.eval_interval else 0
+    valid = (t.steps // t.eval_interval + 1) * eval_iters if t.eval_interval else 0
+    return t.steps * t.global_batch_size, valid * t.global_batch_size, eval_iters * t.global_batch_size
 
 
 def model_config_of(cfg: RunConfig):

@@ -34,11 +34,14 @@ from llmjp_ds.validate import validate_run
 
 
 def data_plan(cfg, model_config):
-    """The run's data (``data/prepare.resolve_data``) from its config: the blend, tokenizer, split and seed."""
+    """The run's data (``data/prepare.resolve_data``) from its config: the blend, tokenizer, split, seed and sample
+    order (under megatron also the test split's size, which Megatron-LM asks its builder for)."""
+    from llmjp_ds.config import megatron_sample_counts
     from llmjp_ds.data.prepare import resolve_data
 
+    test = megatron_sample_counts(cfg)[2] if cfg.data.order == "megatron" else 0
     return resolve_data(cfg.data.blend, cfg.data.tokenizer, model_config.vocab_size, cfg.data.split, cfg.data.seed,
-                        cfg.data.cache_dir)
+                        cfg.data.cache_dir, cfg.data.order, test)
 
 
 @dataclass
@@ -277,7 +280,12 @@ class Trainer:
         """The function measuring the mean validation loss over ``eval_batches`` global batches in the precision
         the schedule gives each micro-batch now (the batches read once)."""
         self.watchdog.beat("evaluation", step)
-        batches = self.micro_batches(self.valid_ds, 0)
+        from llmjp_ds.batching import validation_starts
+
+        t = self.cfg.train
+        batches = [b for start in validation_starts(self.cfg.data.order, self.state.step, t.eval_interval,
+                                                    t.eval_batches, t.global_batch_size)
+                   for b in self.micro_batches(self.valid_ds, start)]
         return lambda: self.runner.eval_loss(batches).item()
 
     def _event(self, step: int, kind: str, **fields) -> None:

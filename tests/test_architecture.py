@@ -24,7 +24,7 @@ ALLOWED = {
     "precision": {"errors", "model"},
     "optim": set(),
     "parallel": {"errors", "io_utils", "config", "model", "optim"},
-    "validate": {"errors", "config", "model", "parallel", "precision", "metrics"},
+    "validate": {"errors", "config", "model", "parallel", "precision", "metrics", "data"},
     "checkpoint": {"errors", "io_utils", "config", "model", "parallel"},
     "drills": {"errors"},
     "trainer": {"errors", "config", "validate", "model", "precision", "parallel", "data", "batching",
@@ -38,6 +38,7 @@ ALLOWED = {
     "demo": {"checkpoint", "config", "metrics", "train"},
     "curves": {"errors", "metrics"},
     "plot": {"errors", "metrics", "curves"},
+    "samples": {"errors", "config", "io_utils", "trainer", "validate"},
     "cli": {"errors"},
 }
 

@@ -121,6 +121,9 @@ class CheckpointMeta:
     step: int | None = None
     tag: str | None = None
     files: dict | None = None  # relative path -> {"size", "xxh3"}; None in checkpoints of earlier releases
+    # the tag holds only the layout-free form (parallel/reshape.py; import-megatron writes such a tag): every
+    # resume reads its parameters from there, whatever the layout
+    layout_free: bool = False
 
     @classmethod
     def for_run(cls, cfg, model_config, data_parallel: int) -> "CheckpointMeta":

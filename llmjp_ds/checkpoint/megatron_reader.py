@@ -134,10 +134,11 @@ def _rank_dirs(directory: Path, tp: int, pp: int) -> dict[tuple[int, int], Path]
     if missing:
         fail(f"{directory} lacks {name(*missing[0])}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
              + f": its arguments say TP {tp} x PP {pp}; the checkpoint is incomplete, copy every mp_rank directory")
-    extra = sorted(set(found) - want)
-    if extra or any((pp > 1) != bool(_RANK_DIR.match(p.name).group(2)) for p in found.values()):
-        fail(f"{directory} holds {sorted(p.name for p in found.values())[:4]}, which does not add up to the TP {tp} x "
-             f"PP {pp} its arguments give: the directory mixes checkpoints of several layouts")
+    extra = [found[k].name for k in sorted(set(found) - want)]
+    extra += [p.name for p in found.values() if (pp > 1) != bool(_RANK_DIR.match(p.name).group(2))]
+    if extra:
+        fail(f"{directory} holds {extra[0]}, which does not add up to the TP {tp} x PP {pp} its arguments give: the "
+             "directory mixes checkpoints of several layouts; import it from a copy of one run's files")
     return found
 
 

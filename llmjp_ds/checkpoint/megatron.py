@@ -154,15 +154,10 @@ def _write_tag(tag_dir: Path, states: dict, step: int, client: dict) -> dict:
 def import_megatron(load, run, iteration: int | None = None, config=None, preset: str | None = None,
                     sets=()) -> dict:
     """Write run directory ``run`` from the Megatron checkpoint ``load`` (``iteration``: default the newest)
-    with the run config of ``config`` / ``preset`` / ``sets`` (as ``llmjp-ds train`` takes them)."""
-    import json
-
-    import yaml
-
+    with the run config of ``config`` / ``preset`` / ``sets`` (as ``llmjp-ds train`` takes them). Every check
+    runs before anything is written."""
     from llmjp_ds.checkpoint import megatron_reader
-    from llmjp_ds.checkpoint.store import LATEST, MARKER, CheckpointMeta, tag_for
-    from llmjp_ds.config import load_config, model_config_of
-    from llmjp_ds.io_utils import atomic_directory
+    from llmjp_ds.config import RunConfig, build, load_config, model_config_of
 
     run_dir = Path(run)
     if run_dir.exists() or run_dir.is_symlink():
@@ -177,36 +172,46 @@ def import_megatron(load, run, iteration: int | None = None, config=None, preset
     data = cfg.to_dict()
     data["optim"].update(optim)
     data["model"]["overrides"] = {k: v for k, v in data["model"]["overrides"].items() if v is not None}
-    load_config_check = _round_trip(data)
-    step, consumed = ckpt.iteration, int(ckpt.arg("consumed_train_samples") or ckpt.iteration * cfg.train.global_batch_size)
-    tp, pp = int(ckpt.arg("tensor_model_parallel_size", 1)), int(ckpt.arg("pipeline_model_parallel_size", 1))
-    dp = int(ckpt.arg("data_parallel_size", 1) or 1)
+    build(RunConfig, data)  # the config.yaml written below loads: a mistake here is refused before any write
+    a = ckpt.arg
+    consumed = int(a("consumed_train_samples") or ckpt.iteration * cfg.train.global_batch_size)
+    tp, pp, dp = (int(a(k, 1) or 1) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                               "data_parallel_size"))
     source = {"load": str(Path(load).resolve()), "iteration": ckpt.iteration, "format": ckpt.fmt,
               "layout": f"TP{tp} x PP{pp} x DP{dp}", "optimizer_state": ckpt.optimizer is not None,
               "optimizer_step": ckpt.step}
-    client = {"train_state": {"step": step, "consumed_samples": consumed, "skipped_in_a_row": 0, "skipped_total": 0},
-              "imported_from": source}
+    client = {"train_state": {"step": ckpt.iteration, "consumed_samples": consumed, "skipped_in_a_row": 0,
+                              "skipped_total": 0}, "imported_from": source}
+    tag = _write_run(run_dir, data, cfg, model_config, states, client, ckpt.step, (pp, dp, tp))
+    return {"run_dir": str(run_dir), "tag": tag, "step": ckpt.iteration, "consumed_samples": consumed, **source,
+            "optim": optim}
+
+
+def _write_run(run_dir: Path, data: dict, cfg, model_config, states: dict, client: dict, optimizer_step: int,
+               megatron_layout: tuple[int, int, int]) -> str:
+    """The run directory, built beside its place and renamed into it: config.yaml, the checkpoint (its marker
+    last), ``latest``. Returns the checkpoint's tag."""
+    import json
+
+    import yaml
+
+    from llmjp_ds.checkpoint.store import LATEST, MARKER, CheckpointMeta, tag_for
+    from llmjp_ds.io_utils import atomic_directory
+
+    step = client["train_state"]["step"]
     tag = tag_for(step)
-    meta = CheckpointMeta.for_run(load_config_check, model_config, dp)
-    meta.pipeline_stages, meta.tensor_parallel, meta.layout_free = pp, tp, True
+    pp, dp, tp = megatron_layout
+    meta = CheckpointMeta.for_run(cfg, model_config, dp)
+    meta.pipeline_stages, meta.tensor_parallel, meta.layout_free = pp, tp, True  # Megatron's layout, for the log
     with atomic_directory(run_dir) as tmp:
         with open(tmp / "config.yaml", "w") as f:
             yaml.safe_dump(data, f, sort_keys=False)
         tag_dir = tmp / "checkpoints" / tag
-        files = _write_tag(tag_dir, states, ckpt.step, client)
+        files = _write_tag(tag_dir, states, optimizer_step, client)
         (tag_dir / MARKER).write_text(json.dumps({**meta.to_dict(), "step": step, "tag": tag,
                                                   "files": dict(sorted(files.items()))}, indent=1))
         (tmp / "checkpoints" / LATEST).write_text(tag)
-    return {"run_dir": str(run_dir), "tag": tag, "step": step, "consumed_samples": consumed, **source,
-            "optim": optim}
-
-
-def _round_trip(data: dict):
-    """The written config as ``llmjp-ds train --config`` will read it (a config that would not load is refused
-    now, not at the first training)."""
-    from llmjp_ds.config import RunConfig, build
-
-    return build(RunConfig, data)
+    return tag
 
 
 def cli_main(argv: list[str], verb: str = "import-megatron") -> int:

@@ -155,7 +155,8 @@ def _flatten(tree, prefix: str = "") -> dict:
 def _model_chunks(state: dict, path: Path) -> list[dict]:
     if "model" in state:
         return [_flatten(state["model"])]
-    chunks = [state[k] for k in sorted((k for k in state if re.fullmatch(r"model\d+", str(k))), key=lambda k: int(k[5:]))]
+    keys = sorted((k for k in state if re.fullmatch(r"model\d+", str(k))), key=lambda k: int(k[5:]))
+    chunks = [state[k] for k in keys]
     if not chunks:
         fail(f"{path} holds no model (no 'model' entry): it is not a Megatron model checkpoint")
     return [_flatten(c) for c in chunks]

@@ -54,7 +54,8 @@ def test_other_specs_and_legacy_names_read_as_te_names():
                "mlp.linear_fc1.layer_norm_weight": ("pre_mlp_layernorm.weight", "post_attention_norm.weight"),
                "self_attention.linear_qkv.weight": ("self_attention.linear_qkv.weight",
                                                     "self_attention.query_key_value.weight"),
-               "self_attention.linear_proj.weight": ("self_attention.linear_proj.weight", "self_attention.dense.weight"),
+               "self_attention.linear_proj.weight": ("self_attention.linear_proj.weight",
+                                                     "self_attention.dense.weight"),
                "mlp.linear_fc1.weight": ("mlp.linear_fc1.weight", "mlp.dense_h_to_4h.weight"),
                "mlp.linear_fc2.weight": ("mlp.linear_fc2.weight", "mlp.dense_4h_to_h.weight")}
     shared = {"embedding.word_embeddings.weight": "language_model.embedding.word_embeddings.weight",

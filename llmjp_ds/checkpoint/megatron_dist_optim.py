@@ -59,8 +59,6 @@ def _unwrap(obj):
 
 
 def _per_parameter(dcp, args, weights: dict):
-    from llmjp_ds.checkpoint.megatron_reader import unstack
-
     num_layers = int(args.get("num_layers"))
     out: dict = {}
     for key in [k for k in dcp.tensor_keys() if not k.startswith("optimizer.") and not ma.is_extra_state(k)]:
@@ -102,6 +100,18 @@ def unflatten(stored: torch.Tensor, shape: tuple, key: str) -> torch.Tensor:
     return view.permute(order).reshape(shape)
 
 
+def unstack(key: str, tensor: torch.Tensor, num_layers: int) -> dict:
+    """A torch_dist model key (``decoder.layers.<rest>`` stacks the layers on its first axis) as per-layer
+    names."""
+    if not key.startswith("decoder.layers."):
+        return {key: tensor}
+    if tensor.shape[0] != num_layers:
+        fail(f"the checkpoint's {key} stacks {tensor.shape[0]} layers, its arguments say num_layers={num_layers}: "
+             "it is damaged or mixes runs")
+    rest = key[len("decoder.layers."):]
+    return {f"decoder.layers.{i}.{rest}": tensor[i] for i in range(num_layers)}
+
+
 def stage_layers(args) -> list[list[range]]:
     """The global decoder layers of virtual chunk ``v`` of pipeline stage ``p`` (``[v][p]``), from the run's
     arguments (Megatron places them chunk by chunk, each across the stages)."""
@@ -136,9 +146,7 @@ def _chunk_names(args, v: int, p: int, layers: list[list[range]]) -> list[str]:
 
 
 def _dp_reshardable(dcp, args, weights: dict) -> dict:
-    from llmjp_ds.checkpoint.megatron_reader import _bucket_size, _int
-
-    tp, dp = _int(args, "tensor_model_parallel_size"), _int(args, "data_parallel_size")
+    tp, dp = mo.arg_int(args, "tensor_model_parallel_size"), mo.arg_int(args, "data_parallel_size")
     layers = stage_layers(args)
     busbw = bool(args.get("ddp_pad_buckets_for_high_nccl_busbw", False))
     shards: dict = {}
@@ -153,7 +161,7 @@ def _dp_reshardable(dcp, args, weights: dict) -> dict:
                        for n in _chunk_names(args, v, p, layers)] for v in range(len(layers))]
             numel = sum(n for c in chunks for _, n, _ in c)
             for index, (v, dtype, params) in enumerate(mo.buffers_of(chunks)):
-                buckets = mo.buffer_layout(params, _bucket_size(args, v, p, numel), dp, busbw)
+                buckets = mo.buffer_layout(params, mo.bucket_size(args, v, p, numel), dp, busbw)
                 key = next((k for k in sizes[index] if k[0] == dtype), None) if index < len(sizes) else None
                 if key is None or list(sizes[index][key]) != [b.numel_unpadded for b in buckets]:
                     fail(f"{dcp.dir}: the optimizer buffer {index} of model-parallel rank {t + tp * p} holds buckets "

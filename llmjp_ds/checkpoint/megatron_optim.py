@@ -118,6 +118,23 @@ def split_buckets(per_bucket: list[dict[str, torch.Tensor]], buckets: list[Bucke
     return out
 
 
+def arg_int(args, name: str, default: int = 1) -> int:
+    """A Megatron-LM argument as an int (``default`` where absent or None)."""
+    value = args.get(name, default)
+    return default if value is None else int(value)
+
+
+def bucket_size(args, chunk: int, stage: int, numel: int) -> int | None:
+    """Megatron-LM's DDP bucket size for model chunk ``chunk`` of pipeline stage ``stage`` (``numel``: the
+    parameters of the stage): as Megatron-LM's ``get_model`` resolves it (module docstring)."""
+    if chunk > 0 or stage > 0 or not args.get("overlap_grad_reduce", False) or \
+            args.get("overlap_param_gather_with_optimizer_step", False):
+        return None
+    if args.get("ddp_num_buckets"):
+        return numel // int(args.get("ddp_num_buckets"))
+    return int(args.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * arg_int(args, "data_parallel_size")))
+
+
 def nonzero_step(steps, where: str) -> int:
     """The optimizer step of a Megatron optimizer's param groups (the same in every group that has one)."""
     found = {int(s) for s in steps if s is not None}

@@ -90,11 +90,6 @@ def read(load, iteration: int | None = None) -> MegatronCheckpoint:
          "metadata.json (format torch_dist)")
 
 
-def _int(args, name: str, default: int = 1) -> int:
-    value = args.get(name, default)
-    return default if value is None else int(value)
-
-
 def check_supported(args, where: Path) -> None:
     """The model Megatron trained is a Llama (RMSNorm, SwiGLU, RoPE, no biases, untied head) on a dense layout."""
     wrong = []
@@ -109,7 +104,7 @@ def check_supported(args, where: Path) -> None:
         if args.get(name):
             wrong.append(f"{name}={args.get(name)!r}")
     for name in ("context_parallel_size", "expert_model_parallel_size", "num_distributed_optimizer_instances"):
-        if _int(args, name) != 1:
+        if mo.arg_int(args, name) != 1:
             wrong.append(f"{name}={args.get(name)!r}")
     if float(args.get("rotary_percent", 1.0) or 1.0) != 1.0:
         wrong.append(f"rotary_percent={args.get('rotary_percent')!r}")
@@ -169,7 +164,10 @@ def _read_torch(directory: Path) -> MegatronCheckpoint:
         fail(f"{_model_file(first)} holds no Megatron-LM arguments: it is not a Megatron-LM checkpoint")
     args = head["args"]
     check_supported(args, directory)
-    tp, pp = _int(args, "tensor_model_parallel_size"), _int(args, "pipeline_model_parallel_size")
+    if float(head.get("checkpoint_version") or 0) < 2.0:  # Megatron-LM's fix_query_key_value_ordering
+        fail(f"{directory} is a Megatron-LM checkpoint of version {head.get('checkpoint_version')}, whose fused QKV "
+             "is ordered otherwise (before 2.0): load and save it once with a recent Megatron-LM first")
+    tp, pp = mo.arg_int(args, "tensor_model_parallel_size"), mo.arg_int(args, "pipeline_model_parallel_size")
     dirs = _rank_dirs(directory, tp, pp)
     states = {key: (head if path == first else load_megatron(_model_file(path))) for key, path in dirs.items()}
     chunks = {key: _model_chunks(s, dirs[key]) for key, s in states.items()}
@@ -199,17 +197,6 @@ def _merge_tp(shards: list[dict]) -> dict:
             if not ma.is_extra_state(name)}
 
 
-def _bucket_size(args, chunk: int, stage: int, numel: int) -> int | None:
-    """Megatron-LM's DDP bucket size for model chunk ``chunk`` of pipeline stage ``stage`` (``numel``: the
-    parameters of the stage): see megatron_optim's docstring."""
-    if chunk > 0 or stage > 0 or not args.get("overlap_grad_reduce", False) or \
-            args.get("overlap_param_gather_with_optimizer_step", False):
-        return None
-    if args.get("ddp_num_buckets"):
-        return numel // int(args.get("ddp_num_buckets"))
-    return int(args.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * _int(args, "data_parallel_size")))
-
-
 def _params(chunk: dict) -> list[tuple[str, int, torch.dtype]]:
     return [(n, t.numel(), t.dtype) for n, t in chunk.items() if not ma.is_extra_state(n) and hasattr(t, "dtype")]
 
@@ -219,7 +206,7 @@ def _torch_optimizer(directory, args, dirs, states, chunks, offsets):
     head = states[(0, 0)]
     if "optimizer" not in head:
         return None, 0
-    tp = _int(args, "tensor_model_parallel_size")
+    tp = mo.arg_int(args, "tensor_model_parallel_size")
     per_rank = {}
     for (t, s), path in dirs.items():
         ranks = chunks[(t, s)]
@@ -254,7 +241,7 @@ def _distributed_state(rank_dir: Path, args, chunks: list[dict], stage: int) -> 
     state = load_megatron(path)
     if isinstance(state, list):
         fail(f"{path} holds {len(state)} chained optimizers: only one (a dense model's) is supported")
-    dp = _int(args, "data_parallel_size")
+    dp = mo.arg_int(args, "data_parallel_size")
     numel = sum(n for c in chunks for _, n, _ in _params(c))
     buffers = mo.buffers_of([_params(c) for c in chunks])
     out: list[dict] = [{} for _ in chunks]
@@ -263,7 +250,7 @@ def _distributed_state(rank_dir: Path, args, chunks: list[dict], stage: int) -> 
         world = next((w for key, w in (stored or {}).items() if isinstance(key, tuple) and key[0] == dtype), None)
         if world is None:
             fail(f"{path} holds no optimizer state for buffer {index} ({dtype}): it does not match its model")
-        buckets = mo.buffer_layout(params, _bucket_size(args, v, stage, numel), dp,
+        buckets = mo.buffer_layout(params, mo.bucket_size(args, v, stage, numel), dp,
                                    bool(args.get("ddp_pad_buckets_for_high_nccl_busbw", False)))
         if state.get("buckets_coalesced"):
             flat = mo.split_buffer(world, buckets, str(path))
@@ -303,6 +290,7 @@ def _local_state(rank_dir: Path, opt: dict, chunks: list[dict]) -> list[dict]:
 
 def _read_torch_dist(directory: Path) -> MegatronCheckpoint:
     from llmjp_ds.checkpoint.dcp_reader import DistCheckpoint
+    from llmjp_ds.checkpoint.megatron_dist_optim import dist_optimizer
 
     try:
         backend = json.loads((directory / "metadata.json").read_text()).get("sharded_backend")
@@ -318,27 +306,15 @@ def _read_torch_dist(directory: Path) -> MegatronCheckpoint:
     args = common["args"]
     check_supported(args, directory)
     dcp = DistCheckpoint(directory)
-    weights = _dist_weights(dcp, _int(args, "num_layers", 0))
-    from llmjp_ds.checkpoint.megatron_dist_optim import dist_optimizer
-
+    weights = _dist_weights(dcp, mo.arg_int(args, "num_layers", 0))
     optimizer, step = dist_optimizer(dcp, common, args, weights)
     return MegatronCheckpoint(directory, "torch_dist", args, int(common.get("iteration", 0)),
                               dict(common.get("opt_param_scheduler") or {}), weights, optimizer, step)
 
 
-def unstack(key: str, tensor: torch.Tensor, num_layers: int) -> dict:
-    """A torch_dist model key (``decoder.layers.<rest>`` stacks the layers on its first axis) as per-layer
-    names."""
-    if not key.startswith("decoder.layers."):
-        return {key: tensor}
-    if tensor.shape[0] != num_layers:
-        fail(f"the checkpoint's {key} stacks {tensor.shape[0]} layers, its arguments say num_layers={num_layers}: "
-             "it is damaged or mixes runs")
-    rest = key[len("decoder.layers."):]
-    return {f"decoder.layers.{i}.{rest}": tensor[i] for i in range(num_layers)}
-
-
 def _dist_weights(dcp, num_layers: int) -> dict:
+    from llmjp_ds.checkpoint.megatron_dist_optim import unstack
+
     weights = {}
     for key in dcp.tensor_keys():
         if key.startswith("optimizer.") or ma.is_extra_state(key):

@@ -17,10 +17,10 @@ import torch
 from llmjp_ds.checkpoint.safe_load import load_checkpoint_file, vet_files
 from llmjp_ds.checkpoint.store import CheckpointMeta, checkpoint_dir, vet_tag
 from llmjp_ds.errors import fail
-
-CLIENT_STATE = "client_state.pt"  # the trainer's state of a checkpoint that has no DeepSpeed files (an import)
 from llmjp_ds.parallel.deepspeed_internals import (MODEL_STATES_GLOB, PIPELINE_LAYER_GLOB, model_states_file,
                                                    pipeline_layer_ranks)
+
+CLIENT_STATE = "client_state.pt"  # the trainer's state of a checkpoint that has no DeepSpeed files (an import)
 
 
 @contextlib.contextmanager

@@ -7,6 +7,13 @@ format and layout, and each weight is its master weight in the model's dtype. Ag
 megatron-core's optimizer gave each parameter, and our model with the imported weights computes megatron-core's
 logits. The importer writes a run that ``llmjp-ds train`` resumes at Megatron's iteration with its LR schedule,
 data position and optimizer state: the first step's update is AdamW's from the imported moments and step count.
+
+A fixture directory holds ``save/`` (Megatron-LM's ``--save`` directory), ``fixture.json`` (``format``,
+``iteration``, ``global_batch_size``, ``seq_length``, ``vocab_size`` (padded), ``hidden_size``, ``num_layers``,
+``num_attention_heads``, ``num_query_groups``, ``ffn_hidden_size``, ``made_by``) and, optionally, ``reference.pt``
+(``tokens``, megatron-core's fp32 ``logits`` on them at the checkpoint's master weights, and per parameter under
+Megatron's name the ``fingerprints`` of its ``param``, ``exp_avg`` and ``exp_avg_sq``, as make_fixtures.py's
+``_fingerprint`` computes them).
 """
 
 from __future__ import annotations

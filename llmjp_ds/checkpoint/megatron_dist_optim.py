@@ -50,7 +50,7 @@ def dist_optimizer(dcp, common: dict, args, weights: dict):
     if state is None:
         return None, 0
     steps = [g.get("step") for g in (groups.get("param_groups", []) if isinstance(groups, dict) else [])]
-    return state, mo.nonzero_step([float(s) for s in steps if s is not None], dcp.dir / "common.pt")
+    return state, mo.optimizer_step([float(s) for s in steps if s is not None], dcp.dir / "common.pt")
 
 
 def _unwrap(obj):

@@ -135,7 +135,7 @@ def bucket_size(args, chunk: int, stage: int, numel: int) -> int | None:
     return int(args.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * arg_int(args, "data_parallel_size")))
 
 
-def nonzero_step(steps, where: str) -> int:
+def optimizer_step(steps, where: str) -> int:
     """The optimizer step of a Megatron optimizer's param groups (the same in every group that has one)."""
     found = {int(s) for s in steps if s is not None}
     if len(found) > 1:

@@ -213,7 +213,7 @@ def _torch_optimizer(directory, args, dirs, states, chunks, offsets):
         if args.get("use_distributed_optimizer", False):
             per_rank[(t, s)] = _distributed_state(path, args, ranks, s)
         else:
-            per_rank[(t, s)] = _local_state(path, states[(t, s)]["optimizer"], ranks)
+            per_rank[(t, s)] = _local_state(path, states[(t, s)].get("optimizer") or {}, ranks)
     merged = {}
     for (t, s), state in per_rank.items():
         if t:
@@ -228,7 +228,7 @@ def _torch_optimizer(directory, args, dirs, states, chunks, offsets):
     steps = [g.get("step") for g in groups]
     inner_state = (opt.get("optimizer") or {}).get("state", {}) if isinstance(opt, dict) else {}
     steps += [s.get("step") for s in inner_state.values() if isinstance(s, dict)]
-    step = mo.nonzero_step([float(x) for x in steps if x is not None], directory / "mp_rank_00")
+    step = mo.optimizer_step([float(x) for x in steps if x is not None], directory / "mp_rank_00")
     return {ma.canonical_name(k) or k: v for k, v in merged.items()}, step
 
 

@@ -38,7 +38,7 @@ _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(_\d{3})?$")
 class MegatronCheckpoint:
     directory: Path  # the iter_ directory
     fmt: str  # torch | torch_dist
-    args: StandIn  # the run's arguments (argparse.Namespace's fields)
+    args: dict  # the run's arguments (argparse.Namespace's fields)
     iteration: int
     scheduler: dict  # opt_param_scheduler's state
     weights: dict  # Megatron-Core TE-spec name -> whole tensor
@@ -88,6 +88,14 @@ def read(load, iteration: int | None = None) -> MegatronCheckpoint:
         return _read_torch(directory)
     fail(f"{directory} is not a Megatron checkpoint: it holds neither mp_rank_* directories (format torch) nor "
          "metadata.json (format torch_dist)")
+
+
+def _arguments(state, path: Path) -> dict:
+    """The run's arguments a checkpoint file holds (an argparse.Namespace, read as a StandIn), as a dict."""
+    args = state.get("args") if isinstance(state, dict) else None
+    if not isinstance(args, StandIn):
+        fail(f"{path} holds no Megatron-LM arguments: it is not a Megatron-LM checkpoint")
+    return dict(vars(args))
 
 
 def check_supported(args, where: Path) -> None:
@@ -160,9 +168,7 @@ def _model_chunks(state: dict, path: Path) -> list[dict]:
 def _read_torch(directory: Path) -> MegatronCheckpoint:
     first = next(p for p in sorted(directory.iterdir()) if _RANK_DIR.match(p.name))
     head = load_megatron(_model_file(first))
-    if not isinstance(head, dict) or not isinstance(head.get("args"), StandIn):
-        fail(f"{_model_file(first)} holds no Megatron-LM arguments: it is not a Megatron-LM checkpoint")
-    args = head["args"]
+    args = _arguments(head, _model_file(first))
     check_supported(args, directory)
     if float(head.get("checkpoint_version") or 0) < 2.0:  # Megatron-LM's fix_query_key_value_ordering
         fail(f"{directory} is a Megatron-LM checkpoint of version {head.get('checkpoint_version')}, whose fused QKV "
@@ -301,9 +307,7 @@ def _read_torch_dist(directory: Path) -> MegatronCheckpoint:
     if not (directory / "common.pt").is_file():
         fail(f"{directory} lacks common.pt: the checkpoint is incomplete; copy it again from the Megatron run")
     common = load_megatron(directory / "common.pt")
-    if not isinstance(common, dict) or not isinstance(common.get("args"), StandIn):
-        fail(f"{directory / 'common.pt'} holds no Megatron-LM arguments: it is not a Megatron-LM checkpoint")
-    args = common["args"]
+    args = _arguments(common, directory / "common.pt")
     check_supported(args, directory)
     dcp = DistCheckpoint(directory)
     weights = _dist_weights(dcp, mo.arg_int(args, "num_layers", 0))

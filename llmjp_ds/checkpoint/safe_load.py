@@ -240,9 +240,6 @@ class StandIn:
         else:
             self.state = state
 
-    def get(self, name: str, default=None):
-        return self.__dict__.get(name, default)
-
 
 def _stand_in(name: str) -> type:
     return type(name.rsplit(".", 1)[1], (StandIn,), {"__module__": "llmjp_ds.checkpoint.safe_load.megatron",
@@ -271,6 +268,10 @@ def load_megatron(source, where: str | None = None) -> object:
     not a torch checkpoint (cut short, damaged) too."""
     path = Path(where or source)
     stream = io.BytesIO(source) if isinstance(source, bytes) else source
+    # only these stand-ins: what else the process put on torch's allowlist (megatron-core registers the real
+    # classes of these names when it is imported) would be taken first
+    registered = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
     try:
         with torch.serialization.safe_globals(list(MEGATRON_GLOBALS)), warnings.catch_warnings():
             warnings.filterwarnings("ignore", "Detected pickle protocol")
@@ -286,6 +287,8 @@ def load_megatron(source, where: str | None = None) -> object:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
         fail(f"{path} is not a readable torch checkpoint file ({reason}): it is damaged or cut short; copy it "
              "again from the Megatron run")
+    finally:
+        torch.serialization.add_safe_globals(registered)
 
 
 def _storage_layout(name: str):

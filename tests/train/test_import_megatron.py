@@ -247,13 +247,8 @@ def test_flattened_model_space_state_is_put_back():
 
 def test_layers_of_each_stage_and_chunk():
     from llmjp_ds.checkpoint.megatron_dist_optim import stage_layers
-    from llmjp_ds.checkpoint.safe_load import StandIn
 
-    def args(**kw):
-        a = StandIn()
-        a.__setstate__(kw)
-        return a
-
+    args = dict
     assert stage_layers(args(num_layers=8, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)) \
         == [[range(0, 2), range(2, 4)], [range(4, 6), range(6, 8)]]
     uneven = args(num_layers=7, pipeline_model_parallel_size=3, decoder_first_pipeline_num_layers=1)

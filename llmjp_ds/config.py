@@ -179,6 +179,10 @@ class OptimConfig:
     min_lr_ratio: float = field(default=0.1, metadata=within(0, 1, message=LR_MESSAGE))
     warmup_steps: int = field(default=2000, metadata=at_least(0))
     decay_steps: int | None = field(default=None, metadata=at_least(1))  # default: train.steps
+    # the warmup's formula: llmjp = lr * (step + 1) / warmup (the first step already learns); megatron = Megatron-LM's
+    # OptimizerParamScheduler, lr * step / warmup (its first step at LR 0): a run that continues a Megatron run
+    # (import-megatron) keeps its schedule
+    schedule: str = "llmjp"
     beta1: float = field(default=0.9, metadata=within(0, 1, "AdamW's moment decay", hi_open=True))
     beta2: float = field(default=0.95, metadata=within(0, 1, "AdamW's moment decay", hi_open=True))
     eps: float = field(default=1e-8, metadata=above(0, "AdamW's denominator term"))
@@ -187,6 +191,14 @@ class OptimConfig:
     # on CUDA with DeepSpeed's BF16 optimizer: the clip, AdamW and the bf16 copy of the weights in one Triton
     # pass (llmjp_ds.model.kernels.adamw); elsewhere, and when false, DeepSpeed's step
     fused_step: bool = True
+
+    def __post_init__(self):
+        if self.schedule not in LR_SCHEDULES:
+            fail(f"optim.schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.schedule!r}"
+                 f"{did_you_mean(str(self.schedule), LR_SCHEDULES)}")
+
+
+LR_SCHEDULES = ("llmjp", "megatron")  # optim.schedule: the formulas of llmjp_ds.optim.SCHEDULES
 
 
 @dataclass
@@ -327,13 +339,13 @@ def _preset_demo() -> RunConfig:
 
 def _preset_llmjp3(size: str, lr: float, gbs: int) -> RunConfig:
     """LLM-jp-3's recipe: AdamW (0.9, 0.95, 1e-8), weight decay 0.1, clip 1.0, 2000 warm-up steps, cosine to
-    lr / 10, z-loss 1e-4, seq 4096, 2.1T tokens."""
+    lr / 10 (Megatron-LM's schedule, as LLM-jp trained with it), z-loss 1e-4, seq 4096, 2.1T tokens."""
     return RunConfig(
         run_dir=f"runs/llmjp3-{size}",
         model=ModelConfig(shape=f"llmjp3-{size}", z_loss=1e-4),
         data=DataConfig(order="megatron"),  # LLM-jp trained with Megatron-LM: its samples, in its order
         optim=OptimConfig(lr=lr, min_lr_ratio=0.1, warmup_steps=2000, beta1=0.9, beta2=0.95, eps=1e-8,
-                          weight_decay=0.1, clip_grad=1.0),
+                          weight_decay=0.1, clip_grad=1.0, schedule="megatron"),
         train=TrainConfig(global_batch_size=gbs, micro_batch_size=1, steps=2_100_000_000_000 // (gbs * 4096)),
         parallel=ParallelConfig(zero_stage=1),
         precision=PrecisionConfig(dtype="bf16"))

@@ -213,8 +213,9 @@ class Trainer:
         reshaped = None
         tag, damaged = checkpoint.choose_intact(self.run_dir, self.ctx)
         if tag:
-            saved = checkpoint.saved_layout(self.run_dir, tag, checkpoint.read_marker(self.run_dir, tag))
-            if saved != self.layout:
+            marker = checkpoint.read_marker(self.run_dir, tag)
+            saved = checkpoint.saved_layout(self.run_dir, tag, marker)
+            if saved != self.layout or marker.layout_free:
                 client, reshaped = self._reshape(tag, saved), saved
             else:
                 client = self._load(tag)

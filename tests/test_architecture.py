@@ -25,7 +25,7 @@ ALLOWED = {
     "optim": set(),
     "parallel": {"errors", "io_utils", "config", "model", "optim"},
     "validate": {"errors", "config", "model", "parallel", "precision", "metrics", "data"},
-    "checkpoint": {"errors", "io_utils", "config", "model", "parallel"},
+    "checkpoint": {"errors", "io_utils", "config", "model", "parallel", "data"},
     "drills": {"errors"},
     "trainer": {"errors", "config", "validate", "model", "precision", "parallel", "data", "batching",
                 "checkpoint", "metrics", "optim", "drills"},

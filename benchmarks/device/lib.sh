@@ -167,23 +167,34 @@ signal() {
   kill -"$1" "$JOB"
 }
 
-# gone NAME SECONDS: every process of NAME's job has ended within SECONDS
+# gone NAME SECONDS: every process of NAME's job has ended within SECONDS (said in the summary)
 gone() {
   dry && { echo "+ wait up to $2 s for every process of $1 to end"; return 0; }
   local waited=0
   while pgrep -f "run_dir=$R/$1( |\$)" > /dev/null; do
-    (( waited++ < $2 )) || return 1
+    (( waited++ < $2 )) || { say "$1: still running $2 s later: pids $(pgrep -f "run_dir=$R/$1( |\$)" | xargs)"
+                             return 1; }
     sleep 1
   done
+  say "$1: no process of the job left ${waited} s later"
 }
 
-# saved NAME: the stop request's checkpoint (a `preempted` event and the tag `latest` names), in the summary
+# interrupt NAME GPUS STEP SIG: start NAME, SIG to its launcher once its log shows STEP; its exit status
+interrupt() {
+  start "$1" "$2"
+  if at_step "$1" "$3"; then signal "$4" "$1"; else say "$1: never reached step $3"; fi
+  await "$1"
+}
+
+# saved STAGE NAME RC WHAT: the verdict on a stop request: RC 0 and NAME's run saved (its `preempted` event and the
+# tag `latest` names)
 saved() {
-  dry && { echo "+ read the preempted event and checkpoints/latest of $1"; return 0; }
-  local event
-  event=$(grep '"event": "preempted"' "$R/$1/metrics.jsonl" 2>/dev/null | tail -1)
-  echo "saved: $event; latest $(cat "$R/$1/checkpoints/latest" 2>/dev/null)"
-  [ -n "$event" ] && [ -f "$R/$1/checkpoints/latest" ]
+  dry && { echo "+ read the preempted event and checkpoints/latest of $2"; verdict "$1"; return 0; }
+  local event latest
+  event=$(grep '"event": "preempted"' "$R/$2/metrics.jsonl" 2>/dev/null | tail -1)
+  latest=$(cat "$R/$2/checkpoints/latest" 2>/dev/null)
+  verdict "$1" $(( $3 || ! ${#event} || ! ${#latest} )) \
+    "$4; saved: ${event:-no preempted event}; latest ${latest:-none}"
 }
 
 # trail STAGE UNINTERRUPTED RESUMED [ARGS ...]: resume_summary.py (step by step in its log, its findings in the

@@ -15,9 +15,7 @@ rc=$?
 dry || grep -hE "^save|^no write|^during|^warning" "$LOGS/async-saves.log" "$LOGS/uninterrupted.log" | note
 verdict async-saves "$rc" "(async_summary.py)"
 dry || rm -rf "$R/uninterrupted/checkpoints"  # 25 GB the disk needs for the next run
-start killed 1
-if at_step killed 14; then signal KILL killed; else say "killed: never reached step 14"; fi
-await killed
+interrupt killed 1 14 KILL
 dry || say "killed: latest $(cat "$R/killed/checkpoints/latest"); tags $(cd "$R/killed/checkpoints" && echo step*)"
 train killed 1
 trail trail uninterrupted killed

@@ -9,18 +9,15 @@ COMMON=(--preset llmjp3-1.8b --set "model.overrides={num_layers: 4}" --set model
         --set logging.wandb=disabled --set train.global_batch_size=$(( 16 * NGPU )) --set train.micro_batch_size=2
         --set train.steps=12 --set train.eval_interval=0 --set checkpoint.interval=0
         --set checkpoint.save_at_end=false --set "checkpoint.stop_signals=[SIGTERM, SIGINT, SIGUSR1]"
-        --set "precision.phases=[{precision: bf16}, {precision: fp8, start_step: 4, recipe: delayed}]")
+        --set "$(fp8_from 4)")
 mpi "$NGPU" -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=29499
 logged place 120 "${MPI[@]}" python -m llmjp_ds.cli preflight --hostfile hostfiles/localhost
 rc=$?
 dry || grep -hE "^launch|^error" "$LOGS/place.log" | sort -u | note
 verdict place "$rc" "(llmjp-ds preflight under mpirun)"
 train uninterrupted "$NGPU"
-start stopped "$NGPU"
-if at_step stopped 7; then signal USR1 stopped; else say "stopped: never reached step 7"; fi
-await stopped
+interrupt stopped "$NGPU" 7 USR1
 rc=$?
-info=$(saved stopped)
-verdict sigusr1 $(( rc || $? )) "mpirun exit $rc; $info"
+saved sigusr1 stopped "$rc" "mpirun exit $rc"
 train stopped "$NGPU"
 trail trail uninterrupted stopped --flip 4

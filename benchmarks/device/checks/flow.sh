@@ -16,16 +16,11 @@ COMMON=(--preset llmjp3-1.8b --set model.backend=te --set "model.overrides={num_
         --set checkpoint.save_at_end=false --set precision.log_amax=true
         --set "$(fp8_from 6)")
 train uninterrupted 1
-start resumed 1
-if at_step resumed 12; then signal TERM resumed; else say "resumed: never reached step 12"; fi
-await resumed
+interrupt resumed 1 12 TERM
 launcher=$?
 gone resumed 120
-ended=$?
-info=$(saved resumed)
-kept=$?
-verdict sigterm $(( ended || kept )) "launcher exit $launcher; processes of the job left after it: \
-$( ((ended)) && echo some || echo none ); $info"
+left_over=$?
+saved sigterm resumed "$left_over" "launcher exit $launcher"
 train resumed 1
 trail trail uninterrupted resumed --flip 6
 export_run resumed

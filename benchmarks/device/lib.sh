@@ -87,7 +87,7 @@ gpu_tests() {
   shift
   logged "$name" "$(left)" python -m pytest -m gpu -q -p no:cacheprovider "$@"
   local rc=$?
-  dry || grep -E "passed|failed|error" "$LOGS/$name.log" | tail -3 | note
+  dry || grep -E "^[0-9]+ (passed|failed|skipped|deselected)|^(FAILED|ERROR) |^error" "$LOGS/$name.log" | tail -5 | note
   verdict "$name" "$rc" "(pytest -m gpu $*)"
 }
 
@@ -99,8 +99,8 @@ bench() {
   while [[ ${1:-} == [A-Z]*=* ]]; do envs+=("$1"); shift; done
   logged "$name" "$(left)" env "${envs[@]}" python -m llmjp_ds.cli bench "$@" --json "$OUT/$name.json"
   local rc=$?
-  dry || grep -E "^\||^profile|^host|^GPU" "$LOGS/$name.log" | note
-  verdict "$name" "$rc" "(${envs[*]} llmjp-ds bench $*)"
+  dry || grep -E "^\||^profile|^host|^GPU|^error" "$LOGS/$name.log" | note
+  verdict "$name" "$rc" "(${envs[*]:+${envs[*]} }llmjp-ds bench $*)"
 }
 
 # start NAME GPUS [ARGS ...]: the training of "${COMMON[@]}" ARGS into $R/NAME in the background, its output

@@ -31,6 +31,7 @@ COMMANDS = {
     "cluster": ["mpirun -np 1", "llmjp_ds.cli preflight", "kill -USR1", "resume_summary.py"],
     "multi": ["deepspeed --hostfile", "parallel.zero_stage=3", "parallel.pipeline_stages=2",
               "parallel.tensor_parallel=2", "multi_summary.py", "llmjp_ds.cli export"],
+    "parity": ["python -m benchmarks.parity --megatron-lm .megatron-lm", "--tokenizer .cache/tokenizer-v3.model"],
 }
 
 

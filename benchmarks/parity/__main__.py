@@ -25,6 +25,7 @@ checkpoints, written by Megatron-LM beside the runs).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -38,8 +39,9 @@ from pathlib import Path
 from benchmarks.parity.spec import Setup, megatron_args, megatron_env, ours_sets
 
 ROOT = Path(__file__).resolve().parents[2]
-# a line that ends a run at once: Megatron-LM loads non-strictly (and prints this) when a name did not match
-FATAL = ("load_return:", "Traceback (most recent call last)", "CUDA out of memory", "\nerror: ")
+# a line that ends a run at once: Megatron-LM loads non-strictly (and prints this) when a name did not match, and
+# would train on from its own initialisation (any other failure ends the process by itself)
+FATAL = ("load_return:",)
 BLEND = (("python", 0.6), ("ja", 0.25), ("en", 0.1), ("code", 0.05))
 
 
@@ -136,13 +138,19 @@ def schedule(all_jobs: list[Job], logs: Path, deadline: float, gpus: int) -> Non
                 fatal = _log_has_fatal(logs / f"{job.name}.log")
                 code = job.proc.poll()
                 if fatal or time.time() > deadline:  # torchrun's worker too: the run's whole session
-                    os.killpg(job.proc.pid, signal.SIGKILL)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(job.proc.pid, signal.SIGKILL)
                     job.proc.wait()
                     job.state = "failed"
-                    print(f"[parity] {job.name} ended: {fatal or 'out of time'}", flush=True)
+                    tail = (logs / f"{job.name}.log").read_text(errors="replace").splitlines()[-25:]
+                    print(f"[parity] {job.name} ended: {fatal or 'out of time'}; its log ends:", *tail, sep="\n  ",
+                          flush=True)
                 elif code is not None:
                     job.state = "done" if code == 0 else "failed"
                     print(f"[parity] {job.name} exited {code} after {time.time() - job.started:.0f} s", flush=True)
+                    if code:
+                        tail = (logs / f"{job.name}.log").read_text(errors="replace").splitlines()[-25:]
+                        print(*tail, sep="\n  ", flush=True)
         for job in all_jobs:
             if job.state != "waiting":
                 continue
@@ -242,25 +250,41 @@ def main(argv=None) -> None:
         subprocess.run([sys.executable, "-m", "benchmarks.parity.init", "--hf", str(a.work / "init-hf"),
                         "--megatron", str(a.work / "init-megatron")], check=True, cwd=ROOT)
     all_jobs = jobs(setup, a.work, a.runs, a.megatron_lm.resolve(), blend, a.tokenizer)
-    schedule(all_jobs, logs, deadline, a.gpus)
-    sources = curves(a.runs, logs)
+    try:
+        schedule(all_jobs, logs, deadline, a.gpus)
+    finally:
+        for job in all_jobs:  # nothing outlives the comparison
+            if job.state == "running":
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(job.proc.pid, signal.SIGKILL)
+        sources = curves(a.runs, logs)
+        pack(a, all_jobs, sources, logs)
     summary = report(setup, sources, a.out)
     summary += "\n" + "\n".join(f"- {j.name}: {j.state}" for j in all_jobs) + "\n"
     (a.out / "summary-parity.md").write_text(summary)
     print(summary, flush=True)
+    shutil.rmtree(a.runs, ignore_errors=True)
+
+
+def pack(a, all_jobs: list[Job], sources: dict[str, Path], logs: Path) -> None:
+    """The curves and every log's tail in ``parity-curves.tgz``; Megatron-LM's fixtures in
+    ``megatron-fixtures.tgz``."""
     with tarfile.open(a.out / "parity-curves.tgz", "w:gz") as tar:
         for name, src in sources.items():
-            tar.add(src / "metrics.jsonl" if src.is_dir() else src, arcname=f"{name}.{'jsonl' if src.is_dir() else 'log'}")
+            tar.add(src / "metrics.jsonl" if src.is_dir() else src,
+                    arcname=f"{name}.{'jsonl' if src.is_dir() else 'log'}")
         for job in all_jobs:  # every log's tail: what a failed run said
             log = logs / f"{job.name}.log"
             if log.exists():
-                tail = log.read_text(errors="replace").splitlines()[-60:]
+                tail = log.read_text(errors="replace").splitlines()[-80:]
                 (logs / f"{job.name}.tail").write_text("\n".join(tail) + "\n")
                 tar.add(logs / f"{job.name}.tail", arcname=f"tails/{job.name}.log")
+        for log in (a.work / "fixtures").glob("*.log"):
+            tar.add(log, arcname=f"tails/fixtures-{log.name}")
     if (a.work / "fixtures").is_dir():
         with tarfile.open(a.out / "megatron-fixtures.tgz", "w:gz") as tar:
-            tar.add(a.work / "fixtures", arcname="megatron-fixtures")
-    shutil.rmtree(a.runs, ignore_errors=True)
+            tar.add(a.work / "fixtures", arcname="megatron-fixtures", filter=lambda t: None if t.name.endswith(".log")
+                    else t)
 
 
 if __name__ == "__main__":

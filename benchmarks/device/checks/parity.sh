@@ -4,6 +4,12 @@
 # Megatron against itself. Needs a Megatron-LM checkout at core_v0.19 (MEGATRON_LM, default .megatron-lm: its
 # pretrain_gpt.py, gpt_builders.py, model_provider.py) and the LLM-jp v3 tokenizer (TOKENIZER, default
 # .cache/tokenizer-v3.model). ARGS: more `python -m benchmarks.parity` arguments (--steps, --flip, --gpus ...).
+# the device kit's megatron-core wheel ships its compiled dataset helpers but not the Makefile pretrain_gpt.py runs
+# make with on rank 0: an empty one there (a Megatron-LM checkout has its own)
+site=$(python -c 'import megatron.core.datasets as d, os; print(os.path.dirname(d.__file__))' 2>/dev/null)
+if ! dry && [ -n "$site" ] && ls "$site"/helpers_cpp*.so >/dev/null 2>&1 && [ ! -f "$site/Makefile" ]; then
+  printf 'default:\n\t@true\n' > "$site/Makefile"
+fi
 logged parity "$(left)" python -m benchmarks.parity --megatron-lm "${MEGATRON_LM:-.megatron-lm}" \
   --tokenizer "${TOKENIZER:-.cache/tokenizer-v3.model}" --out "$OUT" --budget-s $(( $(left) - 30 )) "$@"
 rc=$?

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -120,11 +121,19 @@ def jobs(setup: Setup, work: Path, runs: Path, mlm: Path, blend, tokenizer: str)
 
 
 def _log_has_fatal(log: Path) -> str | None:
+    """The line of ``log`` that ends its run: Megatron's non-strict load of names other than TE's extra state
+    (entries a release checkpoint may lack without a weight missing); its strict load's first failure is in the
+    tails, and the first steps' losses say whether the weights are the ones both stacks were given."""
     try:
         text = log.read_text(errors="replace")
     except OSError:
         return None
-    return next((f for f in FATAL if f in text), None)
+    for line in text.splitlines():
+        if any(f in line for f in FATAL):
+            keys = re.findall(r"'([^']+)'", line)
+            if "All keys matched" not in line and (not keys or any(not k.endswith("_extra_state") for k in keys)):
+                return line[:4000]
+    return None
 
 
 def schedule(all_jobs: list[Job], logs: Path, deadline: float, gpus: int) -> None:
@@ -266,6 +275,13 @@ def main(argv=None) -> None:
     shutil.rmtree(a.runs, ignore_errors=True)
 
 
+def _worth_keeping(lines: list[str], i: int) -> bool:
+    """A line of a run's log that says what happened: a loaded checkpoint, an error and the traceback before it."""
+    if re.search(r"load_return|Error|error:|checkpoint|iteration +(1|2|3)/", lines[i]):
+        return True
+    return any("Error" in x for x in lines[i + 1:i + 25]) and "Traceback" in "".join(lines[max(0, i - 30):i + 1])
+
+
 def pack(a, all_jobs: list[Job], sources: dict[str, Path], logs: Path) -> None:
     """The curves and every log's tail in ``parity-curves.tgz``; Megatron-LM's fixtures in
     ``megatron-fixtures.tgz``."""
@@ -276,7 +292,9 @@ def pack(a, all_jobs: list[Job], sources: dict[str, Path], logs: Path) -> None:
         for job in all_jobs:  # every log's tail: what a failed run said
             log = logs / f"{job.name}.log"
             if log.exists():
-                tail = log.read_text(errors="replace").splitlines()[-80:]
+                lines = log.read_text(errors="replace").splitlines()
+                said = [x[:4000] for i, x in enumerate(lines) if _worth_keeping(lines, i)]
+                tail = said[-200:] + ["-- the log's end --"] + lines[-40:]
                 (logs / f"{job.name}.tail").write_text("\n".join(tail) + "\n")
                 tar.add(logs / f"{job.name}.tail", arcname=f"tails/{job.name}.log")
         for log in (a.work / "fixtures").glob("*.log"):

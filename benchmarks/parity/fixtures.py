@@ -28,7 +28,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", 
         "--lr-warmup-iters", "1", "--lr-decay-style", "cosine", "--min-lr", "1e-4", "--weight-decay", "0.1",
         "--clip-grad", "1.0", "--bf16", "--use-distributed-optimizer", "--transformer-impl", "transformer_engine",
         "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
-        "255", "--seed", "7", "--log-interval", "1", "--eval-iters", "0", "--save-interval", "3"]
+        "255", "--seed", "7", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000", "--save-interval", "3"]
 FP8 = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "4",
        "--fp8-amax-compute-algo", "max"]
 

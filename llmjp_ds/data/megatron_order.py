@@ -177,10 +177,10 @@ def build_megatron_datasets(blend: list[tuple[float, str]], weighted: bool, seq_
     _writable(path)
     identity = {"class": "llmjp_ds.data.tokenizer.Tokenizer",
                 "tokenizer_path": [str(tokenizer_path)] if tokenizer_path else []}
-    config = _config(mc.gpt, seed, seq_len, mc_blend, split_text(split), path,
-                     TokenizerStandIn(eod, vocab_size, identity))
     try:
-        with process_group():
+        with process_group():  # the config too: megatron-core 0.19 asks for the rank when it logs
+            config = _config(mc.gpt, seed, seq_len, mc_blend, split_text(split), path,
+                             TokenizerStandIn(eod, vocab_size, identity))
             megatron_cache = _from_rank0(lambda: cached_identity(path, prefixes, seed, seq_len, config.split_matrix))
             if megatron_cache is not None:
                 config = _config(mc.gpt, seed, seq_len, mc_blend, megatron_cache[1], path,

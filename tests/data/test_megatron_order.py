@@ -63,14 +63,14 @@ def megatron_lm_datasets(megatron, data_path: list[str], split: str, cache) -> t
     import torch.distributed as dist
 
     sizes = [STEPS * GBS, (STEPS // EVAL_INTERVAL + 1) * EVAL_ITERS * GBS, EVAL_ITERS * GBS]
-    config = megatron.gpt.GPTDatasetConfig(
-        random_seed=SEED, sequence_length=SEQ, blend=megatron.utils.get_blend_from_list(data_path),
-        blend_per_split=None, split=split, multiple_validation_sets=False, full_validation=False,
-        num_dataset_builder_threads=1, path_to_cache=str(cache), mmap_bin_files=True, tokenizer=Llama2TokenizerLike(),
-        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=True,
-        mid_level_dataset_surplus=0.005, allow_ambiguous_pad_tokens=False)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
+        config = megatron.gpt.GPTDatasetConfig(
+            random_seed=SEED, sequence_length=SEQ, blend=megatron.utils.get_blend_from_list(data_path),
+            blend_per_split=None, split=split, multiple_validation_sets=False, full_validation=False,
+            num_dataset_builder_threads=1, path_to_cache=str(cache), mmap_bin_files=True,
+            tokenizer=Llama2TokenizerLike(), reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+            create_attention_mask=True, mid_level_dataset_surplus=0.005, allow_ambiguous_pad_tokens=False)
         train, valid, _ = megatron.builder.BlendedMegatronDatasetBuilder(
             megatron.gpt.GPTDataset, sizes, lambda: True, config).build()
     finally:

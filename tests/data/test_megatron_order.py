@@ -277,3 +277,20 @@ def test_megatron_core_problem_names_a_missing_or_old_megatron_core(monkeypatch)
         "megatron-core 0.15.0 is older than 0.16, the first version its dataset code was checked against")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     assert megatron_internals.megatron_core_problem().startswith("megatron-core is not importable")
+
+
+def test_importing_megatron_core_leaves_torchs_allowlist_alone():
+    """megatron.core's import registers its classes (argparse.Namespace, numpy's array rebuilder, its enums, ...)
+    as safe for every later torch.load(weights_only=True); the megatron order's import takes them back, so a
+    resume under it vets checkpoints with the project's allowlist. In a fresh interpreter: megatron imported once."""
+    import sys
+
+    from tests.launch import run
+
+    code = ("import torch; from llmjp_ds.data import megatron_internals; megatron_internals.datasets(); "
+            "from megatron.core.safe_globals import SAFE_GLOBALS; "
+            "print(len(SAFE_GLOBALS), [str(g) for g in SAFE_GLOBALS if g in torch.serialization.get_safe_globals()])")
+    result = run([sys.executable, "-c", code], timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    listed, left = result.stdout.strip().splitlines()[-1].split(" ", 1)
+    assert int(listed) > 5 and left == "[]", result.stdout

@@ -184,7 +184,7 @@ def test_the_trainer_reads_megatron_lm_samples(megatron, corpora, blend_name, tm
     assert first_difference(our_reads(cfg, train, valid, 5), theirs) == (8 - 5) * DP * GAS
 
 
-def test_the_samples_verb_writes_megatron_lm_windows(megatron, corpora, tmp_path):
+def test_the_samples_verb_writes_the_windows_of_either_order(megatron, corpora, tmp_path):
     from llmjp_ds.samples import cli_main
 
     blend = BLENDS["weighted"](corpora)
@@ -193,6 +193,7 @@ def test_the_samples_verb_writes_megatron_lm_windows(megatron, corpora, tmp_path
             "--set", f"data.split={SPLIT}", "--set", f"data.cache_dir={tmp_path / 'ours'}", "--set",
             f"train.steps={STEPS}", "--set", f"train.global_batch_size={GBS}", "--set",
             f"train.eval_interval={EVAL_INTERVAL}", "--set", f"train.eval_batches={EVAL_ITERS}"]
+    base += ["--set", f"run_dir={tmp_path / 'run'}"]
     for split, ref, start, count in (("train", ref_train, 40, 9), ("valid", ref_valid, 16, 16)):
         out = tmp_path / f"{split}.npy"
         assert cli_main(base + ["--split", split, "--start", str(start), "--count", str(count), "--output",
@@ -200,6 +201,13 @@ def test_the_samples_verb_writes_megatron_lm_windows(megatron, corpora, tmp_path
         got = np.load(out)
         assert got.shape == (count, SEQ + 1) and got.dtype == np.int64
         assert np.array_equal(got, np.stack([public_window(ref, i) for i in range(start, start + count)]))
+    # the llmjp order: the windows of the datasets the trainer builds under it
+    out = tmp_path / "llmjp.npy"
+    assert cli_main(base + ["--set", "data.order=llmjp", "--start", "40", "--count", "9", "--output", str(out)]) == 0
+    train, _ = trainer_datasets(run_config(blend, tmp_path / "ours", "data.order=llmjp"))
+    assert np.array_equal(np.load(out), np.stack([train[i] for i in range(40, 49)]))
+    assert not np.array_equal(np.load(out), np.load(tmp_path / "train.npy"))  # the orders differ
+    assert not (tmp_path / "run").exists()  # nothing written into the run directory
 
 
 @pytest.mark.parametrize("blend_name", sorted(BLENDS))

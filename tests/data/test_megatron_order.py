@@ -15,12 +15,11 @@ sample index, and one in the validation's start, must each be caught. Runs uncha
 from __future__ import annotations
 
 import types
-import warnings
 
 import numpy as np
 import pytest
 
-from tests.data.data_helpers import random_documents, write_corpus
+from tests.data.data_helpers import megatron_datasets, random_documents, write_corpus
 
 SEQ, SEED, GBS, MBS, DP, STEPS, EVAL_INTERVAL, EVAL_ITERS = 32, 1234, 8, 2, 2, 12, 4, 2
 GAS = GBS // (MBS * DP)
@@ -29,13 +28,8 @@ SPLIT = [90, 8, 2]
 
 @pytest.fixture(scope="module")
 def megatron():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            from megatron.core.datasets import blended_megatron_dataset_builder, gpt_dataset, utils
-        except ImportError as exc:
-            pytest.skip(f"megatron-core not importable: {exc}")
-    return types.SimpleNamespace(builder=blended_megatron_dataset_builder, gpt=gpt_dataset, utils=utils)
+    builder, gpt, utils = megatron_datasets("blended_megatron_dataset_builder", "gpt_dataset", "utils")
+    return types.SimpleNamespace(builder=builder, gpt=gpt, utils=utils)
 
 
 @pytest.fixture(scope="module")

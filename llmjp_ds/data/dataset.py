@@ -149,6 +149,18 @@ def _build_lock(path: Path):
         os.close(fd)
 
 
+def ensure_cache_dir(root: Path) -> None:
+    """Make the index cache directory ``root``; fail unless it can be written (a read-only data directory needs
+    ``data.cache_dir``)."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        writable = os.access(root, os.W_OK)
+    except OSError:
+        writable = False
+    if not writable:
+        fail(f"cannot write the sample index cache in {root}: set a writable cache_dir (data.cache_dir)")
+
+
 class CachedIndex(dict):
     """Arrays memory-mapped from one cache directory; pickles as its path (DataLoader workers re-open it)."""
 
@@ -178,13 +190,7 @@ def cached_arrays(root: Path, name: str, meta: dict, build: Callable[..., dict[s
     final = root / f"{name}-{key}"
     if (final / "meta.json").exists():
         return load_cached(final)
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        writable = os.access(root, os.W_OK)
-    except OSError:
-        writable = False
-    if not writable:
-        fail(f"cannot write the sample index cache in {root}: set a writable cache_dir (data.cache_dir)")
+    ensure_cache_dir(root)
     with _build_lock(root / f".{name}-{key}.lock"):
         if (final / "meta.json").exists():  # another process built it while we waited
             return load_cached(final)

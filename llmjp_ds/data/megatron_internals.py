@@ -9,6 +9,8 @@ the windows (0.19 loads cached indices through ``safe_numpy_load`` and returns t
 * ``GPTDataset._query_document_sample_shuffle_indices(j)`` is the raw window of mid-level sample ``j``:
   ``seq_len + 1`` token ids, before any mask, label shift or padding (``__getitem__`` builds those from it). It
   returns a tuple whose first item is the window (0.16: text and document ids; 0.19 adds the documents' lengths).
+* ``megatron.core.safe_globals.SAFE_GLOBALS``: the classes megatron.core's import adds to torch's ``weights_only``
+  allowlist (:func:`datasets` takes them back).
 * ``BlendedDataset.dataset_index[i]`` / ``dataset_sample_index[i]``: which of ``BlendedDataset.datasets``, and
   which of its samples, blended sample ``i`` is (``BlendedDataset.__getitem__`` reads the same two arrays).
 """
@@ -16,6 +18,7 @@ the windows (0.19 loads cached indices through ``safe_numpy_load`` and returns t
 from __future__ import annotations
 
 import importlib
+import sys
 import types
 import warnings
 
@@ -62,13 +65,24 @@ def version() -> str:
 
 def datasets() -> types.SimpleNamespace:
     """megatron-core's dataset modules (``builder``, ``gpt``, ``config``), imported quietly: megatron.core warns at
-    import about Transformer Engine and Apex, which its dataset code does not use."""
+    import about Transformer Engine and Apex, which its dataset code does not use. Its import also puts its own
+    classes on torch's global ``weights_only`` allowlist (``megatron/core/safe_globals.py``); that is undone, so a
+    run under this order loads checkpoints with the project's allowlist alone (``checkpoint/safe_load.py``)."""
+    import torch.serialization
+
     names = {"builder": "blended_megatron_dataset_builder", "gpt": "gpt_dataset",
              "config": "blended_megatron_dataset_config"}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return types.SimpleNamespace(**{k: importlib.import_module(f"megatron.core.datasets.{m}")
-                                        for k, m in names.items()})
+    allowed = torch.serialization.get_safe_globals()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return types.SimpleNamespace(**{k: importlib.import_module(f"megatron.core.datasets.{m}")
+                                            for k, m in names.items()})
+    finally:  # keep what was there and what torch's own modules registered meanwhile; drop megatron-core's list
+        megatrons = getattr(sys.modules.get("megatron.core.safe_globals"), "SAFE_GLOBALS", [])
+        keep = [g for g in torch.serialization.get_safe_globals() if g in allowed or g not in megatrons]
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(keep)
 
 
 def window(mid_level, j: int) -> np.ndarray:

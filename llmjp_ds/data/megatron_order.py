@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import sys
 from collections import OrderedDict
 from pathlib import Path
@@ -35,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from llmjp_ds.data import megatron_internals
-from llmjp_ds.data.dataset import file_identity, index_root
+from llmjp_ds.data.dataset import ensure_cache_dir, file_identity, index_root
 from llmjp_ds.data.indexed import sequence_lengths
 from llmjp_ds.errors import fail
 
@@ -155,16 +154,6 @@ def _config(gpt, seed: int, seq_len: int, blend, split: str, path: Path, tokeniz
                                 **{k: v for k, v in MEGATRON_LM_ARGS.items() if k in known})
 
 
-def _writable(path: Path) -> None:
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        ok = os.access(path, os.W_OK)
-    except OSError:
-        ok = False
-    if not ok:
-        fail(f"cannot write the Megatron sample index cache in {path}: set a writable data.cache_dir")
-
-
 def build_megatron_datasets(blend: list[tuple[float, str]], weighted: bool, seq_len: int, seed: int, sizes,
                             split, cache_dir=None, eod: int | None = None, vocab_size: int | None = None,
                             tokenizer_path=None):
@@ -174,13 +163,13 @@ def build_megatron_datasets(blend: list[tuple[float, str]], weighted: bool, seq_
     prefixes = [p for _, p in blend]
     mc_blend = (prefixes, [float(w) for w, _ in blend] if weighted else None)
     path = cache_location(prefixes, cache_dir)
-    _writable(path)
+    ensure_cache_dir(path)
     identity = {"class": "llmjp_ds.data.tokenizer.Tokenizer",
                 "tokenizer_path": [str(tokenizer_path)] if tokenizer_path else []}
-    config = _config(mc.gpt, seed, seq_len, mc_blend, split_text(split), path,
-                     TokenizerStandIn(eod, vocab_size, identity))
     try:
-        with process_group():
+        with process_group():  # the config too: megatron-core 0.19 asks for the rank when it logs
+            config = _config(mc.gpt, seed, seq_len, mc_blend, split_text(split), path,
+                             TokenizerStandIn(eod, vocab_size, identity))
             megatron_cache = _from_rank0(lambda: cached_identity(path, prefixes, seed, seq_len, config.split_matrix))
             if megatron_cache is not None:
                 config = _config(mc.gpt, seed, seq_len, mc_blend, megatron_cache[1], path,

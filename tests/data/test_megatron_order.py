@@ -15,12 +15,11 @@ sample index, and one in the validation's start, must each be caught. Runs uncha
 from __future__ import annotations
 
 import types
-import warnings
 
 import numpy as np
 import pytest
 
-from tests.data.data_helpers import random_documents, write_corpus
+from tests.data.data_helpers import megatron_datasets, random_documents, write_corpus
 
 SEQ, SEED, GBS, MBS, DP, STEPS, EVAL_INTERVAL, EVAL_ITERS = 32, 1234, 8, 2, 2, 12, 4, 2
 GAS = GBS // (MBS * DP)
@@ -29,13 +28,8 @@ SPLIT = [90, 8, 2]
 
 @pytest.fixture(scope="module")
 def megatron():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            from megatron.core.datasets import blended_megatron_dataset_builder, gpt_dataset, utils
-        except ImportError as exc:
-            pytest.skip(f"megatron-core not importable: {exc}")
-    return types.SimpleNamespace(builder=blended_megatron_dataset_builder, gpt=gpt_dataset, utils=utils)
+    builder, gpt, utils = megatron_datasets("blended_megatron_dataset_builder", "gpt_dataset", "utils")
+    return types.SimpleNamespace(builder=builder, gpt=gpt, utils=utils)
 
 
 @pytest.fixture(scope="module")
@@ -63,14 +57,14 @@ def megatron_lm_datasets(megatron, data_path: list[str], split: str, cache) -> t
     import torch.distributed as dist
 
     sizes = [STEPS * GBS, (STEPS // EVAL_INTERVAL + 1) * EVAL_ITERS * GBS, EVAL_ITERS * GBS]
-    config = megatron.gpt.GPTDatasetConfig(
-        random_seed=SEED, sequence_length=SEQ, blend=megatron.utils.get_blend_from_list(data_path),
-        blend_per_split=None, split=split, multiple_validation_sets=False, full_validation=False,
-        num_dataset_builder_threads=1, path_to_cache=str(cache), mmap_bin_files=True, tokenizer=Llama2TokenizerLike(),
-        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=True,
-        mid_level_dataset_surplus=0.005, allow_ambiguous_pad_tokens=False)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
+        config = megatron.gpt.GPTDatasetConfig(
+            random_seed=SEED, sequence_length=SEQ, blend=megatron.utils.get_blend_from_list(data_path),
+            blend_per_split=None, split=split, multiple_validation_sets=False, full_validation=False,
+            num_dataset_builder_threads=1, path_to_cache=str(cache), mmap_bin_files=True,
+            tokenizer=Llama2TokenizerLike(), reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+            create_attention_mask=True, mid_level_dataset_surplus=0.005, allow_ambiguous_pad_tokens=False)
         train, valid, _ = megatron.builder.BlendedMegatronDatasetBuilder(
             megatron.gpt.GPTDataset, sizes, lambda: True, config).build()
     finally:
@@ -184,7 +178,7 @@ def test_the_trainer_reads_megatron_lm_samples(megatron, corpora, blend_name, tm
     assert first_difference(our_reads(cfg, train, valid, 5), theirs) == (8 - 5) * DP * GAS
 
 
-def test_the_samples_verb_writes_megatron_lm_windows(megatron, corpora, tmp_path):
+def test_the_samples_verb_writes_the_windows_of_either_order(megatron, corpora, tmp_path):
     from llmjp_ds.samples import cli_main
 
     blend = BLENDS["weighted"](corpora)
@@ -193,6 +187,7 @@ def test_the_samples_verb_writes_megatron_lm_windows(megatron, corpora, tmp_path
             "--set", f"data.split={SPLIT}", "--set", f"data.cache_dir={tmp_path / 'ours'}", "--set",
             f"train.steps={STEPS}", "--set", f"train.global_batch_size={GBS}", "--set",
             f"train.eval_interval={EVAL_INTERVAL}", "--set", f"train.eval_batches={EVAL_ITERS}"]
+    base += ["--set", f"run_dir={tmp_path / 'run'}"]
     for split, ref, start, count in (("train", ref_train, 40, 9), ("valid", ref_valid, 16, 16)):
         out = tmp_path / f"{split}.npy"
         assert cli_main(base + ["--split", split, "--start", str(start), "--count", str(count), "--output",
@@ -200,6 +195,13 @@ def test_the_samples_verb_writes_megatron_lm_windows(megatron, corpora, tmp_path
         got = np.load(out)
         assert got.shape == (count, SEQ + 1) and got.dtype == np.int64
         assert np.array_equal(got, np.stack([public_window(ref, i) for i in range(start, start + count)]))
+    # the llmjp order: the windows of the datasets the trainer builds under it
+    out = tmp_path / "llmjp.npy"
+    assert cli_main(base + ["--set", "data.order=llmjp", "--start", "40", "--count", "9", "--output", str(out)]) == 0
+    train, _ = trainer_datasets(run_config(blend, tmp_path / "ours", "data.order=llmjp"))
+    assert np.array_equal(np.load(out), np.stack([train[i] for i in range(40, 49)]))
+    assert not np.array_equal(np.load(out), np.load(tmp_path / "train.npy"))  # the orders differ
+    assert not (tmp_path / "run").exists()  # nothing written into the run directory
 
 
 @pytest.mark.parametrize("blend_name", sorted(BLENDS))
@@ -277,3 +279,20 @@ def test_megatron_core_problem_names_a_missing_or_old_megatron_core(monkeypatch)
         "megatron-core 0.15.0 is older than 0.16, the first version its dataset code was checked against")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     assert megatron_internals.megatron_core_problem().startswith("megatron-core is not importable")
+
+
+def test_importing_megatron_core_leaves_torchs_allowlist_alone():
+    """megatron.core's import registers its classes (argparse.Namespace, numpy's array rebuilder, its enums, ...)
+    as safe for every later torch.load(weights_only=True); the megatron order's import takes them back, so a
+    resume under it vets checkpoints with the project's allowlist. In a fresh interpreter: megatron imported once."""
+    import sys
+
+    from tests.launch import run
+
+    code = ("import torch; from llmjp_ds.data import megatron_internals; megatron_internals.datasets(); "
+            "from megatron.core.safe_globals import SAFE_GLOBALS; "
+            "print(len(SAFE_GLOBALS), [str(g) for g in SAFE_GLOBALS if g in torch.serialization.get_safe_globals()])")
+    result = run([sys.executable, "-c", code], timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    listed, left = result.stdout.strip().splitlines()[-1].split(" ", 1)
+    assert int(listed) > 5 and left == "[]", result.stdout

@@ -121,9 +121,9 @@ def jobs(setup: Setup, work: Path, runs: Path, mlm: Path, blend, tokenizer: str)
 
 
 def _log_has_fatal(log: Path) -> str | None:
-    """The line of ``log`` that ends its run: Megatron's non-strict load of names other than TE's extra state
-    (entries a release checkpoint may lack without a weight missing); its strict load's first failure is in the
-    tails, and the first steps' losses say whether the weights are the ones both stacks were given."""
+    """The line of ``log`` that ends its run: Megatron's non-strict load naming keys other than TE's extra state
+    (entries a release checkpoint may lack without a weight missing). Its DDP wrapper returns no keys (``None``):
+    the first step's loss and grad norm, beside ours from the same weights and batch, say whether they loaded."""
     try:
         text = log.read_text(errors="replace")
     except OSError:
@@ -131,7 +131,7 @@ def _log_has_fatal(log: Path) -> str | None:
     for line in text.splitlines():
         if any(f in line for f in FATAL):
             keys = re.findall(r"'([^']+)'", line)
-            if "All keys matched" not in line and (not keys or any(not k.endswith("_extra_state") for k in keys)):
+            if keys and any(not k.endswith("_extra_state") for k in keys):
                 return line[:4000]
     return None
 
@@ -224,14 +224,16 @@ def report(setup: Setup, sources: dict[str, Path], out: Path) -> str:
                              ("parity-roundtrip.png", "ours-bf16", ("megatron-a", "megatron-b"))):
         if run in sources and all(b in sources for b in beside):
             plot_run(sources[run], out / png, [sources[b] for b in beside])
-    firsts = [f"| {name} | " + " | ".join(f"{c[name][s]['loss']:.5f}" if s in c[name] else "" for s in
-                                          (1, 2, setup.flip + 1, setup.flip + 2)) + " |" for name in c]
+    steps = (1, 2, setup.flip + 1, setup.flip + 2)
+    firsts = [f"| {name} | " + " | ".join(f"{c[name][s]['loss']:.5f} / {c[name][s].get('grad_norm', float('nan')):.3f}"
+                                          if s in c[name] else "" for s in steps) + " |" for name in c]
     return "\n".join([
         f"Setup: {setup}", "",
         "| comparison | ours vs Megatron: mean abs loss diff, last 100 steps | Megatron vs Megatron (spread) | "
         "ratio | ours at the last step | spread at the last step | ratio <= 1.5 and last step within 0.3 % |",
         "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
-        *rows, "", f"| run | loss at step 1 | 2 | {setup.flip + 1} | {setup.flip + 2} |", "| --- | ---: | ---: | ---: | ---: |",
+        *rows, "", f"| run: loss / grad norm at step 1 | 2 | {setup.flip + 1} | {setup.flip + 2} |",
+        "| --- | ---: | ---: | ---: | ---: |",
         *firsts, ""])
 
 
@@ -246,6 +248,8 @@ def main(argv=None) -> None:
     p.add_argument("--budget-s", type=float, default=560.0, help="stop starting runs that would end later")
     p.add_argument("--gpus", type=int, default=3, help="runs sharing the GPU at a time (~40 GiB each)")
     p.add_argument("--megabytes", type=float, default=24.0, help="of Python sources in the blend")
+    p.add_argument("--no-fixtures", dest="fixtures", action="store_false",
+                   help="leave out benchmarks/parity/fixtures.py's tiny checkpoints")
     p.add_argument("--steps", type=int, default=Setup.steps)
     p.add_argument("--flip", type=int, default=Setup.flip)
     a = p.parse_args(argv)
@@ -258,7 +262,8 @@ def main(argv=None) -> None:
     if not (a.work / "init-megatron" / "latest_checkpointed_iteration.txt").exists():
         subprocess.run([sys.executable, "-m", "benchmarks.parity.init", "--hf", str(a.work / "init-hf"),
                         "--megatron", str(a.work / "init-megatron")], check=True, cwd=ROOT)
-    all_jobs = jobs(setup, a.work, a.runs, a.megatron_lm.resolve(), blend, a.tokenizer)
+    all_jobs = [j for j in jobs(setup, a.work, a.runs, a.megatron_lm.resolve(), blend, a.tokenizer)
+                if a.fixtures or j.name != "fixtures"]
     try:
         schedule(all_jobs, logs, deadline, a.gpus)
     finally:

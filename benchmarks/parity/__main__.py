@@ -232,7 +232,7 @@ def report(setup: Setup, sources: dict[str, Path], out: Path) -> str:
         "| comparison | ours vs Megatron: mean abs loss diff, last 100 steps | Megatron vs Megatron (spread) | "
         "ratio | ours at the last step | spread at the last step | ratio <= 1.5 and last step within 0.3 % |",
         "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
-        *rows, "", f"| run: loss / grad norm at step 1 | 2 | {setup.flip + 1} | {setup.flip + 2} |",
+        *rows, "", f"| run | loss / grad norm at step 1 | 2 | {setup.flip + 1} | {setup.flip + 2} |",
         "| --- | ---: | ---: | ---: | ---: |",
         *firsts, ""])
 

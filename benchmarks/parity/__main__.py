@@ -250,11 +250,14 @@ def main(argv=None) -> None:
     p.add_argument("--megabytes", type=float, default=24.0, help="of Python sources in the blend")
     p.add_argument("--no-fixtures", dest="fixtures", action="store_false",
                    help="leave out benchmarks/parity/fixtures.py's tiny checkpoints")
+    p.add_argument("--only", help="these runs alone, comma-separated (e.g. B,ours)")
+    p.add_argument("--lr", type=float, default=Setup.lr, help="peak LR; 1e-12 leaves the weights as they start, "
+                   "so each step's loss compares the two stacks' batches and forward passes alone")
     p.add_argument("--steps", type=int, default=Setup.steps)
     p.add_argument("--flip", type=int, default=Setup.flip)
     a = p.parse_args(argv)
     deadline = time.time() + a.budget_s
-    setup = Setup(steps=a.steps, flip=a.flip)
+    setup = Setup(steps=a.steps, flip=a.flip, lr=a.lr, min_lr=a.lr / 10)
     logs = a.work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     a.out.mkdir(parents=True, exist_ok=True)
@@ -263,7 +266,7 @@ def main(argv=None) -> None:
         subprocess.run([sys.executable, "-m", "benchmarks.parity.init", "--hf", str(a.work / "init-hf"),
                         "--megatron", str(a.work / "init-megatron")], check=True, cwd=ROOT)
     all_jobs = [j for j in jobs(setup, a.work, a.runs, a.megatron_lm.resolve(), blend, a.tokenizer)
-                if a.fixtures or j.name != "fixtures"]
+                if (a.fixtures or j.name != "fixtures") and (not a.only or j.name in a.only.split(","))]
     try:
         schedule(all_jobs, logs, deadline, a.gpus)
     finally:

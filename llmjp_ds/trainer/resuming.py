@@ -28,31 +28,24 @@ class Resume:
             if saved != self.layout:
                 client, self.reshaped = self._reshape(tag, saved), saved
             else:
-                client = self._load(tag)
+                client = checkpoint.load(self.engine, self.run_dir, tag)
+            self.controller.load_state_dict(client)
         self.tag = tag
         return client
 
     def report(self, logger, step: int, gas: int) -> None:
         """The resume's events in the metrics log (``step``: the step resumed at), and a warning per damaged
         checkpoint."""
-        tag = self.tag
         for bad, reason in self.damaged:
-            logger.event(step, "checkpoint_fallback", damaged=bad, reason=reason, tag=tag)
+            logger.event(step, "checkpoint_fallback", damaged=bad, reason=reason, tag=self.tag)
             if self.ctx.rank == 0:
                 print(f"warning: checkpoint {bad} is damaged ({reason}): set aside as {bad}.damaged; resuming from "
-                      f"{tag}", file=sys.stderr, flush=True)
-        if tag:
-            logger.event(step, "resume", tag=tag)
+                      f"{self.tag}", file=sys.stderr, flush=True)
+        if self.tag:
+            logger.event(step, "resume", tag=self.tag)
         if self.reshaped:
-            logger.event(step, "reshape", tag=tag, saved=self.reshaped.name, now=self.layout.name,
+            logger.event(step, "reshape", tag=self.tag, saved=self.reshaped.name, now=self.layout.name,
                          gradient_accumulation=gas)
-
-    def _load(self, tag: str) -> dict:
-        from llmjp_ds import checkpoint
-
-        client = checkpoint.load(self.engine, self.run_dir, tag)
-        self.controller.load_state_dict(client)
-        return client
 
     def _reshape(self, tag: str, saved) -> dict:
         """Resume checkpoint ``tag`` of another layout: rank 0 converts it once (``parallel.reshape``), every
@@ -75,7 +68,6 @@ class Resume:
                            checkpoint.load_checkpoint_file, self.ctx.tp)
         self.precision.weights_changed()
         client = checkpoint.read_client_state(self.run_dir, tag)
-        self.controller.load_state_dict(client)
         progress = client["train_state"]
         set_progress(self.engine, progress["step"], progress["consumed_samples"])
         return client

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 
 
@@ -40,8 +41,6 @@ class StopRequest:
         self.request(signal.Signals(signum).name)
 
     def _launcher_gone(self, gone) -> None:
-        import sys
-
         self.request(f"{gone.describe()} is gone")
         try:
             print(f"[llmjp-ds] [rank {self.rank}] {gone.describe()} is gone: stopping as on SIGTERM (a checkpoint at "

@@ -1,10 +1,5 @@
-"""The Trainer: sets a run up and steps it. It holds the pieces and calls them; none of them knows it exists.
-
-``Trainer(cfg)`` validates (no process group yet); :meth:`Trainer.build_engine` starts the process group and
-builds the engine (all ``llmjp-ds bench`` needs); :meth:`Trainer.setup` does that and adds data, the run
-directory's lock, resume and logging; :meth:`Trainer.fit` runs the loop, calling the precision controller at its
-fixed points (every FP8 decision is the controller's), with a watchdog that ends a stalled rank.
-"""
+"""The Trainer: sets a run up and steps it, holding the pieces (precision, parallel wiring, data, checkpoints,
+metrics) and calling them; none of them knows it exists. Its jobs live beside it, a file each."""
 
 from __future__ import annotations
 
@@ -14,7 +9,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmjp_ds.config import RunConfig, model_config_of, sample_counts, seq_len_of, stop_signals_of
+from llmjp_ds.config import (RunConfig, model_config_of, sample_counts, seq_len_of, sequence_parallel_of,
+                             stop_signals_of)
 from llmjp_ds.errors import fail
 from llmjp_ds.trainer.evaluation import Evaluator
 from llmjp_ds.trainer.resuming import Resume
@@ -33,6 +29,8 @@ def data_plan(cfg, model_config):
 
 @dataclass
 class TrainState:
+    """The loop's progress; every checkpoint carries it."""
+
     step: int = 0
     consumed_samples: int = 0
     skipped_in_a_row: int = 0
@@ -40,6 +38,10 @@ class TrainState:
 
 
 class Trainer:
+    """``Trainer(cfg)`` validates (no process group yet); :meth:`build_engine` starts the process group and builds
+    the engine (all ``llmjp-ds bench`` needs); :meth:`setup` adds data, the run directory's lock, resume and
+    logging; :meth:`fit` loops, calling the precision controller at its fixed points, watched for a stalled rank."""
+
     def __init__(self, cfg: RunConfig, world_size: int | None = None):
         # before torch, transformers and DeepSpeed load: a mistake in the config costs seconds, not a job
         self.layout = validate_run(cfg, world_size)
@@ -62,7 +64,6 @@ class Trainer:
     # --- setup ----------------------------------------------------------------------------------------------
     def start(self) -> None:
         """Start the process group (once)."""
-        from llmjp_ds.config import sequence_parallel_of
         from llmjp_ds.parallel.context import ParallelContext
 
         if self.ctx is None:
@@ -146,9 +147,8 @@ class Trainer:
                                 lambda reason: self.lock.mark_stopping(reason, cfg.checkpoint.grace_seconds))
         self.throughput = Throughput(flops_per_token_for(self.model_config, self.seq_len), self.tokens_per_step,
                                      self.layout.world)
-        meta = checkpoint.CheckpointMeta.for_run(cfg, self.model_config, self.layout.data)
-        self.checkpointer = Checkpointer(cfg, self.engine, self.ctx, self.run_dir, meta, self.controller, self.logger,
-                                         self.watchdog, self.state.step)
+        self.checkpointer = Checkpointer(cfg, self.engine, self.ctx, self.run_dir, checkpoint.CheckpointMeta.for_run(
+            cfg, self.model_config, self.layout.data), self.controller, self.logger, self.watchdog, self.state.step)
 
     # --- one step -------------------------------------------------------------------------------------------
     def micro_batches(self, dataset, consumed: int):

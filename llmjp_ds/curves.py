@@ -9,7 +9,8 @@ a llmjp-ds run (its ``metrics.jsonl``) or from a Megatron-LM training log, whose
     validation loss at iteration 100 | lm loss value: 3.200000E+00 | lm loss PPL: 2.453253E+01 |
 
 Megatron-LM averages ``lm loss`` over its ``--log-interval``: only ``--log-interval 1`` gives every step. Steps
-count from 1 in both (the step that has just finished), so the two curves line up as they are.
+count from 1 in both (the step that has just finished). Megatron's scheduler steps before the line is written, so
+its ``learning rate`` is the next iteration's: it is kept at that step, where ours logs the rate it stepped with.
 """
 
 from __future__ import annotations
@@ -44,17 +45,19 @@ def megatron_log_curve(text: str) -> dict[int, dict[str, float]]:
     for line in text.splitlines():
         match = _ITERATION.search(line)
         if match:
-            point = curve.setdefault(int(match.group(1)), {})
+            step = int(match.group(1))
             for field in match.group(2).split("|"):
                 name, _, value = field.partition(":")
                 key = _MEGATRON_FIELDS.get(name.strip())
                 if key and _number(value.strip()) is not None:
-                    point[key] = _number(value.strip())
+                    # the scheduler steps before the line is written: its rate is the next iteration's
+                    curve.setdefault(step + 1 if key == "lr" else step, {})[key] = _number(value.strip())
             continue
         match = _VALIDATION.search(line)
         if match and _number(match.group(2)) is not None:
             curve.setdefault(int(match.group(1)), {})["valid_loss"] = _number(match.group(2))
-    return {step: point for step, point in sorted(curve.items()) if point}
+    last = max((s for s, p in curve.items() if "loss" in p), default=0)
+    return {step: point for step, point in sorted(curve.items()) if point and step <= last}
 
 
 def run_curve(records: list[dict]) -> dict[int, dict[str, float]]:

@@ -182,6 +182,8 @@ def schedule(all_jobs: list[Job], logs: Path, deadline: float, gpus: int) -> Non
 def curves(runs: Path, logs: Path) -> dict[str, Path]:
     """Each run's curve as a source ``llmjp-ds plot --beside`` reads: Megatron's log lines (A's two processes
     joined) and our run directories."""
+    from llmjp_ds.curves import megatron_log_curve
+
     keep = ("iteration", "validation loss at")
     sources = {}
     for name, parts in (("megatron-a", ("A1", "A2")), ("megatron-b", ("B",)), ("megatron-f1", ("F1",)),
@@ -189,7 +191,7 @@ def curves(runs: Path, logs: Path) -> dict[str, Path]:
         lines = [line for p in parts if (logs / f"{p}.log").exists()
                  for line in (logs / f"{p}.log").read_text(errors="replace").splitlines()
                  if any(k in line for k in keep)]
-        if lines:
+        if megatron_log_curve("\n".join(lines)):  # a run that ended before its first step has no curve
             sources[name] = logs / f"{name}.log"
             sources[name].write_text("\n".join(lines) + "\n")
     for name in ("ours", "ours-bf16", "ours-fp8"):

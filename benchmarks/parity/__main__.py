@@ -51,7 +51,7 @@ class Job:
     name: str
     cmd: list[str]
     after: tuple[str, ...] = ()
-    gpu: bool = True
+    gib: float = 46.0  # GPU memory at its peak (measured on the H200: BF16 ~45, FP8 ~47 GiB for the 1.8B at seq 4096)
     estimate_s: float = 90.0
     before: list[list[str]] = field(default_factory=list)  # commands run first (a run dir forked by hard links)
     proc: subprocess.Popen | None = None
@@ -97,12 +97,12 @@ def jobs(setup: Setup, work: Path, runs: Path, mlm: Path, blend, tokenizer: str)
                 f"run_dir={runs / name}", "--set", f"data.cache_dir={work / 'cache' / name}", *sets]
 
     fork = lambda name: [["cp", "-al", str(imported), str(runs / name)]]  # noqa: E731  the checkpoint, shared
-    # seconds: the start (~45), the steps at a third of the GPU (~0.33 s each, three runs share it), a save
+    # seconds: the start (~45), the steps at a third of the GPU (~0.33 s each when three runs share it), a save
     third, start = 0.33, 45
     rest = setup.steps - setup.flip
     return [
         Job("fixtures", [sys.executable, "-m", "benchmarks.parity.fixtures", "--megatron-lm", str(mlm), "--out",
-                         str(work / "fixtures")], gpu=False, estimate_s=60),
+                         str(work / "fixtures")], gib=2, estimate_s=60),
         Job("A1", megatron("A1", load=init, finetune=True, save=ckpt, exit_at=setup.flip),
             estimate_s=start + setup.flip * third + 30),
         Job("B", megatron("B", load=init, finetune=True), estimate_s=start + setup.steps * third),
@@ -110,9 +110,9 @@ def jobs(setup: Setup, work: Path, runs: Path, mlm: Path, blend, tokenizer: str)
             estimate_s=start + setup.steps * third),
         Job("A2", megatron("A2", load=ckpt), after=("A1",), estimate_s=start + rest * third),
         Job("import", [sys.executable, "-m", "llmjp_ds.cli", "import-megatron", "--load", ckpt, "--run",
-                       str(imported), "--preset", "llmjp3-1.8b", *ours_import], after=("A1",), gpu=False),
-        Job("F1", megatron("F1", load=ckpt, fp8=True), after=("A1",), estimate_s=start + rest * third),
-        Job("F2", megatron("F2", load=ckpt, fp8=True), after=("A1",), estimate_s=start + rest * third),
+                       str(imported), "--preset", "llmjp3-1.8b", *ours_import], after=("A1",), gib=0),
+        Job("F1", megatron("F1", load=ckpt, fp8=True), after=("A1",), gib=48, estimate_s=start + rest * third),
+        Job("F2", megatron("F2", load=ckpt, fp8=True), after=("A1",), gib=48, estimate_s=start + rest * third),
         Job("ours-bf16", continued("ours-bf16"), after=("import",), before=fork("ours-bf16"),
             estimate_s=start + rest * third),
         Job("ours-fp8", continued("ours-fp8", "--set", ours_sets(setup, blend, tokenizer, "", None, setup.flip)[-1]),
@@ -136,9 +136,10 @@ def _log_has_fatal(log: Path) -> str | None:
     return None
 
 
-def schedule(all_jobs: list[Job], logs: Path, deadline: float, gpus: int) -> None:
-    """Start each job once its predecessors are done, at most ``gpus`` GPU jobs at a time, none that would not
-    end before ``deadline``; end a job whose log shows a fatal line, or that outlives the deadline."""
+def schedule(all_jobs: list[Job], logs: Path, deadline: float, gib: float) -> None:
+    """Start each job once its predecessors are done and the running jobs' GPU memory leaves it room within
+    ``gib``, none that would not end before ``deadline``; end a job whose log shows a fatal line, or that outlives
+    the deadline."""
     env = dict(megatron_env(), PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
     by_name = {j.name: j for j in all_jobs}
     while any(j.state in ("waiting", "running") for j in all_jobs):
@@ -168,8 +169,8 @@ def schedule(all_jobs: list[Job], logs: Path, deadline: float, gpus: int) -> Non
                 job.state = "skipped"
                 print(f"[parity] {job.name} skipped", flush=True)
                 continue
-            busy = sum(1 for j in all_jobs if j.state == "running" and j.gpu)
-            if all(s == "done" for s in deps) and (not job.gpu or busy < gpus):
+            busy = sum(j.gib for j in all_jobs if j.state == "running")
+            if all(s == "done" for s in deps) and busy + job.gib <= gib:
                 for cmd in job.before:
                     subprocess.run(cmd, check=True)
                 job.proc = subprocess.Popen(job.cmd, cwd=ROOT, env=env, stdout=open(logs / f"{job.name}.log", "w"),
@@ -248,7 +249,7 @@ def main(argv=None) -> None:
                    help="our run directories (the imported checkpoint: 12 bytes a parameter)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/out")))
     p.add_argument("--budget-s", type=float, default=560.0, help="stop starting runs that would end later")
-    p.add_argument("--gpus", type=int, default=3, help="runs sharing the GPU at a time (~40 GiB each)")
+    p.add_argument("--gpu-gib", type=float, default=132.0, help="GPU memory the runs sharing it may take together")
     p.add_argument("--megabytes", type=float, default=24.0, help="of Python sources in the blend")
     p.add_argument("--no-fixtures", dest="fixtures", action="store_false",
                    help="leave out benchmarks/parity/fixtures.py's tiny checkpoints")
@@ -270,7 +271,7 @@ def main(argv=None) -> None:
     all_jobs = [j for j in jobs(setup, a.work, a.runs, a.megatron_lm.resolve(), blend, a.tokenizer)
                 if (a.fixtures or j.name != "fixtures") and (not a.only or j.name in a.only.split(","))]
     try:
-        schedule(all_jobs, logs, deadline, a.gpus)
+        schedule(all_jobs, logs, deadline, a.gpu_gib)
     finally:
         for job in all_jobs:  # nothing outlives the comparison
             if job.state == "running":

@@ -4,6 +4,7 @@ step for step, a run's metrics, the gap between two curves, and the figure that 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -115,3 +116,12 @@ def test_plot_beside_draws_the_other_curves_and_the_differences(tmp_path, capsys
     assert (tmp_path / "out.png").read_bytes()[:4] == b"\x89PNG"
     assert out[1].startswith("ours - megatron-a: mean |loss difference| ") and "over steps 21-120" in out[1]
     assert out[2].startswith("megatron-b - megatron-a: mean |loss difference| 0.01 ")
+
+
+def test_a_log_megatron_lm_wrote_reads_as_its_lines_say():
+    """Lines Megatron-LM core_v0.19's pretrain_gpt.py printed on the H200 (run AD's run B, docs/performance.md)."""
+    curve = read_curve(Path(__file__).parent / "fixtures" / "megatron" / "pretrain_gpt-0.19.log")
+    assert sorted(curve) == [1, 2, 3, 4, 99, 100]  # 4: the rate line 3 gives it; none past the last loss
+    assert curve[1] == {"loss": 11.91296, "grad_norm": 80.123}  # its rate is iteration 2's
+    assert curve[2] == {"loss": 11.92958, "grad_norm": 45.857, "lr": 6e-06}
+    assert curve[100]["valid_loss"] == 6.376589

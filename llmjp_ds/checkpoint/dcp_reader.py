@@ -93,3 +93,16 @@ class DistCheckpoint:
             if key == prefix:
                 out[shard] = load_megatron(self._read(info), where=str(self.dir / info.relative_path))
         return out
+
+    def object(self, key: str, default=None):
+        """The value of Megatron's ``ShardedObject`` ``key`` (one shard), as megatron-core gave it to the saver,
+        which stores each as a one-item list; ``default`` where the checkpoint has none."""
+        found = self.objects(key)
+        if not found:
+            return default
+        if len(found) > 1:
+            fail(f"{self.dir} stores {len(found)} shards of {key!r} where megatron-core writes one: the checkpoint "
+                 "is damaged or mixes runs")
+        (value,) = found.values()
+        return value[0] if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (list, dict)) \
+            else value

@@ -1,6 +1,7 @@
 """The optimizer state of a Megatron ``torch_dist`` checkpoint, per parameter and whole.
 
-``common.pt`` names the distributed optimizer's sharding type (``optimizer.param_state_sharding_type``):
+The common state (``common.pt``, or megatron-core 0.19's ``common_state`` item) names the distributed optimizer's
+sharding type (``optimizer.param_state_sharding_type``):
 
 * ``dp_reshardable`` (megatron-core 0.15-0.19's default): the buffers' buckets, one group of keys per
   model-parallel rank (``dp_group_idx_<tp rank + TP x pp rank>``); the parameters are placed in them by
@@ -43,19 +44,14 @@ def dist_optimizer(dcp, common: dict, args, weights: dict):
         return None, 0
     if opt.get("param_state_sharding_type") == "dp_reshardable":
         state = _dp_reshardable(dcp, args, weights)
-        groups = _unwrap(next(iter(dcp.objects("optimizer.distributed.dp_group_idx_0.optimizer").values()), {}))
+        groups = dcp.object("optimizer.distributed.dp_group_idx_0.optimizer", {})
     else:
         state = _per_parameter(dcp, args, weights)
         groups = opt.get("optimizer") or {}
     if state is None:
         return None, 0
     steps = [g.get("step") for g in (groups.get("param_groups", []) if isinstance(groups, dict) else [])]
-    return state, mo.optimizer_step([float(s) for s in steps if s is not None], dcp.dir / "common.pt")
-
-
-def _unwrap(obj):
-    """A ShardedObject's value as megatron-core gave it (the saver wraps it in a one-item list)."""
-    return obj[0] if isinstance(obj, list) and len(obj) == 1 and isinstance(obj[0], (list, dict)) else obj
+    return state, mo.optimizer_step([float(s) for s in steps if s is not None], dcp.dir)
 
 
 def _per_parameter(dcp, args, weights: dict):
@@ -153,7 +149,7 @@ def _dp_reshardable(dcp, args, weights: dict) -> dict:
     for p in range(len(layers[0])):
         for t in range(tp):
             prefix = f"optimizer.distributed.dp_group_idx_{t + tp * p}"
-            sizes = _unwrap(next(iter(dcp.objects(f"{prefix}.per_bucket_numel_unpadded").values()), None))
+            sizes = dcp.object(f"{prefix}.per_bucket_numel_unpadded")
             if sizes is None:
                 fail(f"{dcp.dir} holds no optimizer state of model-parallel rank {t + tp * p} ({prefix}): it is "
                      "incomplete")

@@ -6,8 +6,10 @@ or one ``iter_NNNNNNN`` (or ``release``) directory:
 * ``torch`` (legacy): ``mp_rank_TT[_PPP]/model_optim_rng.pt`` per tensor-parallel rank TT and pipeline stage PPP
   (a dict: args, iteration, model or model0, model1, ... per virtual-pipeline chunk, optimizer,
   opt_param_scheduler, ...), and ``distrib_optim.pt`` beside it under the distributed optimizer;
-* ``torch_dist``: ``metadata.json``, ``common.pt`` (args, iteration, opt_param_scheduler, the optimizer's plain
-  part), ``.metadata`` and ``__R_K.distcp`` (megatron.core.dist_checkpointing over torch.distributed.checkpoint).
+* ``torch_dist``: ``metadata.json``, ``.metadata`` and ``__R_K.distcp`` (megatron.core.dist_checkpointing over
+  torch.distributed.checkpoint), and the common state (args, iteration, opt_param_scheduler, the optimizer's plain
+  part): ``common.pt`` beside them (megatron-core 0.16 and before), or a ``common_state`` item among the DCP items
+  (0.19 writes no common.pt).
 
 Every file is read through :mod:`llmjp_ds.checkpoint.safe_load` (nothing in it runs). The result is a
 :class:`MegatronCheckpoint`: the weights under Megatron-Core's TE-spec names (``megatron_adapter.canonical_name``),
@@ -31,6 +33,7 @@ from llmjp_ds.model import megatron_adapter as ma
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _ITER = re.compile(r"^iter_(\d{7})$")
+COMMON_FILE, COMMON_OBJECT = "common.pt", "common_state"  # where torch_dist keeps its common state
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(_\d{3})?$")
 
 
@@ -304,16 +307,28 @@ def _read_torch_dist(directory: Path) -> MegatronCheckpoint:
         fail(f"{directory / 'metadata.json'} cannot be read ({exc}): the checkpoint is damaged")
     if backend != "torch_dist":
         fail(f"{directory} is a Megatron distributed checkpoint of backend {backend!r}: only torch_dist is supported")
-    if not (directory / "common.pt").is_file():
-        fail(f"{directory} lacks common.pt: the checkpoint is incomplete; copy it again from the Megatron run")
-    common = load_megatron(directory / "common.pt")
-    args = _arguments(common, directory / "common.pt")
-    check_supported(args, directory)
     dcp = DistCheckpoint(directory)
+    common, where = _common_state(dcp)
+    args = _arguments(common, where)
+    check_supported(args, directory)
     weights = _dist_weights(dcp, mo.arg_int(args, "num_layers", 0))
     optimizer, step = dist_optimizer(dcp, common, args, weights)
     return MegatronCheckpoint(directory, "torch_dist", args, int(common.get("iteration", 0)),
                               dict(common.get("opt_param_scheduler") or {}), weights, optimizer, step)
+
+
+def _common_state(dcp) -> tuple[dict, Path]:
+    """The checkpoint's common state (args, iteration, opt_param_scheduler, the optimizer's plain part) and where it
+    was read: ``common.pt`` where there is one (megatron-core 0.16 and before), else the ``common_state`` item of
+    the distributed checkpoint (0.19), in the order megatron-core 0.19's ``load_common_state_dict`` looks."""
+    if (dcp.dir / COMMON_FILE).is_file():
+        return load_megatron(dcp.dir / COMMON_FILE), dcp.dir / COMMON_FILE
+    common = dcp.object(COMMON_OBJECT)
+    if common is None:
+        fail(f"{dcp.dir} holds neither {COMMON_FILE} (megatron-core 0.16 and before) nor a {COMMON_OBJECT!r} item "
+             "(0.19): its common state (args, iteration, LR schedule) is missing; copy the checkpoint again from "
+             "the Megatron run")
+    return common, dcp.dir / f"{COMMON_OBJECT} (in .metadata)"
 
 
 def _dist_weights(dcp, num_layers: int) -> dict:

@@ -131,6 +131,8 @@ CASES: list[Case] = [
          ("lacks mp_rank_01_001: its arguments say TP 2 x PP 2; the checkpoint is incomplete",)),
     Case("import-megatron-missing-distcp", megatron(f"{R}/mg_missing_distcp"),
          ("lacks __1_0.distcp, which its .metadata lists: the checkpoint is incomplete",)),
+    Case("import-megatron-missing-common-state", megatron(f"{R}/mg_missing_common"),
+         ("holds neither common.pt (megatron-core 0.16 and before) nor a 'common_state' item (0.19)",)),
     Case("import-megatron-layout-does-not-add-up", megatron(f"{R}/mg_extra_rank"),
          ("holds mp_rank_02_000, which does not add up to the TP 2 x PP 2 its arguments give",)),
     Case("import-megatron-other-model-shape", megatron(f"{R}/mg_base", "model.overrides.hidden_size=64"),
@@ -259,8 +261,8 @@ def prepare(ctx) -> None:
 
 
 def _megatron_dirs(root: Path, canary: Path) -> None:
-    """Copies of megatron-core's fixtures: whole, a shard missing, a layout that does not add up, a planted
-    pickle in a torch file and in a distributed checkpoint's .metadata, a file cut short."""
+    """Copies of megatron-core's fixtures: whole, a shard missing, the common state missing, a layout that does not
+    add up, a planted pickle in a torch file and in a distributed checkpoint's .metadata, a file cut short."""
     import pickle
 
     import torch
@@ -272,6 +274,7 @@ def _megatron_dirs(root: Path, canary: Path) -> None:
     copy("torch-tp1pp1", "mg_base")
     shutil.rmtree(copy("torch-tp2pp2", "mg_missing_rank") / "mp_rank_01_001")
     (copy("torch_dist-tp2dp2-dp_reshardable", "mg_missing_distcp") / "__1_0.distcp").unlink()
+    (copy("torch_dist-pp2dp2-fully_reshardable", "mg_missing_common") / "common.pt").unlink()
     extra = copy("torch-tp2pp2", "mg_extra_rank")
     shutil.copytree(extra / "mp_rank_01_001", extra / "mp_rank_02_000")
     torch.save({"args": Payload(canary, "system")}, copy("torch-tp1pp1", "mg_planted") / "mp_rank_00" /

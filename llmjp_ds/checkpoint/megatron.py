@@ -42,7 +42,7 @@ def _shape_pairs(ckpt: MegatronCheckpoint, cfg, model_config) -> list[tuple[str,
             ("padded_vocab_size", a("padded_vocab_size"), "model.overrides.vocab_size", model_config.vocab_size),
             ("rotary_base", float(a("rotary_base", 10000)), "model.overrides.rope_theta",
              rope_theta(model_config)),
-            ("norm_epsilon", float(a("norm_epsilon", 1e-5)), "model.overrides.rms_norm_eps",
+            ("norm_epsilon", float(a("layernorm_epsilon", 1e-5)), "model.overrides.rms_norm_eps",
              float(model_config.rms_norm_eps)),
             ("seq_length", a("seq_length"), "data.seq_len", seq_len_of(cfg, model_config)),
             ("global_batch_size", a("global_batch_size"), "train.global_batch_size", cfg.train.global_batch_size)]

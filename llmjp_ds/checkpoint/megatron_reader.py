@@ -93,25 +93,54 @@ def read(load, iteration: int | None = None) -> MegatronCheckpoint:
          "metadata.json (format torch_dist)")
 
 
+# Megatron-LM arguments that releases name otherwise: megatron-core 0.19's Megatron-LM takes them from
+# TransformerConfig's fields (``--norm-epsilon`` sets ``layernorm_epsilon``, ``--apply-layernorm-1p``
+# ``layernorm_zero_centered_gamma``), where older ones wrote the flag's own name; some converted checkpoints hold
+# ``disable_bias_linear`` instead of ``add_bias_linear`` (megatron-core's own loader inverts it too)
+_OLDER_NAMES = {"layernorm_epsilon": ("norm_epsilon", False),
+                "layernorm_zero_centered_gamma": ("apply_layernorm_1p", False),
+                "add_bias_linear": ("disable_bias_linear", True)}
+
+
 def _arguments(state, path: Path) -> dict:
-    """The run's arguments a checkpoint file holds (an argparse.Namespace, read as a StandIn), as a dict."""
+    """The run's arguments a checkpoint file holds (an argparse.Namespace, read as a StandIn), as a dict, under
+    megatron-core 0.19's names whichever release wrote them (those of :data:`_OLDER_NAMES` filled from their
+    older spelling)."""
     args = state.get("args") if isinstance(state, dict) else None
     if not isinstance(args, StandIn):
         fail(f"{path} holds no Megatron-LM arguments: it is not a Megatron-LM checkpoint")
-    return dict(vars(args))
+    return current_names(dict(vars(args)))
+
+
+def current_names(args: dict) -> dict:
+    """``args`` with each argument of :data:`_OLDER_NAMES` under its current name where only the older one is
+    there (inverted where the older one says the opposite)."""
+    out = dict(args)
+    for name, (older, inverted) in _OLDER_NAMES.items():
+        if out.get(name) is None and out.get(older) is not None:
+            out[name] = (not out[older]) if inverted else out[older]
+    return out
 
 
 def check_supported(args, where: Path) -> None:
     """The model Megatron trained is a Llama (RMSNorm, SwiGLU, RoPE, no biases, untied head) on a dense layout."""
     wrong = []
+    # each argument absent from the releases before it is taken at the value that means "not used"
     checks = (("normalization", "RMSNorm"), ("swiglu", True), ("position_embedding_type", "rope"),
               ("add_bias_linear", False), ("untie_embeddings_and_output_weights", True), ("qk_layernorm", False),
-              ("rotary_interleaved", False), ("add_qkv_bias", False))
+              ("rotary_interleaved", False), ("add_qkv_bias", False), ("layernorm_zero_centered_gamma", False),
+              ("use_rope_scaling", False), ("qk_l2_norm", False), ("attention_output_gate", False),
+              ("multi_latent_attention", False), ("squared_relu", False), ("use_mup", False),
+              ("softmax_type", "vanilla"))
     for name, want in checks:
         have = args.get(name, want)
         if have != want:
             wrong.append(f"{name}={have!r}")
-    for name in ("num_experts", "rampup_batch_size"):
+    if args.get("rope_type") not in (None, "rope"):
+        wrong.append(f"rope_type={args.get('rope_type')!r}")
+    for name in ("num_experts", "rampup_batch_size", "no_rope_freq", "window_size", "mtp_num_layers",
+                 "rotary_seq_len_interpolation_factor", "experimental_attention_variant", "hybrid_layer_pattern",
+                 "heterogeneous_layers_config_path"):
         if args.get(name):
             wrong.append(f"{name}={args.get(name)!r}")
     for name in ("context_parallel_size", "expert_model_parallel_size", "num_distributed_optimizer_instances"):
@@ -121,7 +150,8 @@ def check_supported(args, where: Path) -> None:
         wrong.append(f"rotary_percent={args.get('rotary_percent')!r}")
     if wrong:
         fail(f"{where} was trained with {', '.join(wrong)}: llmjp-ds continues Llama-style runs only (RMSNorm, "
-             "SwiGLU, full RoPE, no biases, untied head, no MoE, context parallelism or batch ramp-up)")
+             "SwiGLU, full unscaled RoPE, full attention, no biases, untied head, no MoE, MTP, context parallelism "
+             "or batch ramp-up)")
 
 
 # --- torch (legacy) ---------------------------------------------------------------------------------------------

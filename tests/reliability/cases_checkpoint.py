@@ -133,6 +133,8 @@ CASES: list[Case] = [
          ("lacks __1_0.distcp, which its .metadata lists: the checkpoint is incomplete",)),
     Case("import-megatron-missing-common-state", megatron(f"{R}/mg_missing_common"),
          ("holds neither common.pt (megatron-core 0.16 and before) nor a 'common_state' item (0.19)",)),
+    Case("import-megatron-not-llama", megatron(f"{R}/mg_layernorm_1p"),
+         ("was trained with layernorm_zero_centered_gamma=True: llmjp-ds continues Llama-style runs only",)),
     Case("import-megatron-layout-does-not-add-up", megatron(f"{R}/mg_extra_rank"),
          ("holds mp_rank_02_000, which does not add up to the TP 2 x PP 2 its arguments give",)),
     Case("import-megatron-other-model-shape", megatron(f"{R}/mg_base", "model.overrides.hidden_size=64"),
@@ -261,11 +263,15 @@ def prepare(ctx) -> None:
 
 
 def _megatron_dirs(root: Path, canary: Path) -> None:
-    """Copies of megatron-core's fixtures: whole, a shard missing, the common state missing, a layout that does not
-    add up, a planted pickle in a torch file and in a distributed checkpoint's .metadata, a file cut short."""
+    """Copies of megatron-core's fixtures: whole, a shard missing, the common state missing, a run of another
+    model (LayerNorm-1p, as releases before 0.19 name it in the arguments), a layout that does not add up, a planted
+    pickle in a torch file and in a distributed checkpoint's .metadata, a file cut short."""
+    import argparse
     import pickle
 
     import torch
+
+    from llmjp_ds.checkpoint.safe_load import StandIn, load_megatron
 
     def copy(fixture: str, name: str) -> Path:
         shutil.copytree(MEGATRON_FIXTURES / fixture / "save", root / name)
@@ -275,6 +281,11 @@ def _megatron_dirs(root: Path, canary: Path) -> None:
     shutil.rmtree(copy("torch-tp2pp2", "mg_missing_rank") / "mp_rank_01_001")
     (copy("torch_dist-tp2dp2-dp_reshardable", "mg_missing_distcp") / "__1_0.distcp").unlink()
     (copy("torch_dist-pp2dp2-fully_reshardable", "mg_missing_common") / "common.pt").unlink()
+    common = copy("torch_dist-pp2dp2-fully_reshardable", "mg_layernorm_1p") / "common.pt"
+    state = load_megatron(common)  # rewritten with the arguments as Megatron-LM pickles them, one of them changed
+    plain = {k: v for k, v in vars(state["args"]).items() if not isinstance(v, StandIn)}  # not the enums
+    args = argparse.Namespace(**{**plain, "apply_layernorm_1p": True})
+    torch.save({k: v for k, v in state.items() if k != "rerun_state_machine"} | {"args": args}, common)
     extra = copy("torch-tp2pp2", "mg_extra_rank")
     shutil.copytree(extra / "mp_rank_01_001", extra / "mp_rank_02_000")
     torch.save({"args": Payload(canary, "system")}, copy("torch-tp1pp1", "mg_planted") / "mp_rank_00" /

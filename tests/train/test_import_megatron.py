@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -253,3 +254,46 @@ def test_layers_of_each_stage_and_chunk():
         == [[range(0, 2), range(2, 4)], [range(4, 6), range(6, 8)]]
     uneven = args(num_layers=7, pipeline_model_parallel_size=3, decoder_first_pipeline_num_layers=1)
     assert stage_layers(uneven) == [[range(0, 1), range(1, 4), range(4, 7)]]
+
+
+REAL = FIXTURES / "te-torch-dist-fp8"  # Megatron-LM's own checkpoint (megatron-core 0.19.2)
+
+
+def test_arguments_of_every_release_are_read_under_one_name(tmp_path):
+    """megatron-core 0.19's Megatron-LM takes --norm-epsilon's value as TransformerConfig's ``layernorm_epsilon``
+    (and --apply-layernorm-1p's as ``layernorm_zero_centered_gamma``); older releases wrote ``norm_epsilon`` /
+    ``apply_layernorm_1p``. Either is read, so a run of epsilon 1e-6 is not taken for the default 1e-5."""
+    from llmjp_ds.checkpoint.megatron import check_config
+    from llmjp_ds.checkpoint.megatron_reader import current_names
+    from llmjp_ds.config import load_config, model_config_of
+    from llmjp_ds.errors import UserError
+
+    ckpt = read(REAL)
+    assert "norm_epsilon" not in ckpt.args and ckpt.args["layernorm_epsilon"] == 1e-5
+    ckpt.args["layernorm_epsilon"] = 1e-6
+    cfg = load_config(None, [*import_sets(tmp_path, fixture_info(REAL)), f"run_dir={tmp_path / 'run'}"])
+    with pytest.raises(UserError, match="has norm_epsilon=1e-06, the run config model.overrides.rms_norm_eps=1e-05"):
+        check_config(ckpt, cfg, model_config_of(cfg))
+    older = {"norm_epsilon": 1e-6, "apply_layernorm_1p": True, "disable_bias_linear": True}
+    assert {k: current_names(older)[k] for k in ("layernorm_epsilon", "layernorm_zero_centered_gamma",
+                                                  "add_bias_linear")} == {"layernorm_epsilon": 1e-6,
+                                                                          "layernorm_zero_centered_gamma": True,
+                                                                          "add_bias_linear": False}
+    both = {"layernorm_epsilon": 1e-5, "norm_epsilon": 1e-6}  # the current name is the run's
+    assert current_names(both)["layernorm_epsilon"] == 1e-5
+
+
+@pytest.mark.parametrize("setting", [{"layernorm_zero_centered_gamma": True}, {"use_rope_scaling": True},
+                                     {"rope_type": "yarn"}, {"window_size": (256, 0)}, {"softmax_type": "learnable"},
+                                     {"mtp_num_layers": 1}, {"multi_latent_attention": True}])
+def test_runs_that_are_no_llama_are_refused(setting):
+    """What changes the model's arithmetic without changing its weights' names or shapes is refused by the run's
+    arguments (the weights alone would import, and compute something else); the real run's own are accepted."""
+    from llmjp_ds.checkpoint.megatron_reader import check_supported
+    from llmjp_ds.errors import UserError
+
+    args = read(REAL).args
+    check_supported(args, REAL)
+    (name, value), = setting.items()
+    with pytest.raises(UserError, match=re.escape(f"was trained with {name}={value!r}: llmjp-ds continues Llama")):
+        check_supported({**args, **setting}, REAL)

@@ -56,15 +56,15 @@ def main(argv=None) -> None:
         code = proc.wait()
         print(f"{name}: exit {code}", flush=True)
         if code == 0:
-            describe(a.out / name, fmt)
+            describe(a.out / name, fmt, name.rsplit("-", 1)[1])
 
 
-def describe(directory: Path, fmt: str) -> None:
+def describe(directory: Path, fmt: str, precision: str) -> None:
     """``fixture.json``: what the arguments above made (the padded vocabulary as Megatron-LM's log says)."""
     arg = lambda name: TINY[TINY.index(name) + 1]  # noqa: E731
     padded = re.search(r"new size: (\d+)", (directory.parent / f"{directory.name}.log").read_text())
-    info = {"format": fmt, "tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 1, "virtual_pipeline": None,
-            "optimizer": "distributed", "iteration": int(arg("--train-iters")),
+    info = {"format": fmt, "precision": precision, "tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 1,
+            "virtual_pipeline": None, "optimizer": "distributed", "iteration": int(arg("--train-iters")),
             "global_batch_size": int(arg("--global-batch-size")), "seq_length": int(arg("--seq-length")),
             "vocab_size": int(padded.group(1)) if padded else None, "hidden_size": int(arg("--hidden-size")),
             "num_layers": int(arg("--num-layers")), "num_attention_heads": int(arg("--num-attention-heads")),

@@ -25,7 +25,8 @@ from llmjp_ds.errors import fail
 from llmjp_ds.model import megatron_adapter as ma
 
 # registration order of a decoder layer's parameters, by layer spec (TE modules register their norm first; the
-# attention registers its projection before the fused QKV)
+# attention registers its projection before the fused QKV): megatron-core 0.19's TE-spec checkpoints
+# (tests/fixtures/megatron/te-*) and 0.16's local-spec ones place every master weight by it
 _LAYER_ORDER = {
     "transformer_engine": ("self_attention.linear_proj.weight", "self_attention.linear_qkv.layer_norm_weight",
                            "self_attention.linear_qkv.weight", "mlp.linear_fc1.layer_norm_weight",

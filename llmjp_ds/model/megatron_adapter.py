@@ -33,7 +33,11 @@ it has in ours.
 Transformer Engine's ``_extra_state`` entries (FP8 scaling metadata: amax histories and scales, per Megatron
 module) are dropped by :func:`from_megatron_state_dict`: Megatron's QKV, projection, fc1 and fc2 are four TE
 modules, ours three (fc1 and fc2 are one ``LayerNormMLP``), so their FP8 metadata has no slot here; FP8 scaling
-starts afresh. :func:`to_megatron_state_dict` writes none either (Megatron-Core builds its own).
+starts afresh. :func:`to_megatron_state_dict` writes none either (Megatron-Core builds its own). megatron-core 0.19
+with TE 2.x writes one for ``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2`` and
+``decoder.final_layernorm`` (empty), and in the ``torch`` format also for ``self_attention.core_attention`` (TE's
+attention) and ``output_layer`` (None): each a uint8 tensor holding a pickle that names Megatron's own recipe class
+(``megatron.core.extensions.transformer_engine.TEDelayedScaling``), so the importer never unpickles it.
 
 Under pipeline parallelism a Megatron-LM ``torch`` checkpoint numbers the decoder layers of each stage (and each
 virtual-pipeline chunk, ``model0``, ``model1``, ...) from 0: :func:`chunk_layer_offsets` and

@@ -10,7 +10,8 @@ data position and optimizer state: the first step's update is AdamW's from the i
 
 A fixture directory holds ``save/`` (Megatron-LM's ``--save`` directory), ``fixture.json`` (``format``,
 ``iteration``, ``global_batch_size``, ``seq_length``, ``vocab_size`` (padded), ``hidden_size``, ``num_layers``,
-``num_attention_heads``, ``num_query_groups``, ``ffn_hidden_size``, ``made_by``) and, optionally, ``reference.pt``
+``num_attention_heads``, ``num_query_groups``, ``ffn_hidden_size``, ``schedule``, ``made_by``; where known
+``precision``, ``clip_grad``, ``betas``, ``eps``) and, optionally, ``reference.pt``
 (``tokens``, megatron-core's fp32 ``logits`` on them at the checkpoint's master weights, and per parameter under
 Megatron's name the ``fingerprints`` of its ``param``, ``exp_avg`` and ``exp_avg_sq``, as make_fixtures.py's
 ``_fingerprint`` computes them).
@@ -74,6 +75,7 @@ def test_reader_takes_every_weight_and_its_state(d):
         assert torch.equal(state["param"].to(weight.dtype), weight), name  # megatron-core copies master -> model
         if "make_fixtures.py" in info["made_by"]:  # every element got a gradient there: none left at zero
             assert (state["exp_avg_sq"] > 0).all(), name
+    assert not any(ma.is_extra_state(n) for n in ckpt.weights)  # TE's extra state is dropped
 
 
 def reference_of(d: Path) -> Path | None:
@@ -163,19 +165,35 @@ def import_sets(tmp_path: Path, info: dict) -> list[str]:
             "model.backend=torch"]
 
 
-def test_import_writes_a_run_at_megatrons_iteration(tmp_path):
+@pytest.mark.parametrize("d", DIRS, ids=[d.name for d in DIRS])
+def test_import_writes_a_run_at_megatrons_iteration(d, tmp_path):
+    """The run continues Megatron's schedule as its generator set it (fixture.json), at its iteration and consumed
+    samples, with each parameter's master weight and moments as the reader took them."""
     from llmjp_ds.checkpoint.megatron import import_megatron
     from llmjp_ds.config import load_config
+    from llmjp_ds.parallel.reshape import CONVERTED
 
-    info = fixture_info(CANONICAL)
-    out = import_megatron(CANONICAL / "save", tmp_path / "run", sets=import_sets(tmp_path, info))
+    info, schedule = fixture_info(d), fixture_info(d)["schedule"]
+    out = import_megatron(d / "save", tmp_path / "run", sets=import_sets(tmp_path, info))
     cfg = load_config(tmp_path / "run" / "config.yaml")
-    assert (out["step"], out["consumed_samples"]) == (3, 24)
+    assert (out["step"], out["consumed_samples"]) == (info["iteration"], info["iteration"] * info["global_batch_size"])
     assert (cfg.optim.schedule, cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.decay_steps) == \
-        ("megatron", 1e-2, 2, 10)
-    assert cfg.optim.min_lr_ratio == pytest.approx(0.1) and cfg.optim.clip_grad == 0.0
-    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "step00000003"
+        ("megatron", schedule["lr"], schedule["warmup_iters"], schedule["decay_iters"])
+    assert cfg.optim.min_lr_ratio == pytest.approx(schedule["min_lr"] / schedule["lr"])
+    assert cfg.optim.weight_decay == schedule["weight_decay"]
+    if "betas" in info:
+        assert (cfg.optim.beta1, cfg.optim.beta2, cfg.optim.eps) == (*info["betas"], info["eps"])
+    if "clip_grad" in info:
+        assert cfg.optim.clip_grad == info["clip_grad"]
+    tag = f"step{info['iteration']:08d}"
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == tag
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".run.")]  # nothing left beside it
+    ckpt = read(d)
+    for name in ma.from_megatron_state_dict(ckpt.weights, config_of(info)):
+        written = torch.load(tmp_path / "run" / "checkpoints" / tag / CONVERTED / f"{name}.pt")
+        theirs = ckpt.optimizer[ma.megatron_name(name)]
+        assert all(torch.equal(written[ours], theirs[key]) for ours, key in
+                   (("fp32", "param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))), name
 
 
 @pytest.mark.slow
@@ -297,3 +315,94 @@ def test_runs_that_are_no_llama_are_refused(setting):
     (name, value), = setting.items()
     with pytest.raises(UserError, match=re.escape(f"was trained with {name}={value!r}: llmjp-ds continues Llama")):
         check_supported({**args, **setting}, REAL)
+
+
+TE_DIRS = [d for d in DIRS if "Transformer Engine" in fixture_info(d)["made_by"]]
+
+
+def file_names(d: Path) -> set[str]:
+    """The model's entries as the fixture's files name them, weights and ``_extra_state`` (torch_dist's stacked
+    ``decoder.layers.<rest>`` as one name per layer)."""
+    from llmjp_ds.checkpoint.dcp_reader import DistCheckpoint
+    from llmjp_ds.checkpoint.safe_load import load_megatron
+
+    info, directory = fixture_info(d), next((d / "save").glob("iter_*"))
+    if info["format"] == "torch":
+        return set(load_megatron(directory / "mp_rank_00" / "model_optim_rng.pt")["model"])
+    keys = {k.split("/")[0] for k in DistCheckpoint(directory).entries}
+    keys -= {"common_state", "rng_state", "rerun_state_machine_state"}
+    keys = {k for k in keys if not k.startswith("optimizer.")}
+    layer = "decoder.layers."
+    return {f"{layer}{i}.{k[len(layer):]}" if k.startswith(layer) else k
+            for k in keys for i in range(info["num_layers"])}
+
+
+@pytest.mark.parametrize("d", TE_DIRS, ids=[d.name for d in TE_DIRS])
+def test_te_spec_names_are_megatron_cores(d):
+    """The adapter's TE-spec names are those megatron-core 0.19 writes (no alias needed), and every ``_extra_state``
+    entry belongs to a TE module of the spec: the linear layers and norms of the weights, and the attention core."""
+    info, names = fixture_info(d), file_names(d)
+    ours = ma.from_megatron_state_dict(read(d).weights, config_of(info))
+    assert {n for n in names if not ma.is_extra_state(n)} == {ma.megatron_name(n) for n in ours}
+    modules = {ma.megatron_name(n).rsplit(".", 1)[0] for n in ours}
+    extra = {n[:-len("._extra_state")] for n in names if ma.is_extra_state(n)}
+    linear = {f"decoder.layers.{i}.{m}" for i in range(info["num_layers"]) for m in
+              ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")}
+    core = {f"decoder.layers.{i}.self_attention.core_attention" for i in range(info["num_layers"])}
+    assert linear <= extra and extra <= modules | core, sorted(extra - modules - core)
+
+
+def twins() -> list[tuple[Path, Path]]:
+    """(torch, torch_dist) fixtures of one run: fixture.json alike but for the format, the precision known."""
+    def rest(d):
+        return {k: v for k, v in fixture_info(d).items() if k != "format"}
+    by_format = {f: [d for d in DIRS if fixture_info(d)["format"] == f and "precision" in fixture_info(d)]
+                 for f in ("torch", "torch_dist")}
+    return [(a, b) for a in by_format["torch"] for b in by_format["torch_dist"] if rest(a) == rest(b)]
+
+
+@pytest.mark.parametrize("legacy, dist", twins(), ids=[f"{a.name}+{b.name}" for a, b in twins()])
+def test_both_formats_of_one_run_agree(legacy, dist):
+    """Megatron-LM saved one run (the same arguments and seed) in both formats, and its numbers came out bitwise
+    equal: the two readers, distrib_optim.pt's buffers in the state dict's order and torch_dist's buckets in the TE
+    spec's registration order (``_LAYER_ORDER``), take the same weights, optimizer state, step and schedule."""
+    a, b = read(legacy), read(dist)
+    assert (a.iteration, a.step, a.scheduler) == (b.iteration, b.step, b.scheduler)
+    assert a.arg("consumed_train_samples") == b.arg("consumed_train_samples")
+    assert a.weights.keys() == b.weights.keys() == a.optimizer.keys() == b.optimizer.keys()
+    for name in a.weights:
+        assert torch.equal(a.weights[name], b.weights[name]), name
+        assert all(torch.equal(a.optimizer[name][k], b.optimizer[name][k]) for k in a.optimizer[name]), name
+
+
+FP8_DIRS = [d for d in TE_DIRS if fixture_info(d).get("precision") == "fp8"]
+
+
+def extra_states(d: Path) -> dict[str, bytes]:
+    """TE's pickled extra state per entry, as bytes (nothing of it unpickled)."""
+    from llmjp_ds.checkpoint.dcp_reader import DistCheckpoint
+    from llmjp_ds.checkpoint.safe_load import load_megatron
+
+    directory = next((d / "save").glob("iter_*"))
+    if fixture_info(d)["format"] == "torch":
+        model = load_megatron(directory / "mp_rank_00" / "model_optim_rng.pt")["model"]
+        return {k: v.numpy().tobytes() for k, v in model.items() if ma.is_extra_state(k) and v is not None}
+    dcp = DistCheckpoint(directory)
+    return {f"{k}/{shard}": value[0].numpy().tobytes() for k in {e.split("/")[0] for e in dcp.entries}
+            if ma.is_extra_state(k) for shard, value in dcp.objects(k).items()}
+
+
+@pytest.mark.parametrize("d", FP8_DIRS, ids=[d.name for d in FP8_DIRS])
+def test_fp8_extra_state_is_dropped_unread(d, monkeypatch):
+    """An FP8 run's extra state is a pickle per TE module of Megatron's TEDelayedScaling recipe with its scales and
+    amax histories: the import reads it as bytes and drops it. With the modules that pickle names made unimportable
+    the checkpoint still imports, so nothing unpickled it (the safe reader would refuse Megatron's recipe class;
+    pickle would fail to import it)."""
+    states = extra_states(d)
+    recipes = [k for k, v in states.items() if b"TEDelayedScaling" in v and b"amax_history_fwd" in v]
+    assert len(recipes) >= 4 * fixture_info(d)["num_layers"], sorted(states)
+    for module in ("transformer_engine", "transformer_engine.common.recipe", "megatron.core.extensions",
+                   "megatron.core.extensions.transformer_engine", "megatron.core.safe_globals"):
+        monkeypatch.setitem(sys.modules, module, None)
+    ckpt = read(d)
+    assert len(ma.from_megatron_state_dict(ckpt.weights, config_of(fixture_info(d)))) == 3 + 6 * ckpt.arg("num_layers")

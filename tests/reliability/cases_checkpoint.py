@@ -264,7 +264,7 @@ def prepare(ctx) -> None:
 
 def _megatron_dirs(root: Path, canary: Path) -> None:
     """Copies of megatron-core's fixtures: whole, a shard missing, the common state missing, a run of another
-    model (LayerNorm-1p, as releases before 0.19 name it in the arguments), a layout that does not add up, a planted
+    model (LayerNorm-1p, as older releases name it in the arguments), a layout that does not add up, a planted
     pickle in a torch file and in a distributed checkpoint's .metadata, a file cut short."""
     import argparse
     import pickle

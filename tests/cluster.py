@@ -8,16 +8,21 @@ random 10.x.y.0/24 that exists only inside those namespaces (nothing is sent any
 * its own host name and its own /etc/hosts and /etc/ssh, bound over the machine's in a mount namespace of its
   processes (``nsenter --net``, then ``unshare --mount --uts``; not ``ip netns exec``, whose fresh /sys hides
   the cgroup filesystem that slurmd needs): ``hosts`` maps the host's own name to 127.0.1.1 as Debian writes
-  it, the others' names to their addresses; ``ssh_config`` has the key this fixture made, no host-key prompts,
-  and ``ServerAliveInterval`` 5 (docs/multi-gpu.md: how a dead host's ssh ends);
+  it, the others' names to their addresses; ``ssh_config`` has the key this fixture made and no host-key
+  prompts, and otherwise ssh's defaults: no keepalive (``ServerAliveInterval`` 0), as users' machines have;
 * an sshd listening inside it, which accepts that key for root.
 
 :class:`Slurm` runs munged (its socket in the fixture's directory), a slurmctld on the first host and a slurmd
 on each, from a generated slurm.conf (``ProctrackType=proctrack/linuxproc``, ``TaskPlugin=task/none``).
 
+One pair of hosts, and one Slurm on them, serve the whole session (:func:`net_hosts`, :func:`slurm_cluster`);
+before each test :meth:`NetHosts.reset` brings them back to what they were made as: every scheduler's jobs
+cancelled, links up, /etc files rewritten, sshd running, and every process in the hosts' namespaces but their
+daemons ended.
+
 Everything is removed afterwards: the processes inside the namespaces (by namespace), the daemons (by the pids in
-their pid files), the namespaces. Nothing is written outside the fixture's directory but sshd's /run/sshd. Without root, ``ip netns`` or the tools, the
-tests skip with the reason.
+their pid files), the namespaces. Nothing is written outside the fixture's directory but sshd's /run/sshd. Without
+root, ``ip netns`` or the tools, the tests skip with the reason.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+
+import pytest
 
 SSHD = "/usr/sbin/sshd"
 PACKAGES = {"ip": "iproute2", SSHD: "openssh-server", "ssh": "openssh-client", "pdsh": "pdsh",
@@ -54,6 +61,23 @@ def missing(*tools: str) -> str | None:
         return f"network namespaces are not available here ({made.stderr.strip()[:120]})"
     _sh("ip", "netns", "del", probe, check=False)
     return None
+
+
+def _kill(pid: int, sig: int = signal.SIGKILL) -> bool:
+    try:
+        os.kill(pid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
 
 
 class _Started:
@@ -91,6 +115,8 @@ class NetHosts(_Started):
         self.switch = f"{self.tag}-sw"
         self.key = self.root / "id_ed25519"
         self.sshd_pids: dict[str, int] = {}
+        self.daemons: dict[str, set[int]] = {name: set() for name in self.names}  # what reset() leaves running
+        self.schedulers: list = []  # each with reset(), which cancels its jobs (before reset() ends processes)
 
     # --- making and removing ------------------------------------------------------------------------------
     def _make(self) -> None:
@@ -125,8 +151,7 @@ class NetHosts(_Started):
         (etc / "hosts").write_text("\n".join(lines) + "\n")
         (etc / "ssh" / "ssh_config").write_text(
             f"Host *\n  IdentityFile {self.key}\n  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n"
-            "  LogLevel ERROR\n  BatchMode yes\n  ConnectTimeout 10\n  ServerAliveInterval 5\n"
-            "  ServerAliveCountMax 3\n")
+            "  LogLevel ERROR\n  BatchMode yes\n  ConnectTimeout 10\n")
 
     def _start_sshd(self, name: str) -> None:
         conf = self.root / f"sshd_{name}.conf"
@@ -134,12 +159,11 @@ class NetHosts(_Started):
         conf.write_text(f"ListenAddress 0.0.0.0\nHostKey {self.root / 'host_key'}\nPermitRootLogin yes\n"
                         f"AuthorizedKeysFile {self.root / 'authorized_keys'}\nStrictModes no\nUsePAM no\n"
                         f"PidFile {pidfile}\nPrintMotd no\nAcceptEnv *\n")
+        pidfile.unlink(missing_ok=True)  # a restart: not the last sshd's number
         self.run(name, [SSHD, "-f", str(conf), "-E", str(self.root / f"sshd_{name}.log")], check=True)
-        # sshd creates its pid file before it writes the pid: wait for the number, not for the file
-        deadline = time.monotonic() + 10
-        while not (pidfile.is_file() and pidfile.read_text().strip()) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        self.sshd_pids[name] = int(pidfile.read_text())
+        self.daemons[name].discard(self.sshd_pids.get(name))
+        self.sshd_pids[name] = _pid_of(pidfile)
+        self.daemons[name].add(self.sshd_pids[name])
 
     def _wait_for_port(self, from_host: str, addr: str, port: int, timeout: float = 10) -> None:
         probe = f"import socket; socket.create_connection(('{addr}', {port}), timeout=1).close()"
@@ -156,12 +180,26 @@ class NetHosts(_Started):
     def close(self) -> None:
         for name in self.names:
             for pid in self.pids(name):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                _kill(pid)
         for ns in [*self.ns.values(), self.switch]:
             _sh("ip", "netns", "del", ns, check=False)
+
+    def reset(self) -> None:
+        """Back to what :meth:`_make` made, between tests: every link up, the schedulers' jobs cancelled, the /etc
+        files rewritten, every process in the hosts but their daemons ended (a test's leftovers), sshd running."""
+        for name in self.names:
+            _sh("ip", "-n", self.switch, "link", "set", self.veth[name], "up")
+        for scheduler in self.schedulers:
+            scheduler.reset()
+        for name in self.names:
+            self._write_etc(name)
+            for pid in self.pids(name):
+                if pid not in self.daemons[name]:
+                    _kill(pid)
+            if not _alive(self.sshd_pids[name]):
+                self._start_sshd(name)
+        for name in self.names:
+            self._wait_for_port(self.names[0], self.addr[name], 22)
 
     # --- using ----------------------------------------------------------------------------------------------
     def etc(self, name: str) -> Path:
@@ -186,6 +224,12 @@ class NetHosts(_Started):
         """Take ``name``'s link down: the host goes silent (its packets go nowhere), as when a node dies."""
         _sh("ip", "-n", self.switch, "link", "set", self.veth[name], "down")
 
+    def power_off(self, name: str) -> list[int]:
+        """``name`` silent as when it loses power: its link down, then every process on it but its daemons
+        killed (those stay, unreachable, until :meth:`reset`); the pids killed."""
+        self.cut(name)
+        return [pid for pid in self.pids(name) if pid not in self.daemons[name] and _kill(pid)]
+
     def pids_of(self, name: str, pattern: str) -> list[int]:
         """The processes on ``name`` whose command line (its words joined by spaces) matches the regular expression
         ``pattern`` (``re.search``; never its sshd)."""
@@ -201,14 +245,22 @@ class NetHosts(_Started):
 
     def end_processes(self, name: str, pattern: str, sig: int = signal.SIGKILL) -> list[int]:
         """Signal (default: SIGKILL) the processes on ``name`` of :meth:`pids_of`; their pids."""
-        killed = []
-        for pid in self.pids_of(name, pattern):
-            try:
-                os.kill(pid, sig)
-                killed.append(pid)
-            except ProcessLookupError:
-                pass
-        return killed
+        return [pid for pid in self.pids_of(name, pattern) if _kill(pid, sig)]
+
+
+def _pid_of(pidfile: Path, timeout: float = 10) -> int:
+    """The number in a daemon's pid file (which it may create before it writes the number)."""
+    deadline = time.monotonic() + timeout
+    while not (pidfile.is_file() and pidfile.read_text().strip()):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{pidfile} holds no pid after {timeout} s")
+        time.sleep(0.05)
+    return int(pidfile.read_text())
+
+
+# how long a job step's credential lives, and so how long a requeued job waits before it may start again
+# (slurm.conf's AuthInfo cred_expire; Slurm's default is 120 s)
+CRED_EXPIRE_S = 10
 
 
 class Slurm(_Started):
@@ -234,7 +286,7 @@ class Slurm(_Started):
 SlurmctldHost={self.head}({self.hosts.addr[self.head]})
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={r / 'munge' / 'munge.sock'}
+AuthInfo=socket={r / 'munge' / 'munge.sock'},cred_expire={CRED_EXPIRE_S}
 SlurmUser=root
 SlurmdUser=root
 ProctrackType=proctrack/linuxproc
@@ -254,7 +306,7 @@ SlurmctldLogFile={r}/slurmctld.log
 SlurmdLogFile={r}/slurmd-%n.log
 ReturnToService=2
 SlurmdTimeout=300
-KillWait=30
+KillWait=10
 MinJobAge=30
 {nodes}
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:2
@@ -263,15 +315,35 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
         self.hosts.run(self.head, ["slurmctld", "-f", str(self.conf)], check=True, env=env)
         for name in self.hosts.names:
             self.hosts.run(name, ["slurmd", "-f", str(self.conf)], check=True, env=env)
-        deadline = time.monotonic() + 60
+        self.hosts.daemons[self.head].add(_pid_of(r / "slurmctld.pid"))
+        for name in self.hosts.names:
+            self.hosts.daemons[name].add(_pid_of(r / f"slurmd-{name}.pid"))
+        self._wait_for_idle_nodes()
+        self.hosts.schedulers.append(self)
+
+    def _wait_for_idle_nodes(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
         while True:
-            out = self.hosts.run(self.head, ["sinfo", "-h", "-N", "-o", "%N %T"], env=env).stdout.split("\n")
-            states = dict(line.split() for line in out if line.strip())
+            out = self.hosts.run(self.head, ["sinfo", "-h", "-N", "-o", "%N %T"], env=self.env()).stdout
+            states = dict(line.split() for line in out.splitlines() if line.strip())
             if all(states.get(n) in ("idle", "mixed") for n in self.hosts.names):
                 return
             if time.monotonic() > deadline:
-                raise RuntimeError(f"Slurm's nodes did not come up: {states}\n{self.log_tail()}")
+                raise RuntimeError(f"Slurm's nodes are not idle: {states}\n{self.log_tail()}")
             time.sleep(0.5)
+
+    def reset(self) -> None:
+        """Cancel every job and wait until every node is idle (a test that took a node away left it busy)."""
+        jobs = self.hosts.run(self.head, ["squeue", "-h", "-o", "%i"], env=self.env()).stdout.split()
+        if jobs:
+            self.hosts.run(self.head, ["scancel", "--signal=KILL", *jobs], env=self.env())
+            self.hosts.run(self.head, ["scancel", *jobs], env=self.env())
+        deadline = time.monotonic() + 60
+        while self.hosts.run(self.head, ["squeue", "-h", "-o", "%i"], env=self.env()).stdout.split():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Slurm's jobs did not end: {self.log_tail()}")
+            time.sleep(0.5)
+        self._wait_for_idle_nodes()
 
     def env(self, **extra) -> dict:
         env = dict(os.environ, SLURM_CONF=str(self.conf))
@@ -283,9 +355,45 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
         return "\n".join(f"--- {p.name} ---\n{p.read_text(errors='replace')[-chars:]}" for p in logs)
 
     def close(self) -> None:
+        if self in self.hosts.schedulers:
+            self.hosts.schedulers.remove(self)
         pidfiles = [self.root / "slurmctld.pid", *self.root.glob("slurmd-*.pid"), self.root / "munge" / "munged.pid"]
         for pidfile in pidfiles:
             try:
                 os.kill(int(pidfile.read_text().strip()), signal.SIGTERM)
             except (OSError, ValueError):
                 pass
+
+
+# --- the session's hosts and schedulers (registered in tests/conftest.py) ---------------------------------------
+
+@pytest.fixture(scope="session")
+def net_hosts(tmp_path_factory):
+    """Two hosts for the whole session (tests take :func:`hosts`, which resets them first)."""
+    reason = missing(SSHD, "ssh", "pdsh", "nsenter")
+    if reason:
+        pytest.skip(reason)
+    with NetHosts(2, tmp_path_factory.mktemp("hosts")) as made:
+        yield made
+
+
+@pytest.fixture
+def hosts(net_hosts):
+    """The session's two hosts, as they were made (:meth:`NetHosts.reset`)."""
+    net_hosts.reset()
+    return net_hosts
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(net_hosts):
+    reason = missing("slurmctld", "slurmd", "sbatch", "munged")
+    if reason:
+        pytest.skip(reason)
+    with Slurm(net_hosts, net_hosts.root / "slurm") as made:
+        yield made
+
+
+@pytest.fixture
+def slurm(hosts, slurm_cluster):
+    """The session's Slurm on :func:`hosts`, no job queued (the hosts' reset cancelled them)."""
+    return slurm_cluster

@@ -183,6 +183,13 @@ class NetHosts(_Started):
                 _kill(pid)
         for ns in [*self.ns.values(), self.switch]:
             _sh("ip", "netns", "del", ns, check=False)
+        self._remove_shared_memory()
+
+    def _remove_shared_memory(self) -> None:
+        """DeepSpeed's CPU all-reduce buffers (69 MB each) that the hosts' ranks left in the shared /dev/shm,
+        named by their master's address: only ours carry this fixture's subnet."""
+        for leftover in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{self.subnet}.*"):
+            leftover.unlink(missing_ok=True)
 
     def reset(self) -> None:
         """Back to what :meth:`_make` made, between tests: every link up, the schedulers' jobs cancelled, the /etc
@@ -198,6 +205,7 @@ class NetHosts(_Started):
                     _kill(pid)
             if not _alive(self.sshd_pids[name]):
                 self._start_sshd(name)
+        self._remove_shared_memory()
         for name in self.names:
             self._wait_for_port(self.names[0], self.addr[name], 22)
 

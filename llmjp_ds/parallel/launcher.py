@@ -18,6 +18,15 @@ them gone (exited, killed, a zombie) and calls back: the trainer then stops exac
 (save at the step boundary, every rank together, exit 0). Under a plain ``python -m llmjp_ds.train`` there is
 no launcher and nothing is watched.
 
+**A lost host's ssh session.** Over several hosts the deepspeed runner starts every host's ``launch`` with pdsh,
+one ssh session per host, and waits for pdsh, which waits for every session. A session to a host that went
+silent (power lost, link down) ends only when ssh's keepalive gives up, and ssh has none by default: the
+``deepspeed`` command would outlive the job by as long as TCP waits. When the job ends for a lost host,
+:func:`end_launch_sessions`, run by each rank that ends it, sends SIGTERM to that host's ssh session where this
+host holds it (the host the user typed ``deepspeed`` on): pdsh's children whose remote command is this job's
+``launch`` (its ``--world_info`` and ``--master_port``, read from this rank's own ``launch``) for the lost
+host's node (``--node_rank``). pdsh then reports that session's end and exits non-zero, and the runner with it.
+
 **A port in use.** :func:`port_in_use_message` names the port, the host, the process listening on it (from
 ``psutil.net_connections``, when this user may see it) and how to choose another.
 """
@@ -162,6 +171,81 @@ class LauncherWatch:
 def watch(launchers: list[Launcher], on_gone: Callable[[Launcher], None]) -> LauncherWatch | None:
     """Watch ``launchers`` (None when there are none: a plain ``python -m llmjp_ds.train``)."""
     return LauncherWatch(launchers, on_gone) if launchers else None
+
+
+# --- the deepspeed launcher's ssh session to a lost host --------------------------------------------------
+
+def _flag(argv: list[str], name: str) -> str | None:
+    """The value of ``name=VALUE`` in ``argv``, or None."""
+    return next((a[len(name) + 1:] for a in argv if a.startswith(name + "=")), None)
+
+
+def launch_world(argv: list[str]) -> tuple[str, str, list[int]] | None:
+    """(``--world_info``, ``--master_port``, ranks of each node in node order) of a deepspeed ``launch`` command
+    line; None when it has no world info (another launcher)."""
+    import base64
+    import binascii
+    import json
+
+    info, port = _flag(argv, "--world_info"), _flag(argv, "--master_port")
+    if not info or not port:
+        return None
+    try:
+        nodes = json.loads(base64.urlsafe_b64decode(info))
+    except (binascii.Error, ValueError):
+        return None
+    if not isinstance(nodes, dict) or not all(isinstance(slots, list) for slots in nodes.values()):
+        return None
+    return info, port, [len(slots) for slots in nodes.values()]
+
+
+def nodes_of(ranks, sizes: list[int]) -> list[int]:
+    """The node indices (``--node_rank``) holding ``ranks`` when node i runs the next ``sizes[i]`` ranks."""
+    nodes, first = [], 0
+    for node, size in enumerate(sizes):
+        if any(first <= r < first + size for r in ranks):
+            nodes.append(node)
+        first += size
+    return nodes
+
+
+def _own_processes() -> list[int]:
+    uid = os.getuid()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and entry.stat().st_uid == uid:
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+def end_launch_sessions(launchers: list[Launcher], lost_ranks) -> list[int]:
+    """Under the deepspeed launcher: SIGTERM each process of this host (this user's) that holds the launcher's
+    session to a node of ``lost_ranks`` (module docstring); the pids signalled ([] under other launchers)."""
+    import signal
+
+    launch = next((launcher for launcher in launchers if launcher.kind == "deepspeed launch"), None)
+    world = launch_world(_cmdline(launch.pid)) if launch is not None else None
+    if world is None:
+        return []
+    info, port, sizes = world
+    wanted = [(f"--world_info={info}", f"--node_rank={node} ", f"--master_port={port}")
+              for node in nodes_of(lost_ranks, sizes)]
+    mine = {os.getpid(), *(launcher.pid for launcher in launchers)}
+    ended = []
+    for pid in _own_processes():
+        argv = _cmdline(pid)
+        line = " ".join(argv) + " "
+        if pid in mine or launcher_kind(argv) or not any(all(m in line for m in marks) for marks in wanted):
+            continue
+        try:
+            os.kill(pid, signal.SIGTERM)
+            ended.append(pid)
+        except OSError:
+            pass
+    return ended
 
 
 # --- a rendezvous port in use ------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Hosts made of network namespaces on this machine, each with its own address, name and sshd, and a real Slurm
 on them: what the multi-host tests launch across.
 
-:class:`NetHosts` makes ``n`` hosts ``node1 .. nodeN`` joined by a bridge in a namespace of its own, on a
+:class:`NetHosts` makes ``n`` hosts ``node1 .. nodeN`` (and a ``login`` host, which runs no rank) joined by a bridge in a namespace of its own, on a
 random 10.x.y.0/24 that exists only inside those namespaces (nothing is sent anywhere else). Each host has:
 
 * a network namespace (``ip netns``) with ``eth0`` on the bridge;
@@ -104,11 +104,12 @@ class _Started:
 class NetHosts(_Started):
     """``n`` hosts of network namespaces with sshd; see the module docstring. A context manager."""
 
-    def __init__(self, n: int, root: Path):
+    def __init__(self, n: int, root: Path, login: bool = False):
         self.root = Path(root)
         self.tag = f"lj{random.randrange(16 ** 6):06x}"
         self.subnet = f"10.{random.randint(100, 250)}.{random.randint(0, 255)}"
-        self.names = [f"node{i + 1}" for i in range(n)]
+        self.nodes = [f"node{i + 1}" for i in range(n)]  # what jobs run on
+        self.names = [*self.nodes, *(["login"] if login else [])]  # and a login host, which runs none of a job
         self.addr = {name: f"{self.subnet}.{i + 1}" for i, name in enumerate(self.names)}
         self.ns = {name: f"{self.tag}-{name}" for name in self.names}
         self.veth = {name: f"{self.tag}v{i + 1}" for i, name in enumerate(self.names)}
@@ -151,7 +152,7 @@ class NetHosts(_Started):
         (etc / "hosts").write_text("\n".join(lines) + "\n")
         (etc / "ssh" / "ssh_config").write_text(
             f"Host *\n  IdentityFile {self.key}\n  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n"
-            "  LogLevel ERROR\n  BatchMode yes\n  ConnectTimeout 10\n")
+            "  LogLevel ERROR\n  ConnectTimeout 10\n")  # no BatchMode: it would turn a 300 s keepalive on
 
     def _start_sshd(self, name: str) -> None:
         conf = self.root / f"sshd_{name}.conf"
@@ -277,11 +278,11 @@ class Slurm(_Started):
     def __init__(self, hosts: NetHosts, root: Path):
         self.hosts, self.root = hosts, Path(root)
         self.conf = self.root / "slurm.conf"
-        self.head = hosts.names[0]
+        self.head = hosts.nodes[0]
 
     def _make(self) -> None:
         r = self.root
-        for sub in ("state", "munge", *(f"spool-{n}" for n in self.hosts.names)):
+        for sub in ("state", "munge", *(f"spool-{n}" for n in self.hosts.nodes)):
             (r / sub).mkdir(parents=True, exist_ok=True)
         key = r / "munge" / "munge.key"
         key.write_bytes(os.urandom(1024))
@@ -289,7 +290,7 @@ class Slurm(_Started):
         _sh("munged", "--force", f"--socket={r / 'munge' / 'munge.sock'}", f"--key-file={key}",
             f"--pid-file={r / 'munge' / 'munged.pid'}", f"--log-file={r / 'munge' / 'munged.log'}",
             f"--seed-file={r / 'munge' / 'munged.seed'}")
-        nodes = "\n".join(f"NodeName={n} NodeAddr={self.hosts.addr[n]} CPUs=2 State=UNKNOWN" for n in self.hosts.names)
+        nodes = "\n".join(f"NodeName={n} NodeAddr={self.hosts.addr[n]} CPUs=2 State=UNKNOWN" for n in self.hosts.nodes)
         self.conf.write_text(f"""ClusterName=llmjpds
 SlurmctldHost={self.head}({self.hosts.addr[self.head]})
 AuthType=auth/munge
@@ -321,10 +322,10 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
 """)
         env = self.env()
         self.hosts.run(self.head, ["slurmctld", "-f", str(self.conf)], check=True, env=env)
-        for name in self.hosts.names:
+        for name in self.hosts.nodes:
             self.hosts.run(name, ["slurmd", "-f", str(self.conf)], check=True, env=env)
         self.hosts.daemons[self.head].add(_pid_of(r / "slurmctld.pid"))
-        for name in self.hosts.names:
+        for name in self.hosts.nodes:
             self.hosts.daemons[name].add(_pid_of(r / f"slurmd-{name}.pid"))
         self._wait_for_idle_nodes()
         self.hosts.schedulers.append(self)
@@ -334,7 +335,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
         while True:
             out = self.hosts.run(self.head, ["sinfo", "-h", "-N", "-o", "%N %T"], env=self.env()).stdout
             states = dict(line.split() for line in out.splitlines() if line.strip())
-            if all(states.get(n) in ("idle", "mixed") for n in self.hosts.names):
+            if all(states.get(n) in ("idle", "mixed") for n in self.hosts.nodes):
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"Slurm's nodes are not idle: {states}\n{self.log_tail()}")
@@ -377,11 +378,11 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
 
 @pytest.fixture(scope="session")
 def net_hosts(tmp_path_factory):
-    """Two hosts for the whole session (tests take :func:`hosts`, which resets them first)."""
+    """Two hosts and a login host for the whole session (tests take :func:`hosts`, which resets them first)."""
     reason = missing(SSHD, "ssh", "pdsh", "nsenter")
     if reason:
         pytest.skip(reason)
-    with NetHosts(2, tmp_path_factory.mktemp("hosts")) as made:
+    with NetHosts(2, tmp_path_factory.mktemp("hosts"), login=True) as made:
         yield made
 
 

@@ -61,7 +61,7 @@ def _env_file(path: Path) -> Path:
 
 def _deepspeed(hosts, tmp_path: Path, run_dir: Path, sets, slots=(1, 1), names=None, *more: str) -> list[str]:
     """``deepspeed --hostfile`` (without --master_addr the runner asks the first host for its address over ssh)."""
-    names = names or hosts.names
+    names = names or hosts.nodes
     hostfile = tmp_path / f"hostfile-{len(names)}"
     hostfile.write_text("".join(f"{n} slots={s}\n" for n, s in zip(names, slots)))
     return [str(BIN / "deepspeed"), "--hostfile", str(hostfile), "--master_port", str(free_port()), *more,
@@ -128,7 +128,7 @@ def test_torchrun_on_each_host_trains_one_world_across_two_hosts(runs, hosts, tm
     run_dir = tmp_path / "run"
     port = free_port()
     procs = {}
-    for name in hosts.names:
+    for name in hosts.nodes:
         argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
                 "--rdzv-backend=c10d", f"--rdzv-endpoint=node1:{port}", "--rdzv-id=llmjp-ds",
                 "-m", "llmjp_ds.train", *_sets(run_dir, SETS)]
@@ -336,12 +336,22 @@ def test_a_lost_slurm_node_ends_the_job_within_60s_naming_it(hosts, slurm, train
 
 
 @pytest.mark.timeout(300)
-def test_preflight_checks_that_every_host_answers_ssh(hosts, tmp_path):
+def test_preflight_checks_that_every_host_answers_ssh_and_what_a_login_host_must_set(hosts, tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node1 slots=1\nnode2 slots=1\n")
     argv = [sys.executable, "-m", "llmjp_ds.cli", "preflight", "--check-hosts", "--hostfile", str(hostfile)]
     good = hosts.run("node1", argv, env=_clean_env(), cwd=REPO, timeout=120)
     assert good.returncode == 0 and "hosts OK (pdsh, names, ssh to 2)" in good.stdout, good.stderr
+    assert not good.stderr.strip()  # node1 runs rank 0: it ends the session to a silent host itself
+    # from the login host, which runs no rank, no rank could end that session: what to set, in one line
+    login = hosts.run("login", argv, env=_clean_env(), cwd=REPO, timeout=120)
+    assert login.returncode == 0 and "hosts OK" in login.stdout, login.stderr
+    warned = [line for line in login.stderr.splitlines() if line.strip()]
+    assert len(warned) == 1 and warned[0].startswith(f"warning: {hostfile}: this host (login) runs none of its ranks")
+    assert 'export PDSH_SSH_ARGS_APPEND="-o ServerAliveInterval=10 -o ServerAliveCountMax=3"' in warned[0]
+    told = hosts.run("login", argv, env=_clean_env(PDSH_SSH_ARGS_APPEND="-o ServerAliveInterval=10 -o "
+                                                   "ServerAliveCountMax=3"), cwd=REPO, timeout=120)
+    assert told.returncode == 0 and not told.stderr.strip(), told.stderr
     os.kill(hosts.sshd_pids["node2"], signal.SIGTERM)  # node2 is up, but nobody answers ssh there
     bad = hosts.run("node1", argv, env=_clean_env(), cwd=REPO, timeout=120)
     lines = [line for line in bad.stderr.splitlines() if line.strip()]

@@ -64,7 +64,7 @@ def init_distributed(rendezvous_timeout_s: float = 60.0, heartbeat_timeout_s: fl
     try:
         if world > 1 and not dist.is_initialized():
             heartbeat = _meet(backend, rank, world, addr, port, agent_store, rendezvous_timeout_s, heartbeat_timeout_s,
-                              on_lost=lambda ranks: launcher.end_launch_sessions(launchers, ranks))
+                              on_lost=lambda lost: launcher.end_launch_sessions(launchers, lost))
         deepspeed.init_distributed(dist_backend=backend)
     except Exception as exc:
         if serves_store and launcher.is_address_in_use(exc):  # taken between the check and the store's bind

@@ -22,9 +22,9 @@ apart from the collectives. The first rank of each host also reads every rank's 
 still for ``parallel.heartbeat_timeout_s`` names its rank and host. A store that stops answering for that long
 names the master's host. The rank that notices first prints one line and ends the job: the other ranks see the
 ``failed`` key, or the closed store, and end quietly. Every rank that ends the job for a silent host first calls
-``on_lost`` with that host's ranks (the ``lost`` key names it for the quiet ones): under the deepspeed launcher it
-ends the launcher's ssh session to that host (:func:`llmjp_ds.parallel.launcher.end_launch_sessions`), which
-would otherwise keep the ``deepspeed`` command waiting. A rank whose process ended leaves a refused connection,
+``on_lost`` with that host's ranks and members (the ``lost`` key names it for the quiet ones): it ends the
+launcher's ssh session to that host (:func:`llmjp_ds.parallel.launcher.end_launch_sessions`), which would
+otherwise keep the ``deepspeed`` command, or ``mpirun``, waiting. A rank whose process ended leaves a refused connection,
 not silence: its peers' collectives fail at once, and the rank that failed says why; when it died without a word
 (killed, its host's processes ended), :meth:`Heartbeat.report_lost_peer` names the host whose address the failed
 collective's error carries, claimed in the store as the job's one line. :meth:`Heartbeat.stop` marks
@@ -147,7 +147,7 @@ class Heartbeat:
                  namespace: str = "", on_lost=None):
         self.addr, self.port, self.rank, self.members = addr, port, rank, members
         self.timeout_s, self.checks = timeout_s, checks
-        self.on_lost = on_lost  # called with a lost host's ranks before this rank ends the job for it
+        self.on_lost = on_lost  # called with {rank: Member} of a lost host before this rank ends the job for it
         self.ns = f"{PREFIX}{namespace}"
         self.master_host = members[0].host  # rank 0 serves the store (under torchrun its agent, on the same host)
         self.interval_s = max(0.2, min(5.0, timeout_s / 6))
@@ -198,8 +198,8 @@ class Heartbeat:
                 self._store_lost(exc, self.answered)
             self._stop.wait(self.interval_s)
 
-    def _ranks_on(self, host: str) -> list[int]:
-        return [r for r, m in enumerate(self.members) if m.host == host]
+    def _ranks_on(self, host: str) -> dict[int, Member]:
+        return {r: m for r, m in enumerate(self.members) if m.host == host}
 
     def _watch_store(self) -> None:
         """A store call that hangs past the timeout (a silent host: the socket waits on) counts as no answer."""
@@ -225,19 +225,20 @@ class Heartbeat:
         self._end(line if self.checks else None, self.master_host)
 
     def _end(self, line: str | None, lost: str | None = None) -> None:
-        """End this process (status 3 with ``line``, else 1 quietly), after ``on_lost`` for host ``lost``."""
+        """End this process (status 3 with ``line``, else 1 quietly); ``on_lost`` for host ``lost`` runs after the
+        line is out (it may end the launcher that carries this rank's output)."""
         if self._stop.is_set():
             return
         if not self._ending.acquire(blocking=False):
             threading.Event().wait()  # the other thread of this heartbeat is ending the process
+        if line:
+            print(line, file=sys.stderr, flush=True)
+        sys.stdout.flush()
         if lost and self.on_lost is not None:
             try:
                 self.on_lost(self._ranks_on(lost))
             except Exception:  # ending the job matters more
                 pass
-        if line:
-            print(line, file=sys.stderr, flush=True)
-        sys.stdout.flush()
         os._exit(LOST_EXIT if line else 1)
 
     def report_lost_peer(self, exc: BaseException) -> bool:

@@ -25,7 +25,7 @@ class Recorded(Heartbeat):
     def _end(self, line, lost=None):
         if not self._stop.is_set():
             self.ended.append(line)
-            self.lost.append(self._ranks_on(lost) if lost else None)
+            self.lost.append(sorted(self._ranks_on(lost)) if lost else None)
             self._stop.set()
 
 
@@ -120,10 +120,42 @@ def test_the_deepspeed_launchers_ssh_session_to_the_lost_node_is_ended_and_no_ot
     try:
         time.sleep(0.5)  # their command lines are in place
         ranks_launch = [launcher.Launcher(launch.pid, launcher._stat(launch.pid)[2], "deepspeed launch")]
-        assert launcher.end_launch_sessions(ranks_launch, [2, 3]) == [lost.pid]
+        node2 = {2: Member("node2", "10.9.8.2"), 3: Member("node2", "10.9.8.2")}
+        assert launcher.end_launch_sessions(ranks_launch, node2) == [lost.pid]
         assert lost.wait(10) == -15 and all(p.poll() is None for p in procs if p is not lost)
-        assert launcher.end_launch_sessions([], [2, 3]) == []  # not under the deepspeed launcher: nothing
+        assert launcher.end_launch_sessions([], node2) == []  # not under the deepspeed launcher: nothing
     finally:
         for p in procs:
             p.kill()
             p.wait()
+
+
+MPIRUN = """
+import os, signal, subprocess, sys, time
+python = sys.argv[1]  # sys.executable names this process's mpirun
+interrupts = []
+signal.signal(signal.SIGINT, lambda *_: interrupts.append(1))
+sleeper = [python, "-c", "import time; time.sleep(60)"]
+lost = subprocess.Popen([*sleeper, "-x", "node2", "orted -mca ess env"])  # as mpirun's ssh to each daemon's host
+kept = subprocess.Popen([*sleeper, "-x", "node3", "orted -mca ess env"])
+time.sleep(0.5)
+rank = subprocess.run([python, "-c", "from llmjp_ds.parallel import launcher, rendezvous; print(launcher."
+                       "end_launch_sessions([], {1: rendezvous.Member('node2', '10.9.8.2')}))"],
+                      capture_output=True, text=True)
+print(rank.stdout.strip() == str([os.getpid(), lost.pid]), lost.wait(10), kept.poll(), len(interrupts), rank.stderr)
+kept.kill()
+"""
+
+
+def test_under_mpirun_the_session_to_the_lost_host_ends_and_mpirun_is_interrupted_twice():
+    """A rank whose parent is mpirun (its command line's first word): mpirun gets two SIGINTs (the second ends it
+    without waiting for the silent host's daemon), and its ssh session to that host's daemon ends; another host's
+    stays."""
+    import subprocess
+    import sys
+
+    from tests.launch import REPO, subprocess_env
+
+    done = subprocess.run(["bash", "-c", 'exec -a "${0%/*}/mpirun" "$0" -c "$1" "$0"', sys.executable, MPIRUN], cwd=REPO,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert done.stdout.split()[:4] == ["True", "-15", "None", "2"], done.stdout + done.stderr

@@ -41,7 +41,9 @@ import pytest
 SSHD = "/usr/sbin/sshd"
 PACKAGES = {"ip": "iproute2", SSHD: "openssh-server", "ssh": "openssh-client", "pdsh": "pdsh",
             "mpirun": "openmpi-bin", "slurmctld": "slurmctld", "slurmd": "slurmd", "sbatch": "slurm-client",
-            "munged": "munge", "unshare": "util-linux"}
+            "munged": "munge", "unshare": "util-linux", "sge_qmaster": "gridengine-master",
+            "sge_execd": "gridengine-exec", "qsub": "gridengine-client", "qconf": "gridengine-client",
+            "/usr/lib/gridengine/spoolinit": "gridengine-master"}
 
 
 def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -374,6 +376,196 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
                 pass
 
 
+SGE_BINARIES = Path("/var/lib/gridengine")  # Debian's SGE_ROOT: bin, lib, util, utilbin
+SGE_QUEUE = """qname all.q
+hostlist {hosts}
+seq_no {seq_no}
+load_thresholds NONE
+suspend_thresholds NONE
+nsuspend 1
+suspend_interval 00:05:00
+priority 0
+min_cpu_interval 00:05:00
+processors UNDEFINED
+qtype BATCH INTERACTIVE
+ckpt_list NONE
+pe_list {pe}
+rerun FALSE
+slots 1
+tmpdir /tmp
+shell /bin/bash
+prolog NONE
+epilog NONE
+shell_start_mode unix_behavior
+starter_method NONE
+suspend_method NONE
+resume_method NONE
+terminate_method NONE
+notify {notify}
+owner_list NONE
+user_lists NONE
+xuser_lists NONE
+subordinate_list NONE
+complex_values NONE
+projects NONE
+xprojects NONE
+calendar NONE
+initial_state default
+""" + "".join(f"{kind}_{limit} INFINITY\n" for limit in ("rt", "cpu", "fsize", "data", "stack", "core", "rss", "vmem")
+               for kind in "sh")
+SGE_PE = """pe_name {pe}
+slots 999
+user_lists NONE
+xuser_lists NONE
+start_proc_args NONE
+stop_proc_args NONE
+allocation_rule $round_robin
+control_slaves FALSE
+job_is_first_task TRUE
+urgency_slots min
+accounting_summary FALSE
+qsort_args NONE
+"""
+
+
+class GridEngine(_Started):
+    """Son of Grid Engine 8.1.9 (Debian's gridengine-master, -exec, -client) on ``hosts``: a qmaster on the first
+    node, an execd on each, a queue of one slot a node (node1 first) and a parallel environment with allocation_rule
+    $round_robin: a job of 2 slots then spans both nodes (with 2 a node, a rerun that found node1 not yet free ran
+    both ranks on node2). Its SGE_ROOT and cell are in the fixture's directory (Debian's binaries linked into it), spooled
+    in plain files. The qmaster's own host reaches it from loopback, where its name resolves to 127.0.1.1 as Debian
+    writes /etc/hosts: the cell's host_aliases names that connection the host's. Root may run jobs (min_uid 0),
+    the scheduler runs every second, and a job asked to stop with -notify gets SIGUSR2 :data:`NOTIFY` before
+    SIGKILL."""
+
+    PE = "llmjp"
+    NOTIFY = "00:00:20"
+
+    def __init__(self, hosts: NetHosts, root: Path):
+        self.hosts, self.root = hosts, Path(root)
+        self.sge_root, self.cell = self.root / "root", "cell"
+        self.head = hosts.nodes[0]
+
+    def env(self, **extra) -> dict:
+        env = dict(os.environ, SGE_ROOT=str(self.sge_root), SGE_CELL=self.cell, SGE_QMASTER_PORT="6444",
+                   SGE_EXECD_PORT="6445")
+        env.update({k: str(v) for k, v in extra.items()})
+        return env
+
+    def qconf(self, *args: str, text: str | None = None) -> None:
+        """``qconf ARGS [FILE]`` on the first node; ``text``: the file's content."""
+        if text is not None:
+            conf = self.root / f"qconf-{len(list(self.root.glob('qconf-*')))}"
+            conf.write_text(text)
+            args = (*args, str(conf))
+        done = self.hosts.run(self.head, ["qconf", *args], env=self.env())
+        if done.returncode != 0:
+            raise RuntimeError(f"qconf {' '.join(args)}: {done.stderr or done.stdout}")
+
+    def _make(self) -> None:
+        common = self.sge_root / self.cell / "common"
+        common.mkdir(parents=True, exist_ok=True)
+        for sub in ("bin", "lib", "util", "utilbin"):
+            (self.sge_root / sub).symlink_to(SGE_BINARIES / sub)
+        spool = self.root / "spool"
+        for sub in ("qmaster", "execd"):
+            (spool / sub).mkdir(parents=True, exist_ok=True)
+        (common / "bootstrap").write_text(
+            "admin_user none\ndefault_domain none\nignore_fqdn true\nspooling_method classic\n"
+            f"spooling_lib libspoolc\nspooling_params {common};{spool / 'qmaster'}\nbinary_path /usr/sbin\n"
+            f"qmaster_spool_dir {spool / 'qmaster'}\nsecurity_mode none\nlistener_threads 2\nworker_threads 2\n"
+            "scheduler_threads 1\n")
+        (common / "act_qmaster").write_text(self.head + "\n")
+        (common / "host_aliases").write_text(f"{self.head} localhost\n")
+        changes = {"execd_spool_dir": spool / "execd", "min_uid": 0, "min_gid": 0, "mailer": "/bin/true",
+                   "shell_start_mode": "unix_behavior", "load_report_time": "00:00:05", "max_unheard": "00:00:30",
+                   "execd_params": "ENABLE_ADDGRP_KILL=TRUE"}
+        lines = [f"{line.split()[0]} {changes[line.split()[0]]}" if line.split() and line.split()[0] in changes
+                 else line for line in Path("/usr/share/gridengine/default-configuration").read_text().splitlines()]
+        (self.root / "configuration").write_text("\n".join(lines) + "\n")
+        spooling = "/usr/lib/gridengine/spooldefaults"
+        _sh("env", *(f"{k}={v}" for k, v in self.env().items() if k.startswith("SGE_")), "sh", "-c",
+            f"/usr/lib/gridengine/spoolinit classic libspoolc '{common};{spool / 'qmaster'}' init && "
+            f"{spooling} configuration {self.root / 'configuration'} && "
+            f"{spooling} complexes /usr/share/gridengine/util/resources/centry && "
+            f"{spooling} usersets /usr/share/gridengine/util/resources/usersets && {spooling} managers root")
+        self.hosts.run(self.head, ["sge_qmaster"], check=True, env=self.env())
+        self.hosts.daemons[self.head].add(_pid_of(spool / "qmaster" / "qmaster.pid"))
+        deadline = time.monotonic() + 30
+        while self.hosts.run(self.head, ["qconf", "-sh"], env=self.env()).returncode != 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sge_qmaster does not answer\n{self.log_tail()}")
+            time.sleep(0.5)
+        self._configure(spool)
+
+    def _configure(self, spool: Path) -> None:
+        sched = Path("/usr/share/gridengine/util/install_modules/inst_schedd_high.conf").read_text()
+        for key, value in (("schedule_interval", "0:0:1"), ("flush_submit_sec", "1"), ("flush_finish_sec", "1"),
+                           ("queue_sort_method", "seqno")):
+            sched = re.sub(rf"^{key}\s.*$", f"{key} {value}", sched, flags=re.MULTILINE)
+        self.qconf("-Msconf", text=sched)
+        for name in self.hosts.nodes[1:]:
+            self.qconf("-ah", name)
+        for name in self.hosts.names:
+            self.qconf("-as", name)
+        self.qconf("-Ap", text=SGE_PE.format(pe=self.PE))
+        for name in self.hosts.nodes:
+            self.qconf("-Ae", text=f"hostname {name}\nload_scaling NONE\ncomplex_values NONE\nuser_lists NONE\n"
+                                   "xuser_lists NONE\nprojects NONE\nxprojects NONE\nusage_scaling NONE\n"
+                                   "report_variables NONE\n")
+        seq_no = ",".join(["0", *(f"[{n}={i}]" for i, n in enumerate(self.hosts.nodes))])
+        self.qconf("-Aq", text=SGE_QUEUE.format(hosts=" ".join(self.hosts.nodes), seq_no=seq_no, pe=self.PE,
+                                                notify=self.NOTIFY))
+        for name in self.hosts.nodes:
+            self.hosts.run(name, ["sge_execd"], check=True, env=self.env())
+            self.hosts.daemons[name].add(_pid_of(spool / "execd" / name / "execd.pid"))
+        self._wait_for_queues()
+        self.hosts.schedulers.append(self)
+
+    def _wait_for_queues(self, timeout: float = 60) -> None:
+        """Until every node's queue instance has reported its load, with no alarm, error or unknown state."""
+        deadline = time.monotonic() + timeout
+        while True:
+            out = self.hosts.run(self.head, ["qstat", "-f"], env=self.env()).stdout
+            rows = [line.split() for line in out.splitlines() if line.startswith("all.q@")]
+            if len(rows) == len(self.hosts.nodes) and all(len(r) == 5 and r[3] != "-NA-" for r in rows):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Grid Engine's queues are not ready:\n{out}\n{self.log_tail()}")
+            time.sleep(0.5)
+
+    def jobs(self) -> list[str]:
+        out = self.hosts.run(self.head, ["qstat", "-u", "*"], env=self.env()).stdout
+        return [line.split()[0] for line in out.splitlines()[2:] if line.strip()]
+
+    def reset(self) -> None:
+        """Delete every job, clear the queues' error states, and wait until both nodes report again."""
+        jobs = self.jobs()
+        if jobs:
+            self.hosts.run(self.head, ["qdel", "-f", *jobs], env=self.env())
+        deadline = time.monotonic() + 60
+        while self.jobs():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Grid Engine's jobs did not end: {self.log_tail()}")
+            time.sleep(0.5)
+        self.hosts.run(self.head, ["qmod", "-c", "*"], env=self.env())
+        self._wait_for_queues()
+
+    def log_tail(self, chars: int = 3000) -> str:
+        logs = sorted((self.root / "spool").glob("*/messages")) + sorted((self.root / "spool").glob("execd/*/messages"))
+        return "\n".join(f"--- {p} ---\n{p.read_text(errors='replace')[-chars:]}" for p in logs)
+
+    def close(self) -> None:
+        if self in self.hosts.schedulers:
+            self.hosts.schedulers.remove(self)
+        spool = self.root / "spool"
+        for pidfile in [*spool.glob("execd/*/execd.pid"), spool / "qmaster" / "qmaster.pid"]:
+            try:
+                os.kill(int(pidfile.read_text().strip()), signal.SIGTERM)
+            except (OSError, ValueError):
+                pass
+
+
 # --- the session's hosts and schedulers (registered in tests/conftest.py) ---------------------------------------
 
 @pytest.fixture(scope="session")
@@ -406,3 +598,18 @@ def slurm_cluster(net_hosts):
 def slurm(hosts, slurm_cluster):
     """The session's Slurm on :func:`hosts`, no job queued (the hosts' reset cancelled them)."""
     return slurm_cluster
+
+
+@pytest.fixture(scope="session")
+def gridengine_cluster(net_hosts):
+    reason = missing("sge_qmaster", "sge_execd", "qsub", "qconf", "/usr/lib/gridengine/spoolinit")
+    if reason:
+        pytest.skip(reason)
+    with GridEngine(net_hosts, net_hosts.root / "gridengine") as made:
+        yield made
+
+
+@pytest.fixture
+def gridengine(hosts, gridengine_cluster):
+    """The session's Grid Engine on :func:`hosts`, no job queued (the hosts' reset deleted them)."""
+    return gridengine_cluster

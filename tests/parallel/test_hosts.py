@@ -38,6 +38,7 @@ CARRIED = ("LLMJP_DS_CACHE", "TORCH_EXTENSIONS_DIR")
 LOST_WITHIN_S = 60
 RANK_ON_DEEPSPEED = r"llmjp_ds/train\.py --local_rank"  # a rank's command line under DeepSpeed's launch
 RANK_ON_SLURM = r"^\S*python\S* -m llmjp_ds\.train"  # a task of the sbatch templates (not srun or mpirun)
+RANK_ON_TORCHRUN = r"^\S*python\S* -u -m llmjp_ds\.train"  # a worker of torchrun (not torchrun itself)
 HEARTBEAT_S = 10
 LONG = (*COMMON_SETS, *LAYOUTS["zero1"][1], "train.steps=100000", "optim.decay_steps=100000",
         "checkpoint.interval=5", "checkpoint.keep_last=2", f"parallel.heartbeat_timeout_s={HEARTBEAT_S}")
@@ -55,6 +56,9 @@ def _env_file(path: Path) -> Path:
     carries only these lines and a few prefixes of the runner's environment."""
     lines = [f"{k}={os.environ[k]}" for k in CARRIED if os.environ.get(k)]
     lines += ["OMP_NUM_THREADS=1", "WANDB_SILENT=true", "TOKENIZERS_PARALLELISM=false", "PYTHONUNBUFFERED=1"]
+    # this session's PATH, not sshd's: the ranks then build DeepSpeed's CPU op with the same ninja as every other
+    # run, which finds it built (two ninja versions take each other's build log as stale and rebuild, ~30 s)
+    lines.append(f"PATH={BIN}:{os.environ['PATH']}")
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -126,16 +130,22 @@ def test_torchrun_on_each_host_trains_one_world_across_two_hosts(runs, hosts, tm
     """``torchrun --nnodes=2`` started on each host (c10d rendezvous at node1), as a cluster without pdsh runs it."""
     reference = runs.full("zero1")
     run_dir = tmp_path / "run"
-    port = free_port()
-    procs = {}
-    for name in hosts.nodes:
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-                "--rdzv-backend=c10d", f"--rdzv-endpoint=node1:{port}", "--rdzv-id=llmjp-ds",
-                "-m", "llmjp_ds.train", *_sets(run_dir, SETS)]
-        procs[name] = _start(hosts, name, argv, tmp_path / "logs" / f"torchrun-{name}", _clean_env())
+    procs = _torchrun_on_both(hosts, tmp_path, run_dir, SETS)
     outs = {name: _finish(proc, tmp_path / "logs" / f"torchrun-{name}", 300) for name, proc in procs.items()}
     assert all(proc.returncode == 0 for proc in procs.values()), "\n".join(o[-3000:] for o in outs.values())
     _same_trail(run_dir, reference)
+
+
+def _torchrun(run_dir: Path, sets, nnodes: int, port: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc-per-node=1",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint=node1:{port}", "--rdzv-id=llmjp-ds", "-m", "llmjp_ds.train",
+            *_sets(run_dir, sets)]
+
+
+def _torchrun_on_both(hosts, tmp_path: Path, run_dir: Path, sets) -> dict[str, subprocess.Popen]:
+    port = free_port()
+    return {name: _start(hosts, name, _torchrun(run_dir, sets, 2, port), tmp_path / "logs" / f"torchrun-{name}",
+                         _clean_env()) for name in hosts.nodes}
 
 
 def _wait_for_checkpoint(run_dir: Path, proc: subprocess.Popen, logs: Path, timeout: float = 180) -> str:
@@ -182,20 +192,25 @@ def _ended_in_one_line(out: str, took: float, expected: str) -> None:
     assert len(lines) == 1 and expected in lines[0], out[-3000:]
 
 
-def _relaunch_on_node1(hosts, tmp_path: Path, run_dir: Path) -> None:
-    """The same config on node1 alone (one rank: the reshape resumes the two-rank checkpoint), stopped by SIGTERM
-    once it has saved again; its first step follows the latest checkpoint's and the samples continue."""
+def _relaunch_on_node1(hosts, tmp_path: Path, run_dir: Path, launcher: str = "deepspeed") -> None:
+    """The same config on node1 alone (one rank: the reshape resumes the two-rank checkpoint) with the same
+    launcher (torchrun: ``--nnodes=1``), stopped by SIGTERM once it has saved again; its first step follows the
+    latest checkpoint's and the samples continue."""
     tag = (run_dir / "checkpoints" / "latest").read_text().strip()
     resumed_from = int(re.search(r"\d+", tag).group())
     before = [r for r in trail(run_dir) if r["step"] <= resumed_from]
     logs = tmp_path / "logs" / "relaunch"
-    proc = _start(hosts, "node1", _deepspeed(hosts, tmp_path, run_dir, LONG, slots=(1,), names=["node1"]), logs,
-                  _ds_env(tmp_path))
+    if launcher == "deepspeed":
+        argv, env, rank = (_deepspeed(hosts, tmp_path, run_dir, LONG, slots=(1,), names=["node1"]), _ds_env(tmp_path),
+                           RANK_ON_DEEPSPEED)
+    else:
+        argv, env, rank = _torchrun(run_dir, LONG, 1, free_port()), _clean_env(), RANK_ON_TORCHRUN
+    proc = _start(hosts, "node1", argv, logs, env)
     deadline = time.monotonic() + 240
     while (run_dir / "checkpoints" / "latest").read_text().strip() == tag:
         assert proc.poll() is None and time.monotonic() < deadline, tail(logs.with_suffix(".out"))
         time.sleep(0.5)
-    assert hosts.end_processes("node1", RANK_ON_DEEPSPEED, signal.SIGTERM)  # the rank: save, exit 0
+    assert hosts.end_processes("node1", rank, signal.SIGTERM)  # the rank: save, exit 0
     out = _finish(proc, logs, 120)
     assert proc.returncode == 0, out[-4000:]
     after = [r for r in trail(run_dir) if r["step"] > resumed_from]
@@ -223,6 +238,33 @@ def test_a_host_whose_processes_die_ends_the_job_naming_it(hosts, train_env, tmp
     run_dir, took, out, status = _lose_a_host(hosts, tmp_path, "end")
     assert status != 0, out[-3000:]
     _ended_in_one_line(out, took, f"the connection to node2 ({hosts.addr['node2']}, rank 1) closed")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("how", ["end", "power"])
+def test_a_host_lost_under_torchrun_ends_the_job_on_the_other_within_60s_and_a_relaunch_resumes(
+        hosts, train_env, tmp_path, how):
+    """torchrun on each host (node1 serves the rendezvous); node2's processes killed, or node2 powered off, after a
+    checkpoint: torchrun on node1 ends, non-zero, with the one line; after the power loss ``torchrun --nnodes=1``
+    on node1 resumes."""
+    run_dir = tmp_path / "run"
+    procs = _torchrun_on_both(hosts, tmp_path, run_dir, LONG)
+    logs = tmp_path / "logs" / "torchrun-node1"
+    _wait_for_checkpoint(run_dir, procs["node1"], logs)
+    t0 = time.monotonic()
+    if how == "power":
+        assert hosts.power_off("node2")
+    else:
+        assert hosts.end_processes("node2", r"torch\.distributed\.run|llmjp_ds\.train")  # the agent and its worker
+    out = _finish(procs["node1"], logs, LOST_WITHIN_S + 15, f"torchrun on node1 (node2 {_LOST[how]})")
+    took = time.monotonic() - t0
+    print(f"torchrun on each host, node2 {_LOST[how]}: torchrun on node1 ended {took:.1f} s later, "
+          f"status {procs['node1'].returncode}")
+    assert procs["node1"].returncode != 0, out[-3000:]
+    _ended_in_one_line(out, took, f"rank 1 on node2 ({hosts.addr['node2']}) has sent no heartbeat" if how == "power"
+                       else f"the connection to node2 ({hosts.addr['node2']}, rank 1) closed")
+    if how == "power":
+        _relaunch_on_node1(hosts, tmp_path, run_dir, "torchrun")
 
 
 @pytest.mark.timeout(600)
@@ -359,41 +401,152 @@ def test_preflight_checks_that_every_host_answers_ssh_and_what_a_login_host_must
     assert lines[0].startswith(f"error: {hostfile}: ssh cannot reach node2: ") and "Connection refused" in lines[0]
 
 
-@pytest.mark.timeout(900)
+REQUEUE_STEPS = 120
+REQUEUE_SETS = (*COMMON_SETS, *LAYOUTS["zero1"][1], f"train.steps={REQUEUE_STEPS}",
+                f"optim.decay_steps={REQUEUE_STEPS}", "checkpoint.interval=10", "checkpoint.keep_last=2")
+
+
+@pytest.fixture(scope="module")
+def requeue_reference(train_env, tmp_path_factory) -> Path:
+    """The uninterrupted run that every stopped and rerun job must equal: torchrun, two ranks on one host, once."""
+    from tests.runs import run_train
+
+    return run_train(tmp_path_factory.mktemp("requeue-reference"), 2, *REQUEUE_SETS[len(COMMON_SETS):])
+
+
+def _wait_for(what: str, done, timeout: float, say) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, f"no {what} after {timeout:.0f} s\n{say()}"
+        time.sleep(0.5)
+
+
+def _stopped_and_resumed(run_dir: Path, reference: Path, steps: int | None = None) -> list[dict]:
+    """The run's trail equals the reference's, to the bit, through ``steps`` (default: the whole run), and it was
+    stopped with a save and resumed from that save; its events."""
+    from llmjp_ds.metrics import read_metrics
+
+    events = [r for r in read_metrics(run_dir) if "event" in r]
+    stopped = [e for e in events if e["event"] == "preempted"]
+    assert stopped, events
+    assert any(e["event"] == "resume" and e["tag"] == stopped[0]["tag"] for e in events), events
+    steps = steps or REQUEUE_STEPS
+    got, ref = trail(run_dir), trail(reference)[:steps]
+    assert [r["step"] for r in got] == list(range(1, steps + 1))
+    keys = ("loss", "grad_norm", "lr", "consumed_samples")
+    assert [[r[k] for k in keys] for r in got] == [[r[k] for k in keys] for r in ref]
+    return events
+
+
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("script", ["slurm.sbatch", "slurm-mpirun.sbatch"])
-def test_a_usr1_before_the_time_limit_saves_requeues_and_the_rerun_ends_bit_identical(hosts, slurm, train_env,
+def test_a_usr1_before_the_time_limit_saves_requeues_and_the_rerun_ends_bit_identical(hosts, slurm, requeue_reference,
                                                                                      tmp_path, script):
     """Each Slurm template on two Slurm nodes: ``scancel --signal=USR1 --batch`` (what --signal=B:USR1@120 sends
     before the time limit) mid-run; the script's trap stops srun's tasks (they save), requeues the job, and its
     rerun resumes from `latest` to the end. The whole trail equals an uninterrupted torchrun run's, to the bit."""
-    from llmjp_ds.metrics import read_metrics
-    from tests.runs import run_train
-
-    steps = 300
-    sets = (*COMMON_SETS, *LAYOUTS["zero1"][1], f"train.steps={steps}", f"optim.decay_steps={steps}",
-            "checkpoint.interval=20", "checkpoint.keep_last=2")
-    reference = run_train(tmp_path / "reference", 2, *sets[len(COMMON_SETS):])
-    run_dir = tmp_path / "run"
     if script == "slurm-mpirun.sbatch" and cluster.missing("mpirun"):
         pytest.skip(cluster.missing("mpirun"))
-    job = _job_id(_sbatch(hosts, slurm, tmp_path, script, run_dir, sets, "requeue", wait=False))
-    deadline = time.monotonic() + 240
-    while not (run_dir / "checkpoints" / "latest").is_file():
-        assert time.monotonic() < deadline, _job_output(tmp_path, "requeue") + slurm.log_tail()
-        time.sleep(0.2)
+    run_dir = tmp_path / "run"
+    job = _job_id(_sbatch(hosts, slurm, tmp_path, script, run_dir, REQUEUE_SETS, "requeue", wait=False))
+
+    def say() -> str:
+        return _job_output(tmp_path, "requeue") + slurm.log_tail()
+
+    _wait_for("checkpoint", (run_dir / "checkpoints" / "latest").is_file, 240, say)
     sent = hosts.run("node1", ["scancel", "--signal=USR1", "--batch", job], env=slurm.env())
     assert sent.returncode == 0, sent.stderr
-    deadline = time.monotonic() + 300
     # requeued, the job waits cred_expire + 1 s before it may start again (tests/cluster.py: 10 s, not 120)
-    while not any(r.get("step") == steps for r in trail(run_dir)):
-        assert time.monotonic() < deadline, _job_output(tmp_path, "requeue") + slurm.log_tail()
-        time.sleep(1)
+    _wait_for("last step", lambda: any(r.get("step") == REQUEUE_STEPS for r in trail(run_dir)), 300, say)
     _wait_for_job_end(hosts, slurm, job, 120)
-    events = [r for r in read_metrics(run_dir) if "event" in r]
-    stopped = [e for e in events if e["event"] == "preempted"]
-    assert stopped, events  # srun's tasks got SIGTERM (scancel), mpirun's ranks SIGUSR1 (forwarded by mpirun)
-    assert any(e["event"] == "resume" and e["tag"] == stopped[0]["tag"] for e in events), events
-    got, ref = trail(run_dir), trail(reference)
-    assert [r["step"] for r in got] == list(range(1, steps + 1))
-    keys = ("loss", "grad_norm", "lr", "consumed_samples")
-    assert [[r[k] for k in keys] for r in got] == [[r[k] for k in keys] for r in ref]
+    # srun's tasks got SIGTERM (scancel), mpirun's ranks SIGUSR1 (forwarded by mpirun)
+    _stopped_and_resumed(run_dir, requeue_reference)
+
+
+# --- Grid Engine ------------------------------------------------------------------------------------------------
+
+def _qsub(hosts, gridengine, tmp_path: Path, run_dir: Path, sets, name: str, *options: str) -> subprocess.Popen:
+    """``qsub -V -terse -pe llmjp 2 [OPTIONS] hostfiles/sge-pbs.sh --set ...`` from node1, one rank a host
+    (GPUS_PER_NODE=1; the PE's $round_robin puts one slot on each), its hostfile in the test's directory."""
+    logs = tmp_path / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    argv = ["qsub", "-V", "-terse", "-pe", gridengine.PE, "2", "-o", str(logs / f"{name}.out"), *options,
+            "hostfiles/sge-pbs.sh", *_sets(run_dir, sets)]
+    env = _clean_env(**{k: v for k, v in gridengine.env().items() if k.startswith("SGE_")},
+                     PATH=f"{BIN}:{os.environ['PATH']}", OMPI_ALLOW_RUN_AS_ROOT=1, OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1,
+                     GPUS_PER_NODE=1, LLMJP_DS_HOSTFILE=tmp_path / "hostfile")
+    return hosts.popen("node1", argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _ge_output(tmp_path: Path, name: str) -> str:
+    out = tmp_path / "logs" / f"{name}.out"
+    return out.read_text(errors="replace") if out.is_file() else ""
+
+
+@pytest.mark.timeout(600)
+def test_qsub_trains_one_world_across_two_grid_engine_hosts(runs, hosts, gridengine, tmp_path):
+    reference = runs.full("zero1")
+    run_dir = tmp_path / "run"
+    proc = _qsub(hosts, gridengine, tmp_path, run_dir, SETS, "qsub", "-sync", "y")
+    said, _ = proc.communicate(timeout=300)
+    out = _ge_output(tmp_path, "qsub")
+    assert proc.returncode == 0, f"{said}\n{out[-4000:]}\n{gridengine.log_tail()}"
+    assert "2 ranks on node1 node2 master node1:" in out  # the job's hosts, as its script printed them
+    _same_trail(run_dir, reference)
+
+
+@pytest.mark.timeout(600)
+def test_a_grid_engine_job_saves_on_notice_its_rerun_resumes_exactly_and_a_deleted_one_stays_deleted(
+        hosts, gridengine, requeue_reference, tmp_path):
+    """``qmod -rj`` (reschedule) mid-run: Grid Engine sends the -notify SIGUSR2, the ranks save, the script exits 99
+    and the job runs again (-r y), resuming from that save. Then ``qdel`` mid-rerun: SIGUSR2 again, a save, and the
+    job is gone, not rerun. Every step trained equals the uninterrupted torchrun run's, to the bit."""
+    from llmjp_ds.metrics import read_metrics
+
+    run_dir = tmp_path / "run"
+    proc = _qsub(hosts, gridengine, tmp_path, run_dir, REQUEUE_SETS, "rerun")
+    job = proc.communicate(timeout=60)[0].strip()
+    assert proc.returncode == 0 and job.isdigit(), job
+
+    def say() -> str:
+        return _ge_output(tmp_path, "rerun") + gridengine.log_tail()
+
+    def events(kind: str) -> list[dict]:
+        return [r for r in read_metrics(run_dir) if r.get("event") == kind]
+
+    _wait_for("checkpoint", (run_dir / "checkpoints" / "latest").is_file, 240, say)
+    assert hosts.run("node1", ["qmod", "-rj", job], env=gridengine.env()).returncode == 0
+    _wait_for("resume", lambda: events("resume"), 240, say)
+    resumed = events("resume")[0]["tag"]
+    _wait_for("checkpoint after the resume",
+              lambda: (run_dir / "checkpoints" / "latest").read_text().strip() != resumed, 120, say)
+    assert hosts.run("node1", ["qdel", job], env=gridengine.env()).returncode == 0
+    _wait_for("the job's end", lambda: job not in gridengine.jobs(), 120, say)
+    time.sleep(3)
+    assert job not in gridengine.jobs() and len(events("resume")) == 1, say()  # deleted: not rerun
+    stops = events("preempted")
+    assert [e["reason"] for e in stops] == ["SIGUSR2", "SIGUSR2"], stops
+    _stopped_and_resumed(run_dir, requeue_reference, stops[-1]["step"])
+
+
+@pytest.mark.timeout(600)
+def test_a_lost_grid_engine_host_ends_the_job_within_60s_naming_it(hosts, gridengine, train_env, tmp_path):
+    """node2 powered off mid-run under hostfiles/sge-pbs.sh: rank 0 names it, ends mpirun, and Grid Engine's job is
+    gone within 60 s."""
+    run_dir = tmp_path / "run"
+    proc = _qsub(hosts, gridengine, tmp_path, run_dir, LONG, "lost")
+    job = proc.communicate(timeout=60)[0].strip()
+    assert proc.returncode == 0 and job.isdigit(), job
+
+    def say() -> str:
+        return _ge_output(tmp_path, "lost") + gridengine.log_tail()
+
+    _wait_for("checkpoint", (run_dir / "checkpoints" / "latest").is_file, 240, say)
+    t0 = time.monotonic()
+    assert hosts.power_off("node2")
+    _wait_for("the job's end", lambda: job not in gridengine.jobs(), LOST_WITHIN_S, say)
+    took = time.monotonic() - t0
+    print(f"qsub hostfiles/sge-pbs.sh (mpirun), node2 gone silent: the job ended {took:.1f} s later")
+    assert not hosts.pids_of("node1", r"llmjp_ds\.train|mpirun")
+    _ended_in_one_line(_ge_output(tmp_path, "lost"), took,
+                       f"rank 1 on node2 ({hosts.addr['node2']}) has sent no heartbeat")

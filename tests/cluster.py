@@ -270,7 +270,9 @@ def _pid_of(pidfile: Path, timeout: float = 10) -> int:
 
 
 # how long a job step's credential lives, and so how long a requeued job waits before it may start again
-# (slurm.conf's AuthInfo cred_expire; Slurm's default is 120 s)
+# (slurm.conf's AuthInfo cred_expire; Slurm's default is 120 s). The schedulers then look every 1-2 s
+# (SchedulerParameters; by default the backfill every 30 s and the main loop every 60 s): no event starts a job
+# whose begin time has passed
 CRED_EXPIRE_S = 10
 
 
@@ -319,6 +321,7 @@ ReturnToService=2
 SlurmdTimeout=300
 KillWait=10
 MinJobAge=30
+SchedulerParameters=bf_interval=1,sched_interval=2
 {nodes}
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:2
 """)

@@ -5,6 +5,7 @@
     python benchmarks/data_bench.py access --prefix PREFIX [--seq-len 4096] [--samples 20000]
     python benchmarks/data_bench.py index [--tokens 1e9] [--seq-len 4096] [--mean-doc 600]
     python benchmarks/data_bench.py blend [--samples 1e7]
+    python benchmarks/data_bench.py megatron [--megabytes 400] [--seq-len 4096] [--epochs 1]
     python benchmarks/data_bench.py corpus-loss --tokenizer DIR [--steps 300]
 
 ``formats`` writes the real-text corpus of ``benchmarks/real_text_corpus.py`` (the Python sources on this machine)
@@ -156,8 +157,10 @@ def bench_access(args) -> None:
         shutil.rmtree(cache)
 
 
-def _synth_corpus(directory: Path, tokens: int, mean_doc: float, seed: int = 0) -> tuple[str, int]:
-    """A valid .idx with log-normal document lengths summing to ``tokens``, and a sparse uint16 .bin."""
+def _synth_corpus(directory: Path, tokens: int, mean_doc: float, seed: int = 0, name: str = "synth",
+                  dense: bool = False) -> tuple[str, int]:
+    """A valid .idx with log-normal document lengths summing to ``tokens``, and a sparse uint16 .bin (``dense``: an
+    int32 .bin of random ids below 99,574, LLM-jp v3's vocabulary, written out)."""
     from llmjp_ds.data.indexed import CODE_OF_DTYPE, INDEX_MAGIC
 
     rng = np.random.default_rng(seed)
@@ -169,8 +172,8 @@ def _synth_corpus(directory: Path, tokens: int, mean_doc: float, seed: int = 0) 
     lengths = lengths[:n]
     lengths[-1] -= int(cum[n - 1] - tokens)
     assert lengths.sum() == tokens and lengths[-1] > 0
-    prefix = str(directory / "synth_text_document")
-    dtype = np.dtype(np.uint16)
+    prefix = str(directory / f"{name}_text_document")
+    dtype = np.dtype(np.int32 if dense else np.uint16)
     pointers = np.concatenate([[0], np.cumsum(lengths[:-1])]) * dtype.itemsize
     import struct
 
@@ -180,7 +183,10 @@ def _synth_corpus(directory: Path, tokens: int, mean_doc: float, seed: int = 0) 
         f.write(pointers.astype(np.int64).tobytes())
         f.write(np.arange(n + 1, dtype=np.int64).tobytes())
     with open(prefix + ".bin", "wb") as f:
-        f.truncate(tokens * dtype.itemsize)
+        if not dense:
+            f.truncate(tokens * dtype.itemsize)
+        for start in range(0, tokens if dense else 0, 1 << 24):
+            f.write(rng.integers(0, 99574, size=min(1 << 24, tokens - start), dtype=np.int32).tobytes())
     return prefix, n
 
 
@@ -219,6 +225,89 @@ def _child_build(prefix: str, seq_len: str, samples: str, cache: str) -> None:
     size = sum(f.stat().st_size for f in Path(cache).rglob("*.npy"))
     print(f"built in {build:.2f} s, peak RSS {peak:.0f} MB (baseline after imports {base:.0f} MB, so "
           f"+{peak - base:.0f} MB), cache {size / 1e6:.1f} MB on disk, reopened from the cache in {cached:.3f} s")
+
+
+def bench_megatron(args) -> None:
+    """``data.order: megatron`` against megatron-core's builder called directly, on a weighted blend of three
+    synthetic corpora (int32, written out): each build in a fresh process with its own empty cache directory."""
+    total = int(args.megabytes * 1e6 / 4)
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-megatron-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        t = time.perf_counter()
+        blend = []
+        for i, (name, share) in enumerate((("ja", 0.5), ("en", 0.35), ("code", 0.15))):
+            prefix, docs = _synth_corpus(work, int(total * share), args.mean_doc, seed=i, name=name,
+                                         dense=not args.sparse)
+            blend += [str(share), prefix]
+        gb = sum(os.path.getsize(p + ".bin") for p in blend[1::2]) / 1e9
+        print(f"3 corpora, {total:,} tokens, {gb:.2f} GB of {'sparse ' if args.sparse else ''}.bin (made in "
+              f"{time.perf_counter() - t:.1f} s)")
+        train = int(total * 0.98 / args.seq_len * args.epochs)
+        for run, who in enumerate(args.order):
+            cmd = [sys.executable, __file__, "_megatron", who, str(args.seq_len), str(train),
+                   str(work / f"cache-{run}-{who}"), "sparse" if args.sparse else "dense", *blend]
+            print(f"{who}: {subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip()}")
+    finally:
+        if not args.work_dir:
+            shutil.rmtree(work)
+
+
+def _cold_scan(prefixes) -> tuple[float, float, int]:
+    """(seconds, GB, largest id) of IndexedDataset.max_token_id over the corpora, their .bin pages evicted first."""
+    from llmjp_ds.data.indexed import IndexedDataset
+
+    for p in prefixes:
+        fd = os.open(p + ".bin", os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    t = time.perf_counter()
+    top = max(IndexedDataset(p).max_token_id() for p in prefixes)
+    return time.perf_counter() - t, sum(os.path.getsize(p + ".bin") for p in prefixes) / 1e9, top
+
+
+def _child_megatron(who: str, seq_len: str, train: str, cache: str, bins: str, *blend: str) -> None:
+    import warnings
+
+    import torch.distributed as dist
+
+    sizes = [int(train), int(train) // 100, int(train) // 1000]
+    t = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets import blended_megatron_dataset_builder as builder, gpt_dataset, utils
+    imported = time.perf_counter() - t
+    if who == "megatron-core":
+        class Tok:
+            eod, pad, vocab_size, unique_identifiers = 2, -1, 99574, {"class": "bench"}
+
+        t = time.perf_counter()
+        config = gpt_dataset.GPTDatasetConfig(
+            random_seed=1234, sequence_length=int(seq_len), blend=utils.get_blend_from_list(list(blend)),
+            split="98,1,1", path_to_cache=cache, tokenizer=Tok(), reset_position_ids=False,
+            reset_attention_mask=False, eod_mask_loss=False)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        builder.BlendedMegatronDatasetBuilder(gpt_dataset.GPTDataset, sizes, lambda: True, config).build()
+        print(f"BlendedMegatronDatasetBuilder.build {time.perf_counter() - t:.2f} s (import of megatron.core "
+              f"{imported:.1f} s)")
+        return
+    from llmjp_ds.data.prepare import resolve_data
+
+    scan = ""
+    if bins == "dense":
+        secs, gb, top = _cold_scan(blend[1::2])
+        scan = f"; the largest-id scan alone, pages evicted first: {secs:.2f} s for {gb:.2f} GB = {secs / gb:.2f} s/GB"
+    resolved = []
+    for _ in range(2):  # the second with every corpus's largest id cached, as every later run of these corpora
+        t = time.perf_counter()
+        plan = resolve_data(list(blend), None, 99584, [98, 1, 1], 1234, cache, "megatron", sizes[2])
+        resolved.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    plan.build(int(seq_len), sizes[0], sizes[1])
+    print(f"DataPlan.build {time.perf_counter() - t:.2f} s, resolve_data before it {resolved[0]:.2f} s "
+          f"({resolved[1]:.2f} s with the largest ids cached; import of megatron.core {imported:.1f} s{scan})")
 
 
 def bench_blend(args) -> None:
@@ -306,6 +395,9 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_build":
         _child_build(*sys.argv[2:6])
         return
+    if len(sys.argv) > 1 and sys.argv[1] == "_megatron":
+        _child_megatron(*sys.argv[2:])
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
     p = sub.add_parser("preprocess")
@@ -327,6 +419,14 @@ def main() -> None:
     p.add_argument("--tokens", default="1e9")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--mean-doc", type=float, default=600)
+    p = sub.add_parser("megatron")
+    p.add_argument("--megabytes", type=float, default=400.0, help="of int32 .bin in all")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--mean-doc", type=float, default=600)
+    p.add_argument("--epochs", type=float, default=1.0, help="train samples, in epochs of the blend")
+    p.add_argument("--order", nargs="+", default=["megatron-core", "llmjp-ds", "megatron-core", "llmjp-ds"])
+    p.add_argument("--sparse", action="store_true", help="sparse .bin files (no largest-id scan): index scaling")
+    p.add_argument("--work-dir", default=None)
     p = sub.add_parser("blend")
     p.add_argument("--samples", default="1e7")
     p = sub.add_parser("corpus-loss")
@@ -337,7 +437,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     {"preprocess": bench_preprocess, "formats": bench_formats, "access": bench_access, "index": bench_index,
-     "blend": bench_blend, "corpus-loss": bench_corpus_loss}[args.what](args)
+     "blend": bench_blend, "corpus-loss": bench_corpus_loss, "megatron": bench_megatron}[args.what](args)
 
 
 if __name__ == "__main__":

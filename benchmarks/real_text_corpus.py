@@ -8,7 +8,7 @@ with ``--parquet`` also ``DIR/sources.parquet``, the same documents in row group
 and preprocesses it with ``llmjp-ds preprocess`` into ``DIR/python_text_document.{bin,idx}``; prints the blend
 prefix. The bundled demo corpus cannot serve here: it is a few MB, which a small model learns by heart within
 a few hundred steps, and the FP8 penalty then measures the precision of memorisation (docs/precision.md).
-Not shipped: it only runs where the evidence is gathered (benchmarks/device/fp8_fidelity.sh).
+Not shipped: it only runs where the evidence is gathered (run P of docs/precision.md).
 """
 
 from __future__ import annotations

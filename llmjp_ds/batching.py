@@ -4,7 +4,11 @@ Step ``s`` consumes the global samples ``[consumed, consumed + global_batch)``. 
 data-parallel rank ``r`` holds ``micro`` consecutive samples starting at ``consumed + (m * dp + r) * micro``.
 The union over ranks and micro-batches is the same set for any (dp, micro, accumulation) layout with the same
 global batch, so runs on different numbers of processes see the same data, and resuming from a
-consumed-samples count continues exactly.
+consumed-samples count continues exactly. It is Megatron-LM's ``MegatronPretrainingSampler``
+(megatron/training/datasets/data_samplers.py): rank ``r``'s ``m``-th micro-batch from ``consumed`` is
+``[consumed + (m * dp + r) * micro, ... + micro)``.
+
+A validation reads global batches of the validation split (:func:`validation_starts`).
 """
 
 from __future__ import annotations
@@ -29,3 +33,19 @@ def micro_batch(dataset, indices, device=None) -> tuple[torch.Tensor, torch.Tens
 def step_micro_batches(dataset, consumed: int, gas: int, micro_size: int, dp_rank: int, dp_size: int, device=None):
     return [micro_batch(dataset, micro_batch_indices(consumed, m, micro_size, dp_rank, dp_size), device)
             for m in range(gas)]
+
+
+def validation_starts(order: str, step: int, eval_interval: int, eval_batches: int, global_batch: int) -> list[int]:
+    """The first global sample of each global batch a validation after ``step`` steps reads.
+
+    ``llmjp``: the first global batch, every time. ``megatron``: Megatron-LM's evaluation never restarts its
+    validation iterator (and a resume starts it at ``iteration // eval_interval * eval_iters * gbs``), so the
+    ``k``-th evaluation (``k = 0`` after ``eval_interval`` steps) reads the next ``eval_batches`` global batches:
+    samples ``[k * eval_batches * gbs, (k + 1) * eval_batches * gbs)``. A validation between two evaluations
+    (``recipe: auto``'s at a flip) reads the batches of the last one (the first evaluation's before any).
+    """
+    if order != "megatron":
+        return [0]
+    batches = max(1, eval_batches)
+    k = max(step // eval_interval, 1) - 1 if eval_interval else 0
+    return [(k * batches + b) * global_batch for b in range(batches)]

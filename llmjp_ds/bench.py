@@ -76,6 +76,7 @@ def bench_config(shape: str, variant: str, gas: int, sets: list[str] = ()):
     else:
         phases = [{"precision": "bf16"}]
     data = merge(preset_dict(preset), {
+        "data": {"order": "llmjp"},  # the bench reads no corpus: no megatron-core needed for the llmjp3 presets
         "model": {"overrides": overrides, "recompute": "none"},
         "train": {"micro_batch_size": micro, "global_batch_size": micro * gas, "steps": 1 << 20},
         "parallel": {"zero_stage": 1, "pipeline_stages": 1, "tensor_parallel": 1},

@@ -108,17 +108,22 @@ def hf_peer(cfg, trainer):
     return step, config
 
 
+def wgrad_gemm_accum_fp32(total_input, grad_output, main_grad) -> None:
+    """apex's ``fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32``: ``main_grad += grad_output^T @ input`` as
+    one GEMM with an fp32 accumulator (what our head does: ``model/main_grad.accumulate_wgrad``)."""
+    from llmjp_ds.model.main_grad import accumulate_wgrad
+
+    accumulate_wgrad(main_grad, grad_output, total_input)
+
+
 def _apex_wgrad_stand_in() -> None:
     """Megatron's own linear layers (the LM head) fuse the weight-gradient accumulation with apex's
-    ``fused_weight_gradient_mlp_cuda``; without apex, the same accumulation as one GEMM into ``main_grad``."""
+    ``fused_weight_gradient_mlp_cuda``; without apex, the same accumulation stands in for it. Another process
+    (``pretrain_gpt.py``) imports it from benchmarks/parity/apex/."""
     if "fused_weight_gradient_mlp_cuda" in sys.modules:
         return
     module = types.ModuleType("fused_weight_gradient_mlp_cuda")
-
-    def accumulate(total_input, grad_output, main_grad):
-        main_grad.add_(grad_output.t().mm(total_input))
-
-    module.wgrad_gemm_accum_fp32 = module.wgrad_gemm_accum_fp16 = accumulate
+    module.wgrad_gemm_accum_fp32 = module.wgrad_gemm_accum_fp16 = wgrad_gemm_accum_fp32
     sys.modules[module.__name__] = module
 
 

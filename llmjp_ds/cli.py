@@ -13,8 +13,11 @@ VERBS: dict[str, tuple[str, str]] = {
     "train": ("llmjp_ds.train", "pretrain (or resume) a run; same as `deepspeed llmjp_ds/train.py`"),
     "train-tokenizer": ("llmjp_ds.data.tokenizer", "train a SentencePiece unigram tokenizer in LLM-jp v3 layout"),
     "preprocess": ("llmjp_ds.data.preprocess", "jsonl, parquet or Arrow datasets -> Megatron-LM .bin/.idx corpus"),
+    "samples": ("llmjp_ds.samples", "write the token windows a run would read (global samples K..K+N-1) to .npy"),
     "export": ("llmjp_ds.checkpoint", "export a training checkpoint as a Hugging Face Llama model"),
     "import-hf": ("llmjp_ds.checkpoint", "start a run from a Hugging Face Llama checkpoint"),
+    "import-megatron": ("llmjp_ds.checkpoint.megatron", "continue a Megatron-LM run (weights, optimizer, LR schedule, "
+                        "data position) as a new run"),
     "preflight": ("llmjp_ds.preflight", "check a DeepSpeed hostfile and a run config for it, starting nothing"),
     "plot": ("llmjp_ds.plot", "draw loss and throughput of a run to PNG"),
     "bench": ("llmjp_ds.bench", "measure training TFLOP/s: ours (BF16, FP8) against transformers + DeepSpeed"),

@@ -151,6 +151,9 @@ class ModelConfig:
 KERNEL_CHOICES = {"fused_qkv_rope": (True, False, "te", "triton"), "attention_core": ("te", "cudnn")}
 
 
+DATA_ORDERS = ("llmjp", "megatron")
+
+
 @dataclass
 class DataConfig:
     # Megatron-style blend "w1 prefix1 w2 prefix2 ..." (or one prefix); empty = the bundled demo corpus
@@ -159,10 +162,14 @@ class DataConfig:
     tokenizer: str | None = field(default=None, metadata=input_path(
         "pass a SentencePiece .model or an HF tokenizer dir"))
     seq_len: int | None = field(default=None, metadata=at_least(1))  # default: the model's max_position_embeddings
-    split: list[float] = field(default_factory=lambda: [0.99, 0.01],  # train / valid, by documents
+    split: list[float] = field(default_factory=lambda: [0.99, 0.01],  # train / valid [/ test] shares of documents
                                metadata=at_least(0, "a share of the documents"))
-    seed: int = field(default=1234, metadata=SEED)
+    seed: int = field(default=1234, metadata=SEED)  # Megatron-LM's --seed under order: megatron
     cache_dir: str | None = field(default=None, metadata=output_path())
+    # which samples, in which order: llmjp (data/dataset.py: per-epoch shuffles, divisor blend, prefix-stable) or
+    # megatron (megatron-core's BlendedMegatronDatasetBuilder + GPTDataset, as Megatron-LM's pretrain_gpt.py: the
+    # same blend, seq_len, seed, split and run length give Megatron's windows; needs llmjp-ds[megatron])
+    order: str = field(default="llmjp", metadata=one_of(*DATA_ORDERS, why="the sample order"))
 
 
 @dataclass
@@ -172,6 +179,10 @@ class OptimConfig:
     min_lr_ratio: float = field(default=0.1, metadata=within(0, 1, message=LR_MESSAGE))
     warmup_steps: int = field(default=2000, metadata=at_least(0))
     decay_steps: int | None = field(default=None, metadata=at_least(1))  # default: train.steps
+    # the warmup's formula: llmjp = lr * (step + 1) / warmup (the first step already learns); megatron = Megatron-LM's
+    # OptimizerParamScheduler, lr * step / warmup (its first step at LR 0): a run that continues a Megatron run
+    # (import-megatron) keeps its schedule
+    schedule: str = "llmjp"
     beta1: float = field(default=0.9, metadata=within(0, 1, "AdamW's moment decay", hi_open=True))
     beta2: float = field(default=0.95, metadata=within(0, 1, "AdamW's moment decay", hi_open=True))
     eps: float = field(default=1e-8, metadata=above(0, "AdamW's denominator term"))
@@ -180,6 +191,14 @@ class OptimConfig:
     # on CUDA with DeepSpeed's BF16 optimizer: the clip, AdamW and the bf16 copy of the weights in one Triton
     # pass (llmjp_ds.model.kernels.adamw); elsewhere, and when false, DeepSpeed's step
     fused_step: bool = True
+
+    def __post_init__(self):
+        if self.schedule not in LR_SCHEDULES:
+            fail(f"optim.schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.schedule!r}"
+                 f"{did_you_mean(str(self.schedule), LR_SCHEDULES)}")
+
+
+LR_SCHEDULES = ("llmjp", "megatron")  # optim.schedule: the formulas of llmjp_ds.optim.SCHEDULES
 
 
 @dataclass
@@ -320,12 +339,13 @@ def _preset_demo() -> RunConfig:
 
 def _preset_llmjp3(size: str, lr: float, gbs: int) -> RunConfig:
     """LLM-jp-3's recipe: AdamW (0.9, 0.95, 1e-8), weight decay 0.1, clip 1.0, 2000 warm-up steps, cosine to
-    lr / 10, z-loss 1e-4, seq 4096, 2.1T tokens."""
+    lr / 10 (Megatron-LM's schedule, as LLM-jp trained with it), z-loss 1e-4, seq 4096, 2.1T tokens."""
     return RunConfig(
         run_dir=f"runs/llmjp3-{size}",
         model=ModelConfig(shape=f"llmjp3-{size}", z_loss=1e-4),
+        data=DataConfig(order="megatron"),  # LLM-jp trained with Megatron-LM: its samples, in its order
         optim=OptimConfig(lr=lr, min_lr_ratio=0.1, warmup_steps=2000, beta1=0.9, beta2=0.95, eps=1e-8,
-                          weight_decay=0.1, clip_grad=1.0),
+                          weight_decay=0.1, clip_grad=1.0, schedule="megatron"),
         train=TrainConfig(global_batch_size=gbs, micro_batch_size=1, steps=2_100_000_000_000 // (gbs * 4096)),
         parallel=ParallelConfig(zero_stage=1),
         precision=PrecisionConfig(dtype="bf16"))
@@ -621,9 +641,24 @@ def load_config(path: str | Path | None = None, sets: list[str] = (), preset: st
 # --- quantities derived from the config -----------------------------------------------------------------
 
 def sample_counts(cfg: RunConfig) -> tuple[int, int]:
-    """(train, valid) samples the run reads; no validation split is needed when ``eval_interval`` is 0."""
+    """(train, valid) samples the run reads; no validation split is needed when ``eval_interval`` is 0. Under
+    ``data.order: megatron`` the valid count is Megatron-LM's (:func:`megatron_sample_counts`)."""
     t = cfg.train
+    if cfg.data.order == "megatron":
+        return megatron_sample_counts(cfg)[:2]
     return t.steps * t.global_batch_size, (max(1, t.eval_batches) * t.global_batch_size if t.eval_interval else 0)
+
+
+def megatron_sample_counts(cfg: RunConfig) -> tuple[int, int, int]:
+    """(train, valid, test) sizes Megatron-LM asks its dataset builder for (``get_train_valid_test_num_samples``
+    in megatron/training/training.py): ``train_iters * gbs``, ``(train_iters // eval_interval + 1) * eval_iters
+    * gbs`` (its evaluations never restart the validation iterator, and one more follows the last step) and
+    ``eval_iters * gbs``, with train_iters = ``train.steps`` and eval_iters = ``train.eval_batches`` (at least 1,
+    as our validation reads); no validation (``eval_interval`` 0) is eval_iters 0."""
+    t = cfg.train
+    eval_iters = max(1, t.eval_batches) if t.eval_interval else 0
+    valid = (t.steps // t.eval_interval + 1) * eval_iters if t.eval_interval else 0
+    return t.steps * t.global_batch_size, valid * t.global_batch_size, eval_iters * t.global_batch_size
 
 
 def model_config_of(cfg: RunConfig):

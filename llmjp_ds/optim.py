@@ -19,9 +19,28 @@ def lr_at(step: int, *, lr: float, warmup_steps: int, decay_steps: int, min_lr_r
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
+def megatron_lr_at(step: int, *, lr: float, warmup_steps: int, decay_steps: int, min_lr_ratio: float) -> float:
+    """Megatron-LM's schedule (megatron-core's ``OptimizerParamScheduler``, cosine): the LR of the step after
+    ``step`` completed ones. Megatron sets the LR of an iteration from the count of iterations before it, so its
+    warmup runs ``lr * step / warmup_steps`` (its first step at LR 0, ``warmup_steps`` itself at ``lr``); the
+    cosine then reaches ``lr * min_lr_ratio`` at ``decay_steps``, flat after. Megatron counts in samples: these
+    are its counts divided by the global batch."""
+    min_lr = lr * min_lr_ratio
+    if warmup_steps > 0 and step <= warmup_steps:
+        return lr * step / warmup_steps
+    if step > decay_steps:
+        return min_lr
+    progress = (step - warmup_steps) / (decay_steps - warmup_steps)
+    return min_lr + 0.5 * (math.cos(math.pi * progress) + 1.0) * (lr - min_lr)
+
+
+SCHEDULES = {"llmjp": lr_at, "megatron": megatron_lr_at}  # optim.schedule
+
+
 def schedule_lr(step: int, optim_cfg, total_steps: int) -> float:
-    return lr_at(step, lr=optim_cfg.lr, warmup_steps=optim_cfg.warmup_steps,
-                 decay_steps=optim_cfg.decay_steps or total_steps, min_lr_ratio=optim_cfg.min_lr_ratio)
+    return SCHEDULES[optim_cfg.schedule](step, lr=optim_cfg.lr, warmup_steps=optim_cfg.warmup_steps,
+                                        decay_steps=optim_cfg.decay_steps or total_steps,
+                                        min_lr_ratio=optim_cfg.min_lr_ratio)
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

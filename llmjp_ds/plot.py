@@ -91,12 +91,33 @@ def _phase_spans(steps: dict[int, dict]) -> list[tuple[str, int, int]]:
     return [tuple(s) for s in spans]
 
 
-def _draw(steps: dict[int, dict], events: list[dict], title: str, where: str = "the metrics"):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
+def _beside_lines(steps: dict[int, dict], beside: list[tuple[str, dict]]) -> dict[str, list]:
+    """The lines other runs add, by panel: their loss (and validation loss) and grad norm, and each curve's loss
+    minus the first other curve's (the reference), at the steps both logged."""
+    from llmjp_ds.curves import run_curve
 
-    panels = []  # (title, [(key, label, style)], twin (key, label) or None)
+    lines: dict[str, list] = {"loss": [], "grad norm": [], "delta": []}
+    if not beside:
+        return lines
+    ours = ("this run", run_curve([dict(r, step=s) for s, r in steps.items()]))
+    for label, curve in beside:
+        for key, name, style in (("loss", "loss", "-"), ("valid_loss", "loss", "o-"), ("grad_norm", "grad norm", "-")):
+            xs, ys = _series(curve, key)
+            if xs:
+                suffix = " valid" if key == "valid_loss" else ""
+                lines[name].append((xs, ys, f"{label}{suffix}", style))
+    ref_label, ref = beside[0]
+    for label, curve in [ours, *beside[1:]]:
+        common = [s for s in curve if "loss" in curve[s] and "loss" in ref.get(s, {})]
+        if common:
+            lines["delta"].append((common, [curve[s]["loss"] - ref[s]["loss"] for s in common],
+                                   f"{label} - {ref_label}", "-"))
+    return lines
+
+
+def _panels(steps: dict[int, dict], beside: list, extra: dict, where: str) -> list:
+    """(title, [(key, label, style)], twin (key, label) or None) of each panel with something to draw."""
+    panels = []
     if _series(steps, "loss")[0] or _series(steps, "valid_loss")[0]:
         panels.append(("loss", [("loss", "train loss", "-"), ("valid_loss", "valid loss", "o-")],
                        ("z_loss", "z-loss")))
@@ -110,6 +131,21 @@ def _draw(steps: dict[int, dict], events: list[dict], title: str, where: str = "
         panels.append(("tokens/s", [("tokens_per_s", "tokens/s", "-")], None))
     if not panels:
         fail(f"{where} holds no loss, lr or throughput to plot: nothing to draw yet")
+    if extra["grad norm"]:
+        panels.insert(1, ("grad norm", [("grad_norm", "grad norm", "-")], None))
+    if extra["delta"]:
+        panels.insert(2, (f"loss - {beside[0][0]}", [], None))
+    return panels
+
+
+def _draw(steps: dict[int, dict], events: list[dict], title: str, where: str = "the metrics",
+          beside: list[tuple[str, dict]] = ()):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    extra = _beside_lines(steps, list(beside))
+    panels = _panels(steps, list(beside), extra, where)
 
     fig = Figure(figsize=(10, 2.8 * len(panels) + 0.6), layout="constrained")
     FigureCanvasAgg(fig)
@@ -130,6 +166,10 @@ def _draw(steps: dict[int, dict], events: list[dict], title: str, where: str = "
             xs, ys = _series(steps, key)
             if xs:
                 ax.plot(xs, ys, style, label=label, markersize=3, linewidth=1.2)
+        for xs, ys, label, style in extra.get("delta" if name.startswith("loss - ") else name, []):
+            ax.plot(xs, ys, style, label=label, markersize=3, linewidth=1)
+        if name.startswith("loss - "):
+            ax.axhline(0, color="black", linewidth=0.6)
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
         handles, labels = ax.get_legend_handles_labels()
@@ -166,8 +206,11 @@ def _draw(steps: dict[int, dict], events: list[dict], title: str, where: str = "
     return fig
 
 
-def plot_run(run_dir: str | os.PathLike, output: str | os.PathLike | None = None) -> Path:
-    """Draw ``<run_dir>/metrics.jsonl`` to ``output`` (default ``<run_dir>/metrics.png``); return its path."""
+def plot_run(run_dir: str | os.PathLike, output: str | os.PathLike | None = None, beside=()) -> Path:
+    """Draw ``<run_dir>/metrics.jsonl`` to ``output`` (default ``<run_dir>/metrics.png``); return its path.
+    ``beside``: other runs' directories or Megatron-LM logs (:mod:`llmjp_ds.curves`), drawn beside this one."""
+    from llmjp_ds.curves import read_curve
+
     run_dir = Path(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         fail(f"run directory {run_dir} is a file: pass the run_dir of a training run (it holds {METRICS_FILE})")
@@ -191,7 +234,9 @@ def plot_run(run_dir: str | os.PathLike, output: str | os.PathLike | None = None
         print(f"plot: {metrics}: skipped {skipped} unreadable lines (torn, not UTF-8 or not JSON records)",
               file=sys.stderr)
     last = max(steps)
-    fig = _draw(steps, events, title=f"{run_dir.resolve().name}  (step {last})", where=f"{metrics}{unreadable}")
+    others = [(_label(source), read_curve(source)) for source in beside]
+    fig = _draw(steps, events, title=f"{run_dir.resolve().name}  (step {last})", where=f"{metrics}{unreadable}",
+                beside=others)
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp")
@@ -216,6 +261,29 @@ def plot_run(run_dir: str | os.PathLike, output: str | os.PathLike | None = None
     return output
 
 
+def _label(source) -> str:
+    path = Path(source)
+    return path.resolve().name if path.is_dir() else path.stem
+
+
+def gap_lines(run_dir, beside, last: int = 100) -> list[str]:
+    """One line per curve: how far its loss lies from the first of ``beside`` (the reference) over the last
+    ``last`` steps both logged, and at the last of them."""
+    from llmjp_ds.curves import gap, read_curve
+
+    ref = read_curve(beside[0])
+    lines = []
+    for source in [run_dir, *beside[1:]]:
+        g = gap(ref, read_curve(source), "loss", last)
+        if g:
+            lines.append(f"{_label(source)} - {_label(beside[0])}: mean |loss difference| {g['mean_abs']:.4g} "
+                         f"({100 * g['mean_rel']:.3f} %) over steps {g['first']}-{g['last']}; at step {g['last']} "
+                         f"{100 * g['final_rel']:+.3f} %")
+        else:
+            lines.append(f"{_label(source)} - {_label(beside[0])}: no step logged by both")
+    return lines
+
+
 def cli_main(argv: list[str], verb: str = "plot") -> int:
     parser = argparse.ArgumentParser(
         prog=f"llmjp-ds {verb}",
@@ -223,7 +291,13 @@ def cli_main(argv: list[str], verb: str = "plot") -> int:
                     "precision phases shaded and events such as rollbacks marked.")
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (holds metrics.jsonl)")
     parser.add_argument("--output", "-o", metavar="PNG", help="where to write the PNG (default RUN_DIR/metrics.png)")
+    parser.add_argument("--beside", action="append", default=[], metavar="SOURCE",
+                        help="another llmjp-ds run directory or a Megatron-LM log (written with --log-interval 1): "
+                             "its loss and grad norm are drawn beside this run's, and each curve's loss minus the "
+                             "first SOURCE's; repeatable")
     args = parser.parse_args(argv)
-    path = plot_run(args.run_dir, args.output)
+    path = plot_run(args.run_dir, args.output, args.beside)
     print(f"wrote {path}")
+    if args.beside:
+        print("\n".join(gap_lines(args.run_dir, args.beside)))
     return 0

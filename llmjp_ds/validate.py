@@ -42,6 +42,18 @@ def validate_run(cfg: RunConfig, world_size: int | None = None, gpus_per_node: i
     return layout
 
 
+def validate_data(cfg: RunConfig) -> None:
+    """What decides the samples a run reads, checked as :func:`validate_run` checks it (``llmjp-ds samples``):
+    every value's rule, the data section's paths, the sequence length against the model, the data checks. Not the
+    layout or the run directory: they change no sample."""
+    from llmjp_ds.model.shapes import get_shape, resolve_shape
+
+    check_values(cfg)
+    check_paths(cfg, "data.")
+    _check_model(cfg, resolve_shape(get_shape(cfg.model.shape), cfg.model.overrides))
+    _check_data(cfg)
+
+
 # --- every field by the rule declared beside it (config.Valid, config.PathRule) ---------------------------
 
 def fields_of(obj, where: str = "", inherited=None):
@@ -65,11 +77,17 @@ def _is_number(value) -> bool:
 
 
 def check_values(cfg: RunConfig) -> None:
-    """Every number of the config (a list's numbers one by one) finite and within its field's :class:`Valid`."""
+    """Every number of the config (a list's numbers one by one) finite and within its field's :class:`Valid`, and
+    every string of a field with named choices one of them."""
     for key, value, meta, annotation, section in fields_of(cfg):
         valid = meta.get("valid")
         items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
         for i, v in items:
+            if isinstance(v, str) and valid is not None and valid.choices:  # a named choice (data.order)
+                if v not in valid.choices:
+                    why = f" ({valid.why})" if valid.why else ""
+                    fail(f"{key} must be {valid.text()}{why}, got {v!r}{did_you_mean(v, valid.choices)}")
+                continue
             if not _is_number(v):
                 continue
             where = key if i is None else f"{key}[{i}]"
@@ -91,11 +109,12 @@ def _plain_type(annotation) -> str:
     return _plain_type(args[0]) if typing.get_args(args[0]) else getattr(args[0], "__name__", str(args[0]))
 
 
-def check_paths(cfg: RunConfig) -> None:
-    """Every path field by its :class:`~llmjp_ds.config.PathRule`: an input exists, an output can be made."""
+def check_paths(cfg: RunConfig, section: str = "") -> None:
+    """Every path field (of ``section`` only, if given) by its :class:`~llmjp_ds.config.PathRule`: an input
+    exists, an output can be made."""
     for key, value, meta, _, _ in fields_of(cfg):
         rule = meta.get("path")
-        if rule is None or value is None:
+        if rule is None or value is None or not key.startswith(section):
             continue
         if not value.strip():
             fix = "give the run a directory of its own, e.g. runs/my-run" if rule.own else \
@@ -213,8 +232,19 @@ def _check_tensor_parallel(cfg: RunConfig, shape, gpus_per_node: int | None) -> 
 
 def _check_data(cfg: RunConfig) -> None:
     d = cfg.data
-    if len(d.split) != 2 or d.split[0] <= 0:
-        fail(f"data.split must be [train, valid] fractions, got {d.split}")
+    if len(d.split) not in (2, 3) or d.split[0] <= 0:
+        fail(f"data.split must be [train, valid] or [train, valid, test] shares with train > 0 (Megatron's --split "
+             f"99990,8,2 is [99990, 8, 2]), got {d.split}")
+    if cfg.train.eval_interval and not d.split[1] > 0:
+        fail(f"train.eval_interval={cfg.train.eval_interval} validates on the valid split, but data.split {d.split} "
+             "gives it no share: give it one (e.g. [99990, 8, 2]), or set train.eval_interval=0")
+    if d.order == "megatron":
+        from llmjp_ds.data.megatron_internals import FIX, megatron_core_problem
+
+        problem = megatron_core_problem()
+        if problem:
+            fail(f"data.order=megatron reads Megatron's samples through megatron-core's dataset builder, but "
+                 f"{problem}: {FIX}")
     if d.tokenizer is not None and not d.blend:
         fail(f"data.tokenizer {d.tokenizer} is set but data.blend is empty: the bundled demo corpus is read with "
              "its own tokenizer; set data.blend to corpora preprocessed with this tokenizer, or unset data.tokenizer")

@@ -1,8 +1,9 @@
 """The package's shape, enforced: no import cycles (function-level imports included), rooms import only the
-floors below them, DeepSpeed only where the parallel wiring lives (never in ``model/``, ``data/`` or
-``precision/``), no function longer than ~80 lines, and no module-level mutable state (no ``global``, and no
-module-level name rebound or mutated after import). Each rule is also run on a planted violation, so a rule that
-stops seeing is noticed."""
+floors below them (nothing below the trainer imports it), DeepSpeed only where the parallel wiring lives (never in
+``model/``, ``data/``, ``precision/`` or ``trainer/``, and the private names of DeepSpeed's objects only in
+``parallel/deepspeed_internals.py``), no function longer than ~80 lines and no class longer than 300, and no
+module-level mutable state (no ``global``, and no module-level name rebound or mutated after import). Each rule is
+also run on a planted violation, so a rule that stops seeing is noticed."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "llmjp_ds"
 MAX_FUNCTION_LINES = 80
+MAX_CLASS_LINES = 300
+DEEPSPEED_INTERNALS = "llmjp_ds.parallel.deepspeed_internals"
 
 # what each room may import from the package (besides itself); docs/architecture.md draws the same floors
 ALLOWED = {
@@ -24,8 +27,8 @@ ALLOWED = {
     "precision": {"errors", "model"},
     "optim": set(),
     "parallel": {"errors", "io_utils", "config", "model", "optim"},
-    "validate": {"errors", "config", "model", "parallel", "precision", "metrics"},
-    "checkpoint": {"errors", "io_utils", "config", "model", "parallel"},
+    "validate": {"errors", "config", "model", "parallel", "precision", "metrics", "data"},
+    "checkpoint": {"errors", "io_utils", "config", "model", "parallel", "data"},
     "drills": {"errors"},
     "trainer": {"errors", "config", "validate", "model", "precision", "parallel", "data", "batching",
                 "checkpoint", "metrics", "optim", "drills"},
@@ -36,7 +39,9 @@ ALLOWED = {
               "bench_peers", "bench_profile"},
     "preflight": {"errors", "config", "validate", "model", "parallel", "checkpoint"},
     "demo": {"checkpoint", "config", "metrics", "train"},
-    "plot": {"errors", "metrics"},
+    "curves": {"errors", "metrics"},
+    "plot": {"errors", "metrics", "curves"},
+    "samples": {"errors", "config", "io_utils", "trainer", "validate"},
     "cli": {"errors"},
 }
 
@@ -104,15 +109,21 @@ def test_no_import_cycles():
     assert not cycles, f"import cycles: {cycles}"
 
 
-def test_each_room_imports_only_the_floors_below_it():
+def imports_across_floors(graph: dict[str, set[str]]) -> list[str]:
+    """Every ``module -> dependency`` of ``graph`` that its room's row of :data:`ALLOWED` does not allow."""
     wrong = []
-    for module, deps in _graph().items():
+    for module, deps in graph.items():
         room = _room(module)
         if room == "__init__":
             continue
         allowed = ALLOWED[room] | {room}
         wrong += [f"{module} -> {d}" for d in deps if _room(d) not in allowed | {"__init__"}]
-    assert not wrong, "imports across floors: " + ", ".join(sorted(wrong))
+    return sorted(wrong)
+
+
+def test_each_room_imports_only_the_floors_below_it():
+    wrong = imports_across_floors(_graph())
+    assert not wrong, "imports across floors: " + ", ".join(wrong)
 
 
 def test_every_room_is_listed():
@@ -120,14 +131,19 @@ def test_every_room_is_listed():
     assert rooms == set(ALLOWED), rooms ^ set(ALLOWED)
 
 
-def test_no_function_is_longer_than_80_lines():
+def too_long(tree: ast.Module) -> list[str]:
+    """Functions longer than :data:`MAX_FUNCTION_LINES` and classes longer than :data:`MAX_CLASS_LINES`."""
     long = []
-    for name, tree in _modules().items():
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                length = node.end_lineno - node.lineno + 1
-                if length > MAX_FUNCTION_LINES:
-                    long.append(f"{name}.{node.name}: {length} lines")
+    for node in ast.walk(tree):
+        limit = MAX_FUNCTION_LINES if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else (
+            MAX_CLASS_LINES if isinstance(node, ast.ClassDef) else None)
+        if limit is not None and node.end_lineno - node.lineno + 1 > limit:
+            long.append(f"{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    return long
+
+
+def test_no_function_is_longer_than_80_lines_and_no_class_longer_than_300():
+    long = [f"{name}.{where}" for name, tree in _modules().items() for where in too_long(tree)]
     assert not long, long
 
 
@@ -135,8 +151,9 @@ def _is_constant_name(name: str) -> bool:
     return name.isupper() or name.startswith("__")
 
 
-# plain PyTorch and data, usable without DeepSpeed; precision's controller gets its losses as functions
-NO_DEEPSPEED = ("model", "data", "precision")
+# plain PyTorch and data, usable without DeepSpeed; precision's controller gets its losses as functions; the
+# trainer drives DeepSpeed through parallel/ only
+NO_DEEPSPEED = ("model", "data", "precision", "trainer")
 MUTATING_METHODS = {"append", "extend", "insert", "update", "setdefault", "add", "discard", "remove", "pop",
                     "popitem", "clear", "sort", "reverse"}
 
@@ -148,6 +165,30 @@ def deepspeed_imports(tree: ast.Module) -> list[str]:
         names = [a.name for a in node.names] if isinstance(node, ast.Import) else [
             node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
         found += [f"line {node.lineno}: {n}" for n in names if n == "deepspeed" or n.startswith("deepspeed.")]
+    return found
+
+
+def deepspeed_private_names(internals: ast.Module) -> set[str]:
+    """The private names of DeepSpeed's objects that ``parallel/deepspeed_internals.py`` uses: ``x._name`` on
+    anything but ``self``, and the ``"_name"`` strings it hands to ``hasattr`` / ``getattr``."""
+    names = set()
+    for node in ast.walk(internals):
+        if isinstance(node, ast.Attribute) and not (isinstance(node.value, ast.Name) and node.value.id == "self"):
+            names.add(node.attr)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
+            names.add(node.value)
+    return {n for n in names if n.startswith("_") and not n.startswith("__") and not n.endswith("_")}
+
+
+def private_uses(tree: ast.Module, private: set[str]) -> list[str]:
+    """Where ``tree`` names one of ``private`` on another object or in a string."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in private and not (
+                isinstance(node.value, ast.Name) and node.value.id == "self"):
+            found.append(f"line {node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.Constant) and node.value in private:
+            found.append(f"line {node.lineno}: {node.value!r}")
     return found
 
 
@@ -232,6 +273,15 @@ def test_no_deepspeed_in_model_data_or_precision():
     assert not found, found
 
 
+def test_deepspeed_private_names_only_in_deepspeed_internals():
+    modules = _modules()
+    private = deepspeed_private_names(modules[DEEPSPEED_INTERNALS])
+    assert {"_update_hp_grad", "_global_grad_norm", "_partition_layers"} <= private, private
+    found = [f"{name} {where}" for name, tree in modules.items() if name != DEEPSPEED_INTERNALS
+             for where in private_uses(tree, private)]
+    assert not found, found
+
+
 def test_no_module_level_mutable_state():
     """No ``global`` statement anywhere; module-level names bound to a list, dict or set (or an instance) are
     UPPER_CASE tables, and nothing rebinds or writes through any module-level name after import."""
@@ -256,6 +306,19 @@ PLANTED = {
 def test_each_rule_sees_a_planted_violation():
     missed = [case for case, (source, rule) in PLANTED.items() if not rule(ast.parse(source))]
     assert not missed, f"rules that saw nothing: {missed}"
+    long_function = "def f():\n" + "    x = 1\n" * MAX_FUNCTION_LINES
+    long_class = "class C:\n" + "".join(f"    def m{i}(self):\n        return {i}\n" for i in range(MAX_CLASS_LINES))
+    assert too_long(ast.parse(long_function)) == [f"f: {MAX_FUNCTION_LINES + 1} lines"]
+    assert too_long(ast.parse(long_class)) == [f"C: {2 * MAX_CLASS_LINES + 1} lines"]
+    internals = ast.parse("def fuse(opt):\n    return opt._update_hp_grad, hasattr(opt, '_uses_muon')\n")
+    private = deepspeed_private_names(internals)
+    assert private == {"_update_hp_grad", "_uses_muon"}, private
+    assert private_uses(ast.parse("def grad_norm(engine):\n    return engine.optimizer._update_hp_grad\n"), private)
+    assert private_uses(ast.parse("def f(o):\n    return getattr(o, '_uses_muon')\n"), private)
+    # a room below the trainer that imports it, and the trainer importing a verb above it
+    assert imports_across_floors({"llmjp_ds.checkpoint.store": {"llmjp_ds.trainer.resuming"},
+                                  "llmjp_ds.trainer.trainer": {"llmjp_ds.train"}}) == [
+        "llmjp_ds.checkpoint.store -> llmjp_ds.trainer.resuming", "llmjp_ds.trainer.trainer -> llmjp_ds.train"]
 
 
 def test_a_local_of_the_same_name_is_not_module_state():

@@ -28,6 +28,20 @@ def test_a_run_without_validation_reads_no_valid_samples():
     assert sample_counts(load_config(None, base + ["train.eval_interval=5", "train.eval_batches=0"])) == (80, 8)
 
 
+def test_the_megatron_order_asks_for_megatron_lm_sizes():
+    """get_train_valid_test_num_samples: train_iters * gbs, (train_iters // eval_interval + 1) * eval_iters * gbs,
+    eval_iters * gbs; the llmjp3 presets read Megatron's order, the demo its own."""
+    from llmjp_ds.config import megatron_sample_counts, sample_counts
+
+    base = ["data.order=megatron", "train.steps=10", "train.global_batch_size=8", "train.eval_batches=3"]
+    cfg = load_config(None, base + ["train.eval_interval=4"])
+    assert megatron_sample_counts(cfg) == (80, (10 // 4 + 1) * 3 * 8, 3 * 8)
+    assert sample_counts(cfg) == (80, 72)
+    assert megatron_sample_counts(load_config(None, base + ["train.eval_interval=0"])) == (80, 0, 0)
+    assert load_config(None, preset="llmjp3-1.8b").data.order == "megatron"
+    assert load_config(None, preset="demo").data.order == "llmjp"
+
+
 # --- every field by its declared rule -------------------------------------------------------------------
 
 import dataclasses  # noqa: E402

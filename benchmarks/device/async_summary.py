@@ -1,4 +1,4 @@
-"""Summarise a run's checkpoint stalls from its metrics.jsonl (h200_async.sh).
+"""Summarise a run's checkpoint stalls from its metrics.jsonl (benchmarks/device/run.sh async).
 
     python benchmarks/device/async_summary.py RUN_DIR [RUN_DIR ...]
 

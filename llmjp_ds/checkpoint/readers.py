@@ -20,6 +20,8 @@ from llmjp_ds.errors import fail
 from llmjp_ds.parallel.deepspeed_internals import (MODEL_STATES_GLOB, PIPELINE_LAYER_GLOB, model_states_file,
                                                    pipeline_layer_ranks)
 
+CLIENT_STATE = "client_state.pt"  # the trainer's state of a checkpoint that has no DeepSpeed files (an import)
+
 
 @contextlib.contextmanager
 def trusted_te_extra_state():
@@ -55,8 +57,9 @@ def load(engine, run_dir, tag: str) -> dict:
 
 def read_client_state(run_dir, tag: str) -> dict:
     """The trainer's own state saved with checkpoint ``tag`` (train state, precision, guard, wandb id), read
-    without an engine (a resume on another layout)."""
-    state = load_checkpoint_file(vet_tag(run_dir, tag) / model_states_file(0))
+    without an engine (a resume on another layout; an imported checkpoint keeps it in a file of its own)."""
+    d = vet_tag(run_dir, tag)
+    state = load_checkpoint_file(d / CLIENT_STATE if (d / CLIENT_STATE).is_file() else d / model_states_file(0))
     return {k: state[k] for k in ("train_state", "precision", "guard", "penalty", "wandb_run_id", "rng")
             if k in state}
 
@@ -67,6 +70,11 @@ def read_model_state(run_dir, tag: str, marker: CheckpointMeta) -> dict[str, tor
     from llmjp_ds.model.hf_adapter import pipeline_name_to_ours, tp_merge_state_dicts
 
     d = vet_tag(run_dir, tag)
+    if marker.layout_free:  # an imported checkpoint: the fp32 master weights of the layout-free form
+        from llmjp_ds.parallel.reshape import CONVERTED
+
+        return {f.name[:-3]: load_checkpoint_file(f)["fp32"] for f in sorted((d / CONVERTED).glob("*.pt"))
+                if f.name != "_extra_state.pt"}
     if marker.pipeline_stages > 1:
         n = marker.model_config["num_hidden_layers"]
         shards: list[dict] = [{} for _ in range(marker.tensor_parallel)]

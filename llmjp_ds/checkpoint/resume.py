@@ -51,7 +51,8 @@ def check_resume(run_dir, model_config: dict, cfg=None, layout=None) -> str | No
     zero = cfg.parallel.zero_stage
     if layout is not None:
         before = saved_layout(run_dir, tag, marker)
-        if (before != layout or marker.zero_stage != zero) and (marker.zero_stage != 1 or zero != 1):
+        if (before != layout or marker.layout_free or marker.zero_stage != zero) and \
+                (marker.zero_stage != 1 or zero != 1):
             fail(f"{where} was saved on {before.name} with ZeRO-{marker.zero_stage}; resuming it on {layout.name} "
                  f"(ZeRO-{zero}) works with ZeRO-1 on both sides only: relaunch on {before.name} with "
                  f"parallel.zero_stage={marker.zero_stage}")

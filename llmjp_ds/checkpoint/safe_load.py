@@ -219,3 +219,129 @@ def load_checkpoint_file(path, map_location="cpu") -> object:
     state = load_untrusted(path, map_location=map_location)
     vet_extra_states(path, state)
     return state
+
+
+# --- Megatron-LM's checkpoints --------------------------------------------------------------------------------
+
+class StandIn:
+    """What an object of Megatron's pickles becomes here: inert data. Its constructor arguments are kept as
+    ``args`` (an enum's value, a path's parts), a dict state becomes its attributes (an ``argparse.Namespace``'s
+    fields), any other state is kept as ``state``. No code of the class it stands for runs, or is even imported."""
+
+    def __new__(cls, *args, **kwargs):
+        return object.__new__(cls)
+
+    def __init__(self, *args, **kwargs):
+        self.args = args
+
+    def __setstate__(self, state):
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+        else:
+            self.state = state
+
+
+def _stand_in(name: str) -> type:
+    return type(name.rsplit(".", 1)[1], (StandIn,), {"__module__": "llmjp_ds.checkpoint.safe_load.megatron",
+                                                    "__qualname__": name})
+
+
+# The globals Megatron-LM (megatron-core 0.14-0.19, megatron/training) pickles into checkpoint files beyond torch's
+# weights_only defaults, as megatron-core's own safe_globals.py lists them and as seen in files it wrote: the run's
+# arguments (argparse.Namespace, with enums, a Path, a signal), the RNG states (numpy's arrays), the rerun state
+# machine's enums, and TE's extra state of old releases (io.BytesIO). Each is read as a StandIn: nothing of it runs.
+MEGATRON_GLOBALS = tuple((_stand_in(name), name) for name in (
+    "argparse.Namespace", "types.SimpleNamespace", "pathlib.PosixPath", "signal.Signals", "io.BytesIO",
+    "numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct", "numpy.ndarray", "numpy.dtype",
+    "numpy.dtypes.UInt32DType", "torch._C.Generator", "megatron.core.enums.ModelType",
+    "megatron.core.optimizer.optimizer_config.OptimizerConfig", "megatron.core.optimizer.OptimizerConfig",
+    "megatron.core.rerun_state_machine.RerunDiagnostic", "megatron.core.rerun_state_machine.RerunMode",
+    "megatron.core.rerun_state_machine.RerunState", "megatron.core.transformer.enums.AttnBackend",
+    "megatron.core.transformer.enums.AttnMaskType", "megatron.core.transformer.enums.CudaGraphModule",
+    "megatron.core.transformer.enums.CudaGraphScope", "megatron.core.transformer.enums.InferenceCudaGraphScope"))
+
+
+def load_megatron(source, where: str | None = None) -> object:
+    """A torch.save file of Megatron-LM (a path, or the bytes of an item of a distributed checkpoint, named
+    ``where``), read with ``weights_only=True`` and :data:`MEGATRON_GLOBALS` as stand-ins: tensors, plain data and
+    :class:`StandIn` objects. Anything else is refused in one line naming the file and the object; a file that is
+    not a torch checkpoint (cut short, damaged) too."""
+    path = Path(where or source)
+    stream = io.BytesIO(source) if isinstance(source, bytes) else source
+    # only these stand-ins: what else the process put on torch's allowlist (megatron-core registers the real
+    # classes of these names when it is imported) would be taken first
+    registered = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    try:
+        with torch.serialization.safe_globals(list(MEGATRON_GLOBALS)), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Detected pickle protocol")
+            return torch.load(stream, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = _GLOBAL.search(str(exc))
+        if found:
+            _refuse(path, found.group(1))
+        detail = _DETAIL.search(str(exc))
+        fail(f"{path} cannot be read with weights_only=True ({detail.group(1) if detail else 'unsupported pickle'}):"
+             " refusing to unpickle it, as that could execute code")
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+        fail(f"{path} is not a readable torch checkpoint file ({reason}): it is damaged or cut short; copy it "
+             "again from the Megatron run")
+    finally:
+        torch.serialization.add_safe_globals(registered)
+
+
+def _storage_layout(name: str):
+    """torch.serialization._get_layout, for the one layout a checkpoint's tensors have."""
+    if name != "torch.strided":
+        raise pickle.UnpicklingError(f"torch.serialization._get_layout({name!r})")
+    return torch.strided
+
+
+def _dcp_classes() -> dict:
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+    import torch.distributed.checkpoint.metadata as dcp_md
+
+    classes = {f"torch.distributed.checkpoint.metadata.{n}": getattr(dcp_md, n) for n in (
+        "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "BytesStorageMetadata",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")}
+    classes["torch.distributed.checkpoint.filesystem._StorageInfo"] = dcp_fs._StorageInfo
+    # the savers' plans, kept in the metadata: not needed to read it back
+    for n in ("SavePlan", "WriteItem", "TensorWriteData", "WriteItemType", "BytesIOWriteData"):
+        classes[f"torch.distributed.checkpoint.planner.{n}"] = _stand_in(f"torch.distributed.checkpoint.planner.{n}")
+    classes["torch.serialization._get_layout"] = _storage_layout
+    classes["torch.Size"] = torch.Size
+    classes["collections.OrderedDict"] = __import__("collections").OrderedDict
+    return classes
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file, allowed: dict):
+        super().__init__(file)
+        self.allowed = allowed
+
+    def find_class(self, module, name):
+        full = f"{module}.{name}"
+        if full in self.allowed:
+            return self.allowed[full]
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(full)
+
+
+def load_dcp_metadata(path) -> object:
+    """The ``.metadata`` of a torch.distributed.checkpoint directory (a plain pickle, which DCP itself reads with
+    ``pickle.load``), unpickled with an allowlist: DCP's metadata data classes, sizes and dtypes. Anything else
+    is refused in one line."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            return _MetadataUnpickler(f, _dcp_classes()).load()
+    except pickle.UnpicklingError as exc:
+        detail = str(exc)
+        if re.fullmatch(r"[\w.]+", detail):
+            _refuse(path, detail)
+        fail(f"{path} is not a readable checkpoint metadata file ({detail[:160]}): it is damaged or cut short")
+    except (EOFError, OSError, ValueError, TypeError, AttributeError, IndexError) as exc:
+        fail(f"{path} is not a readable checkpoint metadata file ({type(exc).__name__}: {str(exc)[:120]}): it is "
+             "damaged or cut short; copy it again from the Megatron run")

@@ -121,6 +121,9 @@ class CheckpointMeta:
     step: int | None = None
     tag: str | None = None
     files: dict | None = None  # relative path -> {"size", "xxh3"}; None in checkpoints of earlier releases
+    # the tag holds only the layout-free form (parallel/reshape.py; import-megatron writes such a tag): every
+    # resume reads its parameters from there, whatever the layout
+    layout_free: bool = False
 
     @classmethod
     def for_run(cls, cfg, model_config, data_parallel: int) -> "CheckpointMeta":
@@ -149,6 +152,8 @@ class CheckpointMeta:
             value = getattr(meta, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if not isinstance(meta.layout_free, bool):
+            raise ValueError(f"layout_free must be true or false, got {meta.layout_free!r}")
         if meta.files is not None and not (isinstance(meta.files, dict) and all(
                 isinstance(k, str) and isinstance(v, dict) and isinstance(v.get("size"), int)
                 and isinstance(v.get("xxh3"), str) for k, v in meta.files.items())):

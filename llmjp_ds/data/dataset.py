@@ -64,17 +64,28 @@ def _check_prefix(prefix: str) -> str:
     return prefix
 
 
+def _blend_tokens(items: Sequence[str] | str) -> list[str]:
+    if isinstance(items, (str, os.PathLike)):
+        items = [os.fspath(items)]
+    tokens = [os.fspath(t) for t in items]
+    if len(tokens) == 1 and len(tokens[0].split()) > 1 and not os.path.exists(split_prefix(tokens[0]) + ".idx"):
+        tokens = tokens[0].split()  # "0.3 a 0.7 b" given as one string (a config file value)
+    return tokens
+
+
+def blend_has_weights(items: Sequence[str] | str) -> bool:
+    """Whether a blend gives weights (``w1 prefix1 ...``) or prefixes alone, which Megatron treats as "no
+    weights" (each corpus taken once) where :func:`parse_blend` weights them by their token counts."""
+    return any(_is_number(t) for t in _blend_tokens(items))
+
+
 def parse_blend(items: Sequence[str] | str) -> list[tuple[float, str]]:
     """Megatron-style ``w1 prefix1 w2 prefix2 ...`` -> ``[(w1, prefix1), ...]``; a lone prefix gets weight 1.
 
     Prefixes without any weights (``prefix1 prefix2``) are weighted by their token counts, which is what LLM-jp
     did (one pass over every corpus). Weights need not sum to 1. Files are checked here, not at step 1.
     """
-    if isinstance(items, (str, os.PathLike)):
-        items = [os.fspath(items)]
-    tokens = [os.fspath(t) for t in items]
-    if len(tokens) == 1 and len(tokens[0].split()) > 1 and not os.path.exists(split_prefix(tokens[0]) + ".idx"):
-        tokens = tokens[0].split()  # "0.3 a 0.7 b" given as one string (a config file value)
+    tokens = _blend_tokens(items)
     if not tokens:
         fail("empty data blend: pass `PREFIX` or `WEIGHT PREFIX WEIGHT PREFIX ...`")
     numeric = [_is_number(t) for t in tokens]
@@ -108,13 +119,15 @@ def corpus_tokens(prefix: str) -> int:
 
 
 # -- caching ------------------------------------------------------------------------------------------------
-def _file_identity(prefix: str) -> dict:
+def file_identity(prefix: str) -> dict:
+    """What a cached index of a corpus depends on: its path, sizes and the .idx's mtime."""
     stats = [os.stat(prefix + suffix) for suffix in (".idx", ".bin")]
     return {"prefix": os.path.realpath(prefix), "idx_bytes": stats[0].st_size, "bin_bytes": stats[1].st_size,
             "idx_mtime_ns": stats[0].st_mtime_ns}
 
 
-def _cache_root(prefix: str, cache_dir: str | Path | None) -> Path:
+def index_root(prefix: str, cache_dir: str | Path | None) -> Path:
+    """Where sample indices are cached: ``cache_dir``, or ``_llmjp_index`` beside the corpus."""
     return Path(cache_dir) if cache_dir is not None else Path(prefix).resolve().parent / CACHE_DIR_NAME
 
 
@@ -134,6 +147,18 @@ def _build_lock(path: Path):
         yield
     finally:
         os.close(fd)
+
+
+def ensure_cache_dir(root: Path) -> None:
+    """Make the index cache directory ``root``; fail unless it can be written (a read-only data directory needs
+    ``data.cache_dir``)."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        writable = os.access(root, os.W_OK)
+    except OSError:
+        writable = False
+    if not writable:
+        fail(f"cannot write the sample index cache in {root}: set a writable cache_dir (data.cache_dir)")
 
 
 class CachedIndex(dict):
@@ -165,13 +190,7 @@ def cached_arrays(root: Path, name: str, meta: dict, build: Callable[..., dict[s
     final = root / f"{name}-{key}"
     if (final / "meta.json").exists():
         return load_cached(final)
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        writable = os.access(root, os.W_OK)
-    except OSError:
-        writable = False
-    if not writable:
-        fail(f"cannot write the sample index cache in {root}: set a writable cache_dir (data.cache_dir)")
+    ensure_cache_dir(root)
     with _build_lock(root / f".{name}-{key}.lock"):
         if (final / "meta.json").exists():  # another process built it while we waited
             return load_cached(final)
@@ -258,9 +277,9 @@ class CorpusWindows:
                  f"its samples to 0")
         self.per_epoch = (total - 1) // seq_len
         self.epochs = max(1, math.ceil(num_samples / self.per_epoch))
-        meta = {"corpus": _file_identity(corpus.prefix), "documents": [first, last], "seq_len": seq_len,
+        meta = {"corpus": file_identity(corpus.prefix), "documents": [first, last], "seq_len": seq_len,
                 "seed": seed, "split": split, "epochs": self.epochs}
-        self.index = cached_arrays(_cache_root(corpus.prefix, cache_dir), f"{Path(corpus.prefix).name}-{split}",
+        self.index = cached_arrays(index_root(corpus.prefix, cache_dir), f"{Path(corpus.prefix).name}-{split}",
                                    meta, lambda alloc: build_window_index(self.doc_lengths, seq_len, seed,
                                                                           split_id, self.epochs))
         self._bind()
@@ -396,8 +415,8 @@ def _document_ranges(n_docs: int, split: Sequence[float]) -> list[tuple[int, int
 
 def check_vocab(ds: IndexedDataset, vocab_size: int, cache_dir) -> None:
     """Fail unless every token id of ``ds`` is below ``vocab_size`` (the largest id is cached beside the corpus)."""
-    meta = {"corpus": _file_identity(ds.prefix), "what": "max_token_id"}
-    result = cached_arrays(_cache_root(ds.prefix, cache_dir), f"{Path(ds.prefix).name}-maxid", meta,
+    meta = {"corpus": file_identity(ds.prefix), "what": "max_token_id"}
+    result = cached_arrays(index_root(ds.prefix, cache_dir), f"{Path(ds.prefix).name}-maxid", meta,
                            lambda alloc: {"max_token_id": np.array([ds.max_token_id()], dtype=np.int64)})
     top = int(result["max_token_id"][0])
     if top >= vocab_size:
@@ -416,9 +435,9 @@ def _build_split(corpora, weights, split_id, ranges, num_samples, seq_len, seed,
         sources: list[CorpusWindows | None] = [None] * len(corpora)
         sources[c] = CorpusWindows(corpora[c], first, last, seq_len, seed, split_id, num_samples, cache_dir)
         return SampleDataset(sources, list(weights), num_samples, seq_len, None, name)
-    meta = {"corpora": [_file_identity(ds.prefix) for ds in corpora], "weights": list(map(float, weights)),
+    meta = {"corpora": [file_identity(ds.prefix) for ds in corpora], "weights": list(map(float, weights)),
             "samples": num_samples, "split": name}
-    root = _cache_root(corpora[0].prefix, cache_dir)
+    root = index_root(corpora[0].prefix, cache_dir)
 
     def build(alloc):
         corpus = alloc("corpus", (num_samples,), np.int16 if len(weights) < 32768 else np.int32)

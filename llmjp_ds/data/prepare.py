@@ -67,8 +67,20 @@ class DataPlan:
     split: list
     seed: int
     cache_dir: str | None
+    order: str = "llmjp"  # llmjp (data/dataset.py) | megatron (data/megatron_order.py)
+    weighted: bool = True  # the blend gave weights (False: prefixes alone, Megatron's "no weights")
+    test_samples: int = 0  # megatron: the test split's size Megatron-LM asks for (its cache files' names hold it)
+    eod_id: int | None = None
 
     def build(self, seq_len: int, train_samples: int, valid_samples: int, barrier=None):
+        """(train, valid) datasets: ``ds[i]`` is global sample i's ``seq_len + 1`` tokens. Under megatron every
+        rank of a process group must call it together (megatron-core's builder has its own barriers)."""
+        if self.order == "megatron":
+            from llmjp_ds.data.megatron_order import build_megatron_datasets
+
+            return build_megatron_datasets(self.blend, self.weighted, seq_len, self.seed,
+                                           (train_samples, valid_samples, self.test_samples), self.split,
+                                           self.cache_dir, self.eod_id, self.vocab_size, self.tokenizer_dir)
         from llmjp_ds.data.dataset import build_datasets
 
         return build_datasets(self.blend, seq_len, self.seed, train_samples, valid_samples, split=tuple(self.split),
@@ -104,25 +116,33 @@ def _install_tokenizer(source: Path, run_dir: Path) -> Path:
     return target
 
 
-def resolve_data(blend, tokenizer, model_vocab_size: int, split, seed: int, cache_dir=None) -> DataPlan:
+def resolve_data(blend, tokenizer, model_vocab_size: int, split, seed: int, cache_dir=None, order: str = "llmjp",
+                 test_samples: int = 0) -> DataPlan:
     """The blend and tokenizer of a run; checks the tokenizer fits the model's embedding (``model_vocab_size``
     rows) and every corpus fits the vocabulary. ``blend`` is Megatron-style ``[weight, prefix, ...]`` (or
-    prefixes alone); empty means the bundled corpus and its own tokenizer. Writes nothing into the run directory
-    (:meth:`DataPlan.install_tokenizer` does, once the trainer knows the directory is shared)."""
-    from llmjp_ds.data.dataset import check_vocab, parse_blend
+    prefixes alone); empty means the bundled corpus and its own tokenizer. ``order`` and ``test_samples``: see
+    :class:`DataPlan`. Writes nothing into the run directory (:meth:`DataPlan.install_tokenizer` does, once the
+    trainer knows the directory is shared)."""
+    from llmjp_ds.data.dataset import blend_has_weights, check_vocab, parse_blend
     from llmjp_ds.data.indexed import IndexedDataset
     from llmjp_ds.data.tokenizer import load_tokenizer
 
+    weighted = True  # the bundled corpora are weighted by their token counts
     if blend:
+        weighted = blend_has_weights(list(map(str, blend)))
         blend = parse_blend(list(map(str, blend)))
         tokenizer = Path(tokenizer) if tokenizer else None
     else:
         blend, tokenizer = prepare_bundled()
-    vocab = None
+    if order == "megatron" and weighted and any(w <= 0 for w, _ in blend):
+        fail("data.blend has a weight of 0: Megatron's builder needs every weight > 0; leave that corpus out of the "
+             "blend, or set data.order=llmjp")
+    vocab = eod = None
     if tokenizer is not None:
         if not tokenizer.exists():
             fail(f"data.tokenizer {tokenizer} does not exist: pass a SentencePiece .model or an HF tokenizer dir")
-        vocab = load_tokenizer(tokenizer).vocab_size
+        loaded = load_tokenizer(tokenizer)
+        vocab, eod = loaded.vocab_size, loaded.eod_id
         if vocab > model_vocab_size:
             fail(f"the tokenizer has {vocab} pieces but the model's embedding only {model_vocab_size} rows: "
                  f"set model.overrides.vocab_size to at least {vocab} (padded: a multiple of 128)")
@@ -130,4 +150,8 @@ def resolve_data(blend, tokenizer, model_vocab_size: int, split, seed: int, cach
     # fail here, before anything is written and before any process group exists (not in data.build())
     for _, prefix in blend:
         check_vocab(IndexedDataset(prefix), vocab or model_vocab_size, cache_dir)
-    return DataPlan(blend, tokenizer, vocab, list(split), seed, cache_dir)
+    if order == "megatron":
+        from llmjp_ds.data.megatron_order import check_split_tokens
+
+        check_split_tokens([p for _, p in blend], split)
+    return DataPlan(blend, tokenizer, vocab, list(split), seed, cache_dir, order, weighted, test_samples, eod)

@@ -80,14 +80,14 @@ def end_on_error(exc: BaseException) -> None:
 # the function, of its caller or None for any) -> phase. Read from the main thread's stack when the watchdog
 # fires, so a stall outside the beaten phases is not reported as the last phase beaten.
 SECTIONS = {
-    ("ParallelContext.any_rank", "Trainer._after_step"): "stop check",
+    ("ParallelContext.any_rank", "any_rank_stopping"): "stop check",
     ("ParallelContext.all_reduce", "EngineRunner.train_step"): "loss all-reduce",
     ("ParallelContext.all_reduce", "PipelineRunner.train_step"): "loss all-reduce",
     ("ParallelContext.all_reduce", "EngineRunner.eval_loss"): "evaluation",
     ("ParallelContext.all_reduce", "PipelineRunner.eval_loss"): "evaluation",
-    ("Trainer.save", None): "checkpoint",
-    ("Trainer.rollback", None): "checkpoint",
-    ("Trainer.evaluate", None): "evaluation",
+    ("Checkpointer.save", None): "checkpoint",
+    ("Resume.rollback", None): "checkpoint",
+    ("Evaluator.evaluate", None): "evaluation",
     ("PrecisionController.choose_recipe", None): "evaluation",
     ("MetricsLogger.log", None): "logging",
     ("ParallelContext.any_rank", None): "an any-rank check",

@@ -104,7 +104,7 @@ class PipelineRunner(StepRunner):
         with torch.no_grad():
             self.loss.reset()
             self.loss.scale = 1.0
-            self.engine.eval_batch(data_iter=iter(batches))
+            self.engine.eval_batch(data_iter=iter(batches), num_micro_batches=len(batches))
             value = torch.tensor([float(self.loss.lm_loss_sum) / max(1, self.loss.micro_batches) / self.ctx.loss_copies
                                   if self.engine.is_last_stage() else 0.0], device=self.ctx.device)
         self.engine.train()

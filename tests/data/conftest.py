@@ -6,10 +6,11 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import warnings
 from pathlib import Path
 
 import pytest
+
+from tests.data.data_helpers import megatron_datasets
 
 REPO = Path(__file__).resolve().parents[2]
 LLMJP_MODEL = "data/llm-jp-tokenizer-v3/llm-jp-tokenizer-100k.ver3.0b1.model"
@@ -53,10 +54,4 @@ def corpus_texts() -> list[str]:
 @pytest.fixture(scope="session")
 def megatron_indexed():
     """megatron-core's indexed_dataset module (the reference implementation of the format)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            from megatron.core.datasets import indexed_dataset
-        except ImportError as exc:
-            pytest.skip(f"megatron-core not importable: {exc}")
-    return indexed_dataset
+    return megatron_datasets("indexed_dataset")[0]

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import gzip
+import importlib
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 # strings where tokenizers usually disagree: whitespace runs, leading spaces, emoji, code, mixed scripts
 TRICKY = [
@@ -109,3 +112,13 @@ def write_saved_dataset(directory: Path, records, shards: int = 2, batch_rows: i
         "_format_columns": None, "_format_kwargs": {}, "_format_type": None, "_output_all_columns": False,
         "_split": None}, indent=2, sort_keys=True))
     return directory
+
+
+def megatron_datasets(*names: str) -> list:
+    """megatron-core's ``megatron.core.datasets.<name>`` modules (imported quietly), or skip the test."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return [importlib.import_module(f"megatron.core.datasets.{name}") for name in names]
+        except ImportError as exc:
+            pytest.skip(f"megatron-core not importable: {exc}")

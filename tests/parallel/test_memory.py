@@ -212,10 +212,10 @@ def test_preflight_prints_the_busiest_gpu_of_the_configured_layout(sets, config,
 
 
 # Run Q (docs/172b-layout.md §9; raw: docs/perf-raw/run-q/summary-tp-memory.txt and slice-tp2-memory.log):
-# `bash benchmarks/device/h200_tp.sh memory` on two H200s, the llmjp3-172b preset with 3 layers and a 49,920-row
-# vocabulary at TP2 x PP1 x DP1, selective recompute, micro batch 1, global batch 2, ds_configs/pipeline.json,
-# BF16: torch.cuda.max_memory_allocated peaked at 59.147 GiB (steps 2-3). The CUDA context and NCCL are not in
-# that figure; the estimate allows CONTEXT_GIB (1.5) for them.
+# `bash h200_tp.sh memory` (that run's script, retired) on two H200s, the llmjp3-172b preset with 3 layers and a
+# 49,920-row vocabulary at TP2 x PP1 x DP1, selective recompute, micro batch 1, global batch 2,
+# ds_configs/pipeline.json, BF16: torch.cuda.max_memory_allocated peaked at 59.147 GiB (steps 2-3). The CUDA
+# context and NCCL are not in that figure; the estimate allows CONTEXT_GIB (1.5) for them.
 RUN_Q_MAX_ALLOCATED_GIB = 59.147
 
 

@@ -27,6 +27,20 @@ def resume(name: str, *sets: str):
     return T(*TINY, "train.steps=32", *sets, run=f"{R}/{name}")
 
 
+MEGATRON_FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "megatron"
+# the run config of the fixtures' model (tests/fixtures/megatron/make_fixtures.py)
+MEGATRON_SETS = ("model.overrides={hidden_size: 32, num_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, "
+                 "ffn_hidden_size: 64, vocab_size: 256, seq_len: 32}", "data.seq_len=32",
+                 "train.global_batch_size=8", "train.micro_batch_size=8")
+
+
+def megatron(load: str, *sets: str, run: str = f"{R}/mg_new"):
+    args = ["import-megatron", "--load", load, "--run", run, "--preset", "demo"]
+    for value in (*MEGATRON_SETS, *sets):
+        args += ["--set", value]
+    return L(*args)
+
+
 CASES: list[Case] = [
     # --- code planted in a file that resume reads (its manifest entry rewritten to match) --------------------
     Case("resume-planted-pickle-model-states", resume("planted_model"),
@@ -110,6 +124,30 @@ CASES: list[Case] = [
     Case("import-hf-over-a-run-with-checkpoints", L("import-hf", "--model", f"{R}/hf_good", "--run", f"{R}/base",
                                                     "--force"),
          ("holds a run with checkpoints: import-hf starts a new run; choose another --run",)),
+    # --- import-megatron (the fixtures megatron-core wrote, altered) -----------------------------------------------
+    Case("import-megatron-not-a-checkpoint", megatron(f"{R}/precious"),
+         ("precious is not a Megatron-LM checkpoint directory (no latest_checkpointed_iteration.txt, no iter_",)),
+    Case("import-megatron-missing-mp-rank", megatron(f"{R}/mg_missing_rank"),
+         ("lacks mp_rank_01_001: its arguments say TP 2 x PP 2; the checkpoint is incomplete",)),
+    Case("import-megatron-missing-distcp", megatron(f"{R}/mg_missing_distcp"),
+         ("lacks __1_0.distcp, which its .metadata lists: the checkpoint is incomplete",)),
+    Case("import-megatron-layout-does-not-add-up", megatron(f"{R}/mg_extra_rank"),
+         ("holds mp_rank_02_000, which does not add up to the TP 2 x PP 2 its arguments give",)),
+    Case("import-megatron-other-model-shape", megatron(f"{R}/mg_base", "model.overrides.hidden_size=64"),
+         ("the Megatron checkpoint has hidden_size=32, the run config model.overrides.hidden_size=64",)),
+    Case("import-megatron-other-vocabulary", megatron(f"{R}/mg_base", "model.overrides.vocab_size=384"),
+         ("the Megatron checkpoint has padded_vocab_size=256, the run config model.overrides.vocab_size=384",)),
+    Case("import-megatron-other-tokenizer", megatron(f"{R}/mg_base", "data.tokenizer={tok}"),
+         ("pieces, which Megatron pads to", "but the checkpoint's embedding has 256: pass the tokenizer the Megatron "
+          "run trained with")),
+    Case("import-megatron-planted-pickle", megatron(f"{R}/mg_planted"),
+         (f"model_optim_rng.pt holds {SYSTEM}, which loading would have to execute",)),
+    Case("import-megatron-planted-metadata", megatron(f"{R}/mg_planted_metadata"),
+         (f".metadata holds {SYSTEM}, which loading would have to execute",)),
+    Case("import-megatron-truncated-file", megatron(f"{R}/mg_truncated"),
+         ("distrib_optim.pt is not a readable torch checkpoint file", "copy it again from the Megatron run")),
+    Case("import-megatron-run-dir-exists", megatron(f"{R}/mg_base", run=f"{R}/base"),
+         ("base already exists: import-megatron writes a new run directory",)),
 ]
 
 
@@ -217,3 +255,28 @@ def prepare(ctx) -> None:
     (root / "precious").mkdir()
     (root / "precious" / "thesis.txt").write_text("years of work")
     _hf_dirs(root)
+    _megatron_dirs(root, canary)
+
+
+def _megatron_dirs(root: Path, canary: Path) -> None:
+    """Copies of megatron-core's fixtures: whole, a shard missing, a layout that does not add up, a planted
+    pickle in a torch file and in a distributed checkpoint's .metadata, a file cut short."""
+    import pickle
+
+    import torch
+
+    def copy(fixture: str, name: str) -> Path:
+        shutil.copytree(MEGATRON_FIXTURES / fixture / "save", root / name)
+        return next((root / name).glob("iter_*"))
+
+    copy("torch-tp1pp1", "mg_base")
+    shutil.rmtree(copy("torch-tp2pp2", "mg_missing_rank") / "mp_rank_01_001")
+    (copy("torch_dist-tp2dp2-dp_reshardable", "mg_missing_distcp") / "__1_0.distcp").unlink()
+    extra = copy("torch-tp2pp2", "mg_extra_rank")
+    shutil.copytree(extra / "mp_rank_01_001", extra / "mp_rank_02_000")
+    torch.save({"args": Payload(canary, "system")}, copy("torch-tp1pp1", "mg_planted") / "mp_rank_00" /
+               "model_optim_rng.pt")
+    (copy("torch_dist-tp2dp2-dp_reshardable", "mg_planted_metadata") / ".metadata").write_bytes(
+        pickle.dumps(Payload(canary, "system")))
+    cut = copy("torch-tp1pp1", "mg_truncated") / "mp_rank_00" / "distrib_optim.pt"
+    cut.write_bytes(cut.read_bytes()[:5000])

@@ -39,6 +39,14 @@ CASES: list[Case] = [
          ("model.overrides.rope_theta must be a positive float, got -1.0",)),
     Case("blend-weight-negative", T("data.blend=[-1, {tmp}/good_text_document]"),
          ("data.blend[0] must be >= 0 (a corpus weight), got -1",)),
+    Case("data-order-unknown", T("data.order=megatorn"),
+         ("data.order must be llmjp or megatron (the sample order), got 'megatorn' (did you mean 'megatron'?)",)),
+    Case("split-four-shares", T("data.split=[90, 5, 3, 2]"),
+         ("data.split must be [train, valid] or [train, valid, test] shares with train > 0 (Megatron's --split "
+          "99990,8,2 is [99990, 8, 2]), got [90, 5, 3, 2]",)),
+    Case("validation-without-valid-share", T("data.split=[1, 0]", "train.eval_interval=5"),
+         ("train.eval_interval=5 validates on the valid split, but data.split [1, 0] gives it no share",
+          "or set train.eval_interval=0")),
     # --- stop signals: names of signals a handler can catch; the relaunch's wait ----------------------------
     Case("stop-signals-unknown", T("checkpoint.stop_signals=[SIGTERM, SIGUSR3]"),
          ("checkpoint.stop_signals[1] 'SIGUSR3' is not a signal name (did you mean 'SIGUSR2'?)",)),

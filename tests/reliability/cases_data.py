@@ -6,7 +6,7 @@ import gzip
 import json
 import lzma
 
-from tests.reliability.cases import Case, L, T  # noqa: F401
+from tests.reliability.cases import SMALL, Case, L, T, sub  # noqa: F401
 
 
 def _pp(src, out="out_x", *more):
@@ -15,6 +15,18 @@ def _pp(src, out="out_x", *more):
              "--workers", "1", *more)
 
 
+def _without_megatron(*sets):
+    """``python -m llmjp_ds.train`` (T's arguments) in an interpreter where megatron-core cannot be imported."""
+    def argv(c):
+        args = T(*sets)(c)[2:]
+        code = ("import runpy, sys; sys.modules['megatron'] = None; "
+                f"sys.argv = ['llmjp_ds.train', *{args!r}]; runpy.run_module('llmjp_ds.train', run_name='__main__')")
+        return ["-c", code]
+    return argv
+
+
+MEGATRON_CACHE = ("data.order=megatron", "data.blend=[{tmp}/good_text_document]",
+                  "data.cache_dir={tmp}/data/megatron_cache")
 TRUNCATED = "ends before its compressed stream does (truncated"
 REFETCH = "an interrupted download or copy?): re-fetch it"
 
@@ -75,6 +87,32 @@ CASES: list[Case] = [
          ("data/numbers.parquet: column 'text' holds int64, not strings", "or pass --skip-bad")),
     Case("preprocess-column-null", _pp("{tmp}/data/nulls.parquet", "out_x", "--workers", "2"),
          ("data/nulls.parquet: row 2: 'text' is null, not a string", "or pass --skip-bad to skip such rows")),
+    # --- Megatron's sample order, and the samples verb -----------------------------------------------------
+    Case("megatron-core-missing", _without_megatron(SMALL, "data.order=megatron"),
+         ("data.order=megatron reads Megatron's samples through megatron-core's dataset builder, but megatron-core "
+          "is not importable", "pip install 'llmjp-ds[megatron]', or set data.order=llmjp"), trains=True),
+    Case("megatron-blend-weight-zero", T(SMALL, "data.order=megatron",
+                                         "data.blend=[0, {tmp}/good_text_document, 1, {tmp}/good_text_document]"),
+         ("data.blend has a weight of 0: Megatron's builder needs every weight > 0",), trains=True),
+    Case("megatron-split-without-tokens", T(SMALL, "data.order=megatron", "data.blend=[{tmp}/good_text_document]",
+                                            "data.split=[999, 1]"),
+         ("the valid split of corpus", "good_text_document (sequences 200..200 of 200) holds no tokens, and "
+          "Megatron's builder would loop forever on it",), trains=True),
+    Case("megatron-blend-too-small", T(SMALL, "data.order=megatron",
+                                       "data.blend=[{tmp}/good_text_document, {tmp}/good_text_document]",
+                                       run="{tmp}/data/run_megatron_small"),
+         ("Megatron's train split of this blend holds", "the run reads: prefixes without weights are each taken "
+          "once; give data.blend weights (Megatron then repeats corpora), or lower train.steps"), after_start=True),
+    Case("megatron-cache-damaged", T(SMALL, *MEGATRON_CACHE, run="{tmp}/data/run_megatron_cache"),
+         ("cannot read or write Megatron's sample index cache in", "data/megatron_cache (", "a file there is damaged "
+          "(a build that was killed) or not megatron-core's: delete it, it is rebuilt"), after_start=True),
+    Case("samples-beyond-the-run", L("samples", "--start", "1599", "--count", "2", "--output", "{tmp}/data/w.npy"),
+         ("--start 1599 --count 2 reads up to train sample 1600, but the run reads 1600 train samples",)),
+    Case("samples-unknown-split", L("samples", "--split", "vaild", "--start", "0", "--count", "1", "--output",
+                                    "{tmp}/data/w.npy"),
+         ("--split 'vaild' is not a split a run reads (did you mean 'valid'?): use train or valid",)),
+    Case("samples-output-exists", L("samples", "--start", "0", "--count", "1", "--output", "{tmp}/data/a_file"),
+         ("data/a_file already exists: choose another --output, or pass --force to replace it",)),
     # --- train-tokenizer ----------------------------------------------------------------------------------
     Case("train-tokenizer-parquet-cut-footer",
          L("train-tokenizer", "--input", "{tmp}/data/cut.parquet", "--output-dir", "{tmp}/data/tok_x"),
@@ -148,6 +186,19 @@ def prepare(ctx) -> None:
     (d / "hosts_utf16").write_bytes("node-a slots=8\n".encode("utf-16"))
     (d / "hosts_latin1").write_bytes("node-a slots=8\nnodé-b slots=8\n".encode("latin-1"))
     (d / "hosts_nul").write_bytes(b"node-a slots=8\nnode\x00-b slots=8\n")
+    _megatron_cache(ctx)
+
+
+def _megatron_cache(ctx) -> None:
+    """megatron-core's index cache of the run MEGATRON_CACHE configures, one file cut in half (a killed build)."""
+    from llmjp_ds.config import load_config, model_config_of, sample_counts, seq_len_of
+    from llmjp_ds.trainer import data_plan
+
+    cfg = load_config(None, [sub(s, ctx) for s in (SMALL, *MEGATRON_CACHE)])
+    model_config = model_config_of(cfg)
+    data_plan(cfg, model_config).build(seq_len_of(cfg, model_config), *sample_counts(cfg))
+    (cut,) = (ctx.tmp / "data" / "megatron_cache").glob("*-GPTDataset-train-shuffle_index.npy")
+    cut.write_bytes(cut.read_bytes()[:cut.stat().st_size // 2])
 
 
 def _columnar(d, data: bytes) -> None:

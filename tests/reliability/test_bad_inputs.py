@@ -90,6 +90,8 @@ CASES = [
          ("model.recompute must be one of none, selective, full, got 'partial'",)),
     Case("attention-core-unknown", T("model.attention_core=flash"),
          ("model.attention_core must be one of te, cudnn, got 'flash'",)),
+    Case("lr-schedule-unknown", T("optim.schedule=megatorn"),
+         ("optim.schedule must be one of llmjp, megatron, got 'megatorn' (did you mean 'megatron'?)",)),
     Case("activation-checkpointing-replaced", T("model.activation_checkpointing=true"),
          ("config key 'model.activation_checkpointing' was replaced by 'model.recompute': use model.recompute=full "
           "(was true)",)),

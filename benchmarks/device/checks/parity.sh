@@ -1,0 +1,17 @@
+# parity: Megatron-LM's own training loop and ours on one GPU, side by side (benchmarks/parity/__main__.py): the
+# whole llmjp3-1.8b from one initialisation on the same batches, 500 steps in BF16; both restarted or imported at
+# step 250 in FP8 delayed scaling; a Megatron checkpoint imported and continued here. Each gap is put beside
+# Megatron against itself. Needs a Megatron-LM checkout at core_v0.19 (MEGATRON_LM, default .megatron-lm: its
+# pretrain_gpt.py, gpt_builders.py, model_provider.py) and the LLM-jp v3 tokenizer (TOKENIZER, default
+# .cache/tokenizer-v3.model). ARGS: more `python -m benchmarks.parity` arguments (--steps, --flip, --gpus ...).
+# the device kit's megatron-core wheel ships its compiled dataset helpers but not the Makefile pretrain_gpt.py runs
+# make with on rank 0: an empty one there (a Megatron-LM checkout has its own)
+site=$(python -c 'import megatron.core.datasets as d, os; print(os.path.dirname(d.__file__))' 2>/dev/null)
+if ! dry && [ -n "$site" ] && ls "$site"/helpers_cpp*.so >/dev/null 2>&1 && [ ! -f "$site/Makefile" ]; then
+  printf 'default:\n\t@true\n' > "$site/Makefile"
+fi
+logged parity "$(left)" python -m benchmarks.parity --megatron-lm "${MEGATRON_LM:-.megatron-lm}" \
+  --tokenizer "${TOKENIZER:-.cache/tokenizer-v3.model}" --out "$OUT" --budget-s $(( $(left) - 30 )) "$@"
+rc=$?
+dry || sed -n '/^| comparison/,/^$/p' "$OUT/summary-parity.md" 2>/dev/null | note
+verdict parity "$rc" "(the gaps and the figures in \$OUT/summary-parity.md, bf16.png, fp8.png, roundtrip.png)"

@@ -1,0 +1,317 @@
+"""Megatron-LM and llmjp-ds, trained side by side on one GPU: ``python -m benchmarks.parity --megatron-lm DIR``.
+
+``DIR`` is a Megatron-LM checkout at core_v0.19 (its ``pretrain_gpt.py``, ``gpt_builders.py`` and
+``model_provider.py``; Megatron-Core itself is the installed ``megatron-core``). The runs, two at a time:
+
+======  =========================================================================================
+A       Megatron-LM, BF16, steps 1..flip, saves (torch_dist, distributed optimizer) and exits; then
+        resumes from that checkpoint to the end: the reference, and Megatron continuing itself
+B       Megatron-LM, BF16, 1..end uninterrupted: Megatron-Core against itself (kernels are not
+        bit-deterministic), the spread every comparison is measured against
+ours    llmjp-ds, BF16, 1..end, from the same initial weights and batches
+F1, F2  Megatron-LM restarted from A's checkpoint with FP8 (delayed, hybrid), flip..end: how LLM-jp
+        flipped its 172B run on Megatron-LM; F2 - F1 is the FP8 spread
+import  ``llmjp-ds import-megatron`` of A's checkpoint, then ``ours-bf16`` (the round trip, against
+        A) and ``ours-fp8`` (flipping to FP8 at the same step, against F1) continue it here
+======  =========================================================================================
+
+Writes to ``--out``: ``summary-parity.md`` (the gaps, each against its spread, and the first steps),
+``parity-bf16.png``, ``parity-fp8.png``, ``parity-roundtrip.png`` (``llmjp-ds plot --beside``),
+``parity-curves.tgz`` (each run's per-step loss, grad norm, lr and validation loss as JSONL, Megatron's log lines
+they come from, and the tail of every log), and ``megatron-fixtures.tgz`` (benchmarks/parity/fixtures.py's tiny
+checkpoints, written by Megatron-LM beside the runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from benchmarks.parity.spec import Setup, megatron_args, megatron_env, ours_sets
+
+ROOT = Path(__file__).resolve().parents[2]
+# a line that ends a run at once: Megatron-LM loads non-strictly (and prints this) when a name did not match, and
+# would train on from its own initialisation (any other failure ends the process by itself)
+FATAL = ("load_return:",)
+BLEND = (("python", 0.6), ("ja", 0.25), ("en", 0.1), ("code", 0.05))
+
+
+@dataclass
+class Job:
+    name: str
+    cmd: list[str]
+    after: tuple[str, ...] = ()
+    gpu: bool = True
+    estimate_s: float = 90.0
+    before: list[list[str]] = field(default_factory=list)  # commands run first (a run dir forked by hard links)
+    proc: subprocess.Popen | None = None
+    started: float = 0.0
+    state: str = "waiting"  # waiting | running | done | failed | skipped
+
+
+def prepare(work: Path, tokenizer: str, megabytes: float) -> list[tuple[float, str]]:
+    """The blend: the machine's Python sources (real text, benchmarks/real_text_corpus.py) and the bundled
+    Japanese, English and code corpus, each tokenized with the LLM-jp v3 tokenizer."""
+    corpus = work / "corpus"
+    if not (corpus / "python_text_document.idx").exists():
+        subprocess.run([sys.executable, "benchmarks/real_text_corpus.py", "--output-dir", str(corpus),
+                        "--tokenizer", tokenizer, "--megabytes", str(megabytes)], check=True, cwd=ROOT)
+    for name in ("ja", "en", "code"):
+        if not (corpus / f"{name}_text_document.idx").exists():
+            subprocess.run([sys.executable, "-m", "llmjp_ds.cli", "preprocess", "--input",
+                            str(ROOT / "llmjp_ds" / "data" / "corpus" / f"{name}.jsonl.gz"), "--tokenizer", tokenizer,
+                            "--output-prefix", str(corpus / name), "--workers", "4", "--force"], check=True, cwd=ROOT)
+    return [(weight, str(corpus / f"{name}_text_document")) for name, weight in BLEND]
+
+
+def jobs(setup: Setup, work: Path, runs: Path, mlm: Path, blend, tokenizer: str) -> list[Job]:
+    from llmjp_ds.model.shapes import model_config
+
+    config = model_config("llmjp3-1.8b")
+    ckpt = str(work / "megatron-a")
+
+    def megatron(name, **kw):
+        args = megatron_args(setup, config, blend, tokenizer, str(work / "cache" / name), **kw)
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+                str(mlm / "pretrain_gpt.py"), *args]
+
+    def ours(name, run_dir, init_hf=None, fp8_from=None):
+        return [sys.executable, "-m", "llmjp_ds.train", "--preset", "llmjp3-1.8b", "--set", f"run_dir={run_dir}",
+                *ours_sets(setup, blend, tokenizer, str(work / "cache" / name), init_hf, fp8_from)]
+
+    init = str(work / "init-megatron")
+    imported = runs / "imported"
+    ours_import = ours_sets(setup, blend, tokenizer, str(work / "cache" / "import"), None)
+    def continued(name, *sets):  # the imported run, as its user continues it: its own config.yaml
+        return [sys.executable, "-m", "llmjp_ds.train", "--config", str(runs / name / "config.yaml"), "--set",
+                f"run_dir={runs / name}", "--set", f"data.cache_dir={work / 'cache' / name}", *sets]
+
+    fork = lambda name: [["cp", "-al", str(imported), str(runs / name)]]  # noqa: E731  the checkpoint, shared
+    # seconds: the start (~45), the steps at a third of the GPU (~0.33 s each, three runs share it), a save
+    third, start = 0.33, 45
+    rest = setup.steps - setup.flip
+    return [
+        Job("fixtures", [sys.executable, "-m", "benchmarks.parity.fixtures", "--megatron-lm", str(mlm), "--out",
+                         str(work / "fixtures")], gpu=False, estimate_s=60),
+        Job("A1", megatron("A1", load=init, finetune=True, save=ckpt, exit_at=setup.flip),
+            estimate_s=start + setup.flip * third + 30),
+        Job("B", megatron("B", load=init, finetune=True), estimate_s=start + setup.steps * third),
+        Job("ours", ours("ours", runs / "ours", init_hf=str(work / "init-hf")),
+            estimate_s=start + setup.steps * third),
+        Job("A2", megatron("A2", load=ckpt), after=("A1",), estimate_s=start + rest * third),
+        Job("import", [sys.executable, "-m", "llmjp_ds.cli", "import-megatron", "--load", ckpt, "--run",
+                       str(imported), "--preset", "llmjp3-1.8b", *ours_import], after=("A1",), gpu=False),
+        Job("F1", megatron("F1", load=ckpt, fp8=True), after=("A1",), estimate_s=start + rest * third),
+        Job("F2", megatron("F2", load=ckpt, fp8=True), after=("A1",), estimate_s=start + rest * third),
+        Job("ours-bf16", continued("ours-bf16"), after=("import",), before=fork("ours-bf16"),
+            estimate_s=start + rest * third),
+        Job("ours-fp8", continued("ours-fp8", "--set", ours_sets(setup, blend, tokenizer, "", None, setup.flip)[-1]),
+            after=("import",), before=fork("ours-fp8"), estimate_s=start + rest * third),
+    ]
+
+
+def _log_has_fatal(log: Path) -> str | None:
+    """The line of ``log`` that ends its run: Megatron's non-strict load naming keys other than TE's extra state
+    (entries a release checkpoint may lack without a weight missing). Its DDP wrapper returns no keys (``None``):
+    the first step's loss and grad norm, beside ours from the same weights and batch, say whether they loaded."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if any(f in line for f in FATAL):
+            keys = re.findall(r"'([^']+)'", line)
+            if keys and any(not k.endswith("_extra_state") for k in keys):
+                return line[:4000]
+    return None
+
+
+def schedule(all_jobs: list[Job], logs: Path, deadline: float, gpus: int) -> None:
+    """Start each job once its predecessors are done, at most ``gpus`` GPU jobs at a time, none that would not
+    end before ``deadline``; end a job whose log shows a fatal line, or that outlives the deadline."""
+    env = dict(megatron_env(), PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    by_name = {j.name: j for j in all_jobs}
+    while any(j.state in ("waiting", "running") for j in all_jobs):
+        for job in all_jobs:
+            if job.state == "running":
+                fatal = _log_has_fatal(logs / f"{job.name}.log")
+                code = job.proc.poll()
+                if fatal or time.time() > deadline:  # torchrun's worker too: the run's whole session
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(job.proc.pid, signal.SIGKILL)
+                    job.proc.wait()
+                    job.state = "failed"
+                    tail = (logs / f"{job.name}.log").read_text(errors="replace").splitlines()[-25:]
+                    print(f"[parity] {job.name} ended: {fatal or 'out of time'}; its log ends:", *tail, sep="\n  ",
+                          flush=True)
+                elif code is not None:
+                    job.state = "done" if code == 0 else "failed"
+                    print(f"[parity] {job.name} exited {code} after {time.time() - job.started:.0f} s", flush=True)
+                    if code:
+                        tail = (logs / f"{job.name}.log").read_text(errors="replace").splitlines()[-25:]
+                        print(*tail, sep="\n  ", flush=True)
+        for job in all_jobs:
+            if job.state != "waiting":
+                continue
+            deps = [by_name[d].state for d in job.after]
+            if any(s in ("failed", "skipped") for s in deps) or time.time() + job.estimate_s > deadline:
+                job.state = "skipped"
+                print(f"[parity] {job.name} skipped", flush=True)
+                continue
+            busy = sum(1 for j in all_jobs if j.state == "running" and j.gpu)
+            if all(s == "done" for s in deps) and (not job.gpu or busy < gpus):
+                for cmd in job.before:
+                    subprocess.run(cmd, check=True)
+                job.proc = subprocess.Popen(job.cmd, cwd=ROOT, env=env, stdout=open(logs / f"{job.name}.log", "w"),
+                                            stderr=subprocess.STDOUT, start_new_session=True)
+                job.started, job.state = time.time(), "running"
+                print(f"[parity] {job.name} started", flush=True)
+        time.sleep(2)
+
+
+def curves(runs: Path, logs: Path) -> dict[str, Path]:
+    """Each run's curve as a source ``llmjp-ds plot --beside`` reads: Megatron's log lines (A's two processes
+    joined) and our run directories."""
+    keep = ("iteration", "validation loss at")
+    sources = {}
+    for name, parts in (("megatron-a", ("A1", "A2")), ("megatron-b", ("B",)), ("megatron-f1", ("F1",)),
+                        ("megatron-f2", ("F2",))):
+        lines = [line for p in parts if (logs / f"{p}.log").exists()
+                 for line in (logs / f"{p}.log").read_text(errors="replace").splitlines()
+                 if any(k in line for k in keep)]
+        if lines:
+            sources[name] = logs / f"{name}.log"
+            sources[name].write_text("\n".join(lines) + "\n")
+    for name in ("ours", "ours-bf16", "ours-fp8"):
+        if (runs / name / "metrics.jsonl").exists():
+            sources[name] = runs / name
+    return sources
+
+
+def report(setup: Setup, sources: dict[str, Path], out: Path) -> str:
+    """The gaps (mean |loss difference| over the last 100 steps both logged, and at the last step), each beside
+    the spread it is judged against, and the figures."""
+    from llmjp_ds.curves import gap, read_curve
+    from llmjp_ds.plot import plot_run
+
+    c = {name: read_curve(src) for name, src in sources.items()}
+    rows = []
+    for what, ours, ref, spread in (("BF16, 1..end", "ours", "megatron-a", "megatron-b"),
+                                    ("FP8 from the flip (both from A's checkpoint)", "ours-fp8", "megatron-f1",
+                                     "megatron-f2"),
+                                    ("round trip: A imported at the flip, BF16", "ours-bf16", "megatron-a",
+                                     "megatron-b")):
+        if not all(k in c for k in (ours, ref, spread)):
+            rows.append(f"| {what} | not run | | | | | |")
+            continue
+        g, s = gap(c[ref], c[ours]), gap(c[ref], c[spread])
+        ratio = g["mean_abs"] / s["mean_abs"] if s.get("mean_abs") else float("inf")
+        meets = ratio <= 1.5 and abs(g["final_rel"]) <= 0.003  # the issue's targets
+        rows.append(f"| {what} | {g['mean_abs']:.4f} | {s['mean_abs']:.4f} | {ratio:.2f} | "
+                    f"{100 * g['final_rel']:+.3f} % | {100 * s['final_rel']:+.3f} % | {'yes' if meets else 'NO'} |")
+    for png, run, beside in (("parity-bf16.png", "ours", ("megatron-a", "megatron-b")),
+                             ("parity-fp8.png", "ours-fp8", ("megatron-f1", "megatron-f2")),
+                             ("parity-roundtrip.png", "ours-bf16", ("megatron-a", "megatron-b"))):
+        if run in sources and all(b in sources for b in beside):
+            plot_run(sources[run], out / png, [sources[b] for b in beside])
+    steps = (1, 2, setup.flip + 1, setup.flip + 2)
+    firsts = [f"| {name} | " + " | ".join(f"{c[name][s]['loss']:.5f} / {c[name][s].get('grad_norm', float('nan')):.3f}"
+                                          if s in c[name] else "" for s in steps) + " |" for name in c]
+    return "\n".join([
+        f"Setup: {setup}", "",
+        "| comparison | ours vs Megatron: mean abs loss diff, last 100 steps | Megatron vs Megatron (spread) | "
+        "ratio | ours at the last step | spread at the last step | ratio <= 1.5 and last step within 0.3 % |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+        *rows, "", f"| run | loss / grad norm at step 1 | 2 | {setup.flip + 1} | {setup.flip + 2} |",
+        "| --- | ---: | ---: | ---: | ---: |",
+        *firsts, ""])
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--megatron-lm", required=True, type=Path, help="a Megatron-LM checkout at core_v0.19")
+    p.add_argument("--tokenizer", required=True, help="the LLM-jp v3 SentencePiece model")
+    p.add_argument("--work", type=Path, default=Path("/tmp/parity"))
+    p.add_argument("--runs", type=Path, default=Path("/dev/shm/parity-runs"),
+                   help="our run directories (the imported checkpoint: 12 bytes a parameter)")
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/out")))
+    p.add_argument("--budget-s", type=float, default=560.0, help="stop starting runs that would end later")
+    p.add_argument("--gpus", type=int, default=3, help="runs sharing the GPU at a time (~40 GiB each)")
+    p.add_argument("--megabytes", type=float, default=24.0, help="of Python sources in the blend")
+    p.add_argument("--no-fixtures", dest="fixtures", action="store_false",
+                   help="leave out benchmarks/parity/fixtures.py's tiny checkpoints")
+    p.add_argument("--only", help="these runs alone, comma-separated (e.g. B,ours)")
+    p.add_argument("--lr", type=float, default=Setup.lr, help="peak LR; 1e-12 leaves the weights as they start, "
+                   "so each step's loss compares the two stacks' batches and forward passes alone")
+    p.add_argument("--steps", type=int, default=Setup.steps)
+    p.add_argument("--flip", type=int, default=Setup.flip)
+    a = p.parse_args(argv)
+    deadline = time.time() + a.budget_s
+    setup = Setup(steps=a.steps, flip=a.flip, lr=a.lr, min_lr=a.lr / 10)
+    logs = a.work / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    a.out.mkdir(parents=True, exist_ok=True)
+    blend = prepare(a.work, a.tokenizer, a.megabytes)
+    if not (a.work / "init-megatron" / "latest_checkpointed_iteration.txt").exists():
+        subprocess.run([sys.executable, "-m", "benchmarks.parity.init", "--hf", str(a.work / "init-hf"),
+                        "--megatron", str(a.work / "init-megatron")], check=True, cwd=ROOT)
+    all_jobs = [j for j in jobs(setup, a.work, a.runs, a.megatron_lm.resolve(), blend, a.tokenizer)
+                if (a.fixtures or j.name != "fixtures") and (not a.only or j.name in a.only.split(","))]
+    try:
+        schedule(all_jobs, logs, deadline, a.gpus)
+    finally:
+        for job in all_jobs:  # nothing outlives the comparison
+            if job.state == "running":
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(job.proc.pid, signal.SIGKILL)
+        sources = curves(a.runs, logs)
+        pack(a, all_jobs, sources, logs)
+    summary = report(setup, sources, a.out)
+    summary += "\n" + "\n".join(f"- {j.name}: {j.state}" for j in all_jobs) + "\n"
+    (a.out / "summary-parity.md").write_text(summary)
+    print(summary, flush=True)
+    shutil.rmtree(a.runs, ignore_errors=True)
+
+
+def _worth_keeping(lines: list[str], i: int) -> bool:
+    """A line of a run's log that says what happened: a loaded checkpoint, an error and the traceback before it."""
+    if re.search(r"load_return|Error|error:|checkpoint|iteration +(1|2|3)/", lines[i]):
+        return True
+    return any("Error" in x for x in lines[i + 1:i + 25]) and "Traceback" in "".join(lines[max(0, i - 30):i + 1])
+
+
+def pack(a, all_jobs: list[Job], sources: dict[str, Path], logs: Path) -> None:
+    """The curves and every log's tail in ``parity-curves.tgz``; Megatron-LM's fixtures in
+    ``megatron-fixtures.tgz``."""
+    with tarfile.open(a.out / "parity-curves.tgz", "w:gz") as tar:
+        for name, src in sources.items():
+            tar.add(src / "metrics.jsonl" if src.is_dir() else src,
+                    arcname=f"{name}.{'jsonl' if src.is_dir() else 'log'}")
+        for job in all_jobs:  # every log's tail: what a failed run said
+            log = logs / f"{job.name}.log"
+            if log.exists():
+                lines = log.read_text(errors="replace").splitlines()
+                said = [x[:4000] for i, x in enumerate(lines) if _worth_keeping(lines, i)]
+                tail = said[-200:] + ["-- the log's end --"] + lines[-40:]
+                (logs / f"{job.name}.tail").write_text("\n".join(tail) + "\n")
+                tar.add(logs / f"{job.name}.tail", arcname=f"tails/{job.name}.log")
+        for log in (a.work / "fixtures").glob("*.log"):
+            tar.add(log, arcname=f"tails/fixtures-{log.name}")
+    if (a.work / "fixtures").is_dir():
+        with tarfile.open(a.out / "megatron-fixtures.tgz", "w:gz") as tar:
+            tar.add(a.work / "fixtures", arcname="megatron-fixtures", filter=lambda t: None if t.name.endswith(".log")
+                    else t)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""One initialisation for both stacks: ``python -m benchmarks.parity.init --hf DIR --megatron DIR [--seed N]``.
+
+Builds ``llmjp3-1.8b`` (ours, seeded), rounds it to bf16 (what both stacks hold as model weights) and writes it
+twice from the same tensors: an HF directory (``model.init_from_hf`` of ``llmjp-ds train``) and a Megatron-LM
+release checkpoint in the legacy ``torch`` layout (``release/mp_rank_00/model_optim_rng.pt``), which
+``pretrain_gpt.py --load DIR --finetune`` reads as its iteration-0 weights. The Megatron names are
+``model/megatron_adapter.to_megatron_state_dict``'s (Megatron-Core's TE layer spec).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+# Megatron-Core's TE layer spec: the modules of a decoder layer that keep TE's extra state (FP8 metadata; none in
+# an initial checkpoint), and the output layer, whose extra state Megatron keeps for TE's state-dict layout
+_EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.core_attention", "self_attention.linear_proj",
+                        "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+def write_megatron_release(state: dict[str, torch.Tensor], num_layers: int, directory: Path) -> Path:
+    """``state`` (Megatron-Core names) as a legacy release checkpoint: the weights only, no args, no optimizer."""
+    model = dict(state)
+    for i in range(num_layers):
+        for module in _EXTRA_STATE_MODULES:
+            model[f"decoder.layers.{i}.{module}._extra_state"] = None
+    model["output_layer._extra_state"] = None
+    path = directory / "release" / "mp_rank_00" / "model_optim_rng.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"model": model, "checkpoint_version": 3.0, "iteration": 0}, path)
+    (directory / "latest_checkpointed_iteration.txt").write_text("release")
+    return path
+
+
+def main(argv=None) -> None:
+    from llmjp_ds.model import LlamaForCausalLM
+    from llmjp_ds.model.megatron_adapter import to_megatron_state_dict
+    from llmjp_ds.model.shapes import model_config
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hf", required=True, type=Path)
+    p.add_argument("--megatron", required=True, type=Path)
+    p.add_argument("--shape", default="llmjp3-1.8b")
+    p.add_argument("--seed", type=int, default=42)
+    a = p.parse_args(argv)
+    config = model_config(a.shape)
+    torch.manual_seed(a.seed)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = LlamaForCausalLM(config, backend="torch").to(torch.bfloat16)
+    model.save_pretrained(a.hf, dtype=torch.bfloat16)
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    path = write_megatron_release(to_megatron_state_dict(state, config), config.num_hidden_layers, a.megatron)
+    print(f"initial weights: {a.hf} (HF) and {path} (Megatron-LM), {sum(v.numel() for v in state.values())} "
+          f"parameters", flush=True)
+
+
+if __name__ == "__main__":
+    main()

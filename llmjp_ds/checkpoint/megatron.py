@@ -1,0 +1,234 @@
+"""``llmjp-ds import-megatron``: a Megatron-LM run at iteration N (weights, optimizer, data position) becomes a
+llmjp-ds run at step N, which ``llmjp-ds train`` resumes so that its next step continues the Megatron run.
+
+The Megatron checkpoint is read whole (:mod:`~llmjp_ds.checkpoint.megatron_reader`, any format and layout), checked
+against the run config the user gives (the model's shape, the vocabulary and the tokenizer, the sequence length,
+the global batch), and written as a new run directory: ``config.yaml`` (the config, with the LR schedule, AdamW's
+settings and the schedule's position taken from the checkpoint) and one checkpoint ``stepNNNNNNNN`` in the
+layout-free form a resume on another layout reads (``parallel/reshape.py``: per parameter its fp32 master weight
+and Adam moments, the optimizer step), with the trainer's state (step = Megatron's iteration, consumed samples =
+``args.consumed_train_samples``), the marker and its manifest, and ``latest``. Every check runs before anything is
+written; the run directory is built beside its place and renamed into it, and one that exists is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from llmjp_ds.checkpoint.megatron_reader import MegatronCheckpoint
+from llmjp_ds.errors import fail
+
+
+
+def _shape_pairs(ckpt: MegatronCheckpoint, cfg, model_config) -> list[tuple[str, object, str, object]]:
+    """(Megatron argument, its value, config key, the config's value) of everything that must agree."""
+    from llmjp_ds.config import seq_len_of
+    from llmjp_ds.model.shapes import rope_theta
+
+    a = ckpt.arg
+    heads = a("num_attention_heads")
+    groups = a("num_query_groups") if a("group_query_attention", False) else heads
+    return [("num_layers", a("num_layers"), "model.overrides.num_layers", model_config.num_hidden_layers),
+            ("hidden_size", a("hidden_size"), "model.overrides.hidden_size", model_config.hidden_size),
+            ("num_attention_heads", heads, "model.overrides.num_attention_heads", model_config.num_attention_heads),
+            ("num_query_groups", groups, "model.overrides.num_key_value_heads", model_config.num_key_value_heads),
+            ("ffn_hidden_size", a("ffn_hidden_size"), "model.overrides.ffn_hidden_size",
+             model_config.intermediate_size),
+            ("kv_channels", a("kv_channels") or a("hidden_size") // heads, "model.overrides.head_dim",
+             model_config.head_dim),
+            ("padded_vocab_size", a("padded_vocab_size"), "model.overrides.vocab_size", model_config.vocab_size),
+            ("rotary_base", float(a("rotary_base", 10000)), "model.overrides.rope_theta",
+             rope_theta(model_config)),
+            ("norm_epsilon", float(a("norm_epsilon", 1e-5)), "model.overrides.rms_norm_eps",
+             float(model_config.rms_norm_eps)),
+            ("seq_length", a("seq_length"), "data.seq_len", seq_len_of(cfg, model_config)),
+            ("global_batch_size", a("global_batch_size"), "train.global_batch_size", cfg.train.global_batch_size)]
+
+
+def check_config(ckpt: MegatronCheckpoint, cfg, model_config) -> None:
+    """Refuse, in one line naming both values, a config that disagrees with the checkpoint."""
+    for arg, theirs, key, ours in _shape_pairs(ckpt, cfg, model_config):
+        if theirs != ours:
+            fail(f"the Megatron checkpoint has {arg}={theirs}, the run config {key}={ours}: pass the config of the "
+                 f"run that wrote it (--config / --preset / --set {key}={theirs})")
+    if cfg.parallel.zero_stage != 1:
+        fail(f"parallel.zero_stage={cfg.parallel.zero_stage}: an imported run resumes from the layout-free form, "
+             "which ZeRO-1 reads; set parallel.zero_stage=1")
+    if cfg.train.steps <= ckpt.iteration:
+        fail(f"train.steps={cfg.train.steps} but the Megatron run is already at iteration {ckpt.iteration}: set "
+             "train.steps to the iteration the run should reach")
+    _check_tokenizer(ckpt, cfg)
+
+
+def _check_tokenizer(ckpt: MegatronCheckpoint, cfg) -> None:
+    """The run's tokenizer pads (Megatron's rule: to a multiple of make_vocab_size_divisible_by x TP) to the
+    checkpoint's embedding rows."""
+    from llmjp_ds.data.tokenizer import load_tokenizer
+    from llmjp_ds.model.shapes import pad_vocab_size
+
+    if not cfg.data.tokenizer:
+        fail("data.tokenizer is not set: pass the tokenizer the Megatron run trained with (a SentencePiece .model "
+             "or an HF tokenizer directory), e.g. --set data.tokenizer=PATH")
+    pieces = load_tokenizer(cfg.data.tokenizer).vocab_size
+    multiple = int(ckpt.arg("make_vocab_size_divisible_by", 128)) * int(ckpt.arg("tensor_model_parallel_size", 1))
+    rows = ckpt.arg("padded_vocab_size")
+    if pad_vocab_size(pieces, multiple) != rows:
+        fail(f"the tokenizer {cfg.data.tokenizer} has {pieces} pieces, which Megatron pads to "
+             f"{pad_vocab_size(pieces, multiple)} rows (a multiple of {multiple}), but the checkpoint's embedding has "
+             f"{rows}: pass the tokenizer the Megatron run trained with (data.tokenizer)")
+
+
+def optim_settings(ckpt: MegatronCheckpoint) -> dict:
+    """The ``optim`` section that continues Megatron's schedule and AdamW: its counts in samples as steps."""
+    sched, gbs = ckpt.scheduler, int(ckpt.arg("global_batch_size"))
+    where = f"{ckpt.directory}'s opt_param_scheduler"
+    if not sched:
+        fail(f"{ckpt.directory} holds no opt_param_scheduler: the LR schedule cannot be continued")
+    style = sched.get("lr_decay_style", ckpt.arg("lr_decay_style"))
+    if style != "cosine":
+        fail(f"{where} decays the LR by {style!r}: llmjp-ds continues cosine schedules only")
+    if float(ckpt.arg("lr_warmup_init", 0.0) or 0.0) != 0.0:
+        fail(f"the Megatron run warms up from lr_warmup_init={ckpt.arg('lr_warmup_init')}: llmjp-ds warms up from 0")
+    if sched.get("start_wd", 0.0) != sched.get("end_wd", 0.0):
+        fail(f"{where} changes the weight decay over the run ({sched.get('start_wd')} -> {sched.get('end_wd')}): "
+             "llmjp-ds keeps it constant")
+    counts = {k: int(sched[k]) for k in ("lr_warmup_steps", "lr_decay_steps", "num_steps")}
+    for key, value in counts.items():
+        if value % gbs:
+            fail(f"{where} has {key}={value} samples, not a whole number of steps of the global batch {gbs}: "
+                 "llmjp-ds schedules in steps")
+    if counts["num_steps"] != ckpt.iteration * gbs:
+        fail(f"{where} is at {counts['num_steps']} samples, but iteration {ckpt.iteration} x global batch {gbs} is "
+             f"{ckpt.iteration * gbs}: the schedule was overridden; it cannot be continued step for step")
+    max_lr, min_lr = float(sched["max_lr"]), float(sched["min_lr"])
+    return {"schedule": "megatron", "lr": max_lr, "min_lr_ratio": min_lr / max_lr,
+            "warmup_steps": counts["lr_warmup_steps"] // gbs, "decay_steps": counts["lr_decay_steps"] // gbs,
+            "beta1": float(ckpt.arg("adam_beta1", 0.9)), "beta2": float(ckpt.arg("adam_beta2", 0.999)),
+            "eps": float(ckpt.arg("adam_eps", 1e-8)), "weight_decay": float(sched.get("end_wd", 0.0)),
+            "clip_grad": float(ckpt.arg("clip_grad", 1.0))}
+
+
+def layout_free_states(ckpt: MegatronCheckpoint, model_config) -> dict[str, dict]:
+    """Per parameter (our names): its fp32 master weight and Adam moments (zeros where the checkpoint has no
+    optimizer state)."""
+    from llmjp_ds.model.megatron_adapter import from_megatron_state_dict, megatron_name
+
+    weights = from_megatron_state_dict(ckpt.weights, model_config)
+    out = {}
+    for name, weight in weights.items():
+        state = (ckpt.optimizer or {}).get(megatron_name(name))
+        if ckpt.optimizer is not None and state is None:
+            fail(f"{ckpt.directory} holds no optimizer state for {megatron_name(name)}: it is incomplete")
+        fp32 = state["param"] if state else weight
+        if tuple(fp32.shape) != tuple(weight.shape):
+            fail(f"{ckpt.directory}: the optimizer's {megatron_name(name)} has shape {list(fp32.shape)}, the weight "
+                 f"{list(weight.shape)}: the checkpoint is damaged")
+        zeros = torch.zeros(weight.shape, dtype=torch.float32)
+        out[name] = {"fp32": fp32.float().contiguous(),
+                     "exp_avg": (state["exp_avg"] if state else zeros).float().contiguous(),
+                     "exp_avg_sq": (state["exp_avg_sq"] if state else zeros).float().contiguous()}
+    return out
+
+
+def _write_tag(tag_dir: Path, states: dict, step: int, client: dict) -> dict:
+    """The checkpoint's files; returns their manifest (relative path -> size and xxh3)."""
+    from llmjp_ds.checkpoint.manifest import digest, save_hashed
+    from llmjp_ds.checkpoint.readers import CLIENT_STATE
+    from llmjp_ds.parallel.reshape import CONVERTED, DONE
+
+    files = {}
+    (tag_dir / CONVERTED).mkdir(parents=True)
+    for name, state in states.items():
+        files[f"{CONVERTED}/{name}.pt"] = save_hashed(state, tag_dir / CONVERTED / f"{name}.pt")
+    meta = {"step": torch.tensor(float(step)), "extra": {}}
+    files[f"{CONVERTED}/_extra_state.pt"] = save_hashed(meta, tag_dir / CONVERTED / "_extra_state.pt")
+    (tag_dir / CONVERTED / DONE).write_text("megatron\n")
+    files[CLIENT_STATE] = save_hashed(client, tag_dir / CLIENT_STATE)
+    files[f"{CONVERTED}/{DONE}"] = digest(tag_dir / CONVERTED / DONE)
+    return files
+
+
+def import_megatron(load, run, iteration: int | None = None, config=None, preset: str | None = None,
+                    sets=()) -> dict:
+    """Write run directory ``run`` from the Megatron checkpoint ``load`` (``iteration``: default the newest)
+    with the run config of ``config`` / ``preset`` / ``sets`` (as ``llmjp-ds train`` takes them). Every check
+    runs before anything is written."""
+    from llmjp_ds.checkpoint import megatron_reader
+    from llmjp_ds.config import RunConfig, build, load_config, model_config_of
+
+    run_dir = Path(run)
+    if run_dir.exists() or run_dir.is_symlink():
+        fail(f"{run_dir} already exists: import-megatron writes a new run directory (two runs never share one); "
+             "choose another --run")
+    cfg = load_config(config, [*sets, f"run_dir={run_dir}"], preset)
+    model_config = model_config_of(cfg)
+    ckpt = megatron_reader.read(load, iteration)
+    check_config(ckpt, cfg, model_config)
+    optim = optim_settings(ckpt)
+    states = layout_free_states(ckpt, model_config)
+    data = cfg.to_dict()
+    data["optim"].update(optim)
+    data["model"]["overrides"] = {k: v for k, v in data["model"]["overrides"].items() if v is not None}
+    build(RunConfig, data)  # the config.yaml written below loads: a mistake here is refused before any write
+    a = ckpt.arg
+    consumed = int(a("consumed_train_samples") or ckpt.iteration * cfg.train.global_batch_size)
+    tp, pp, dp = (int(a(k, 1) or 1) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                               "data_parallel_size"))
+    source = {"load": str(Path(load).resolve()), "iteration": ckpt.iteration, "format": ckpt.fmt,
+              "layout": f"TP{tp} x PP{pp} x DP{dp}", "optimizer_state": ckpt.optimizer is not None,
+              "optimizer_step": ckpt.step}
+    client = {"train_state": {"step": ckpt.iteration, "consumed_samples": consumed, "skipped_in_a_row": 0,
+                              "skipped_total": 0}, "imported_from": source}
+    tag = _write_run(run_dir, data, cfg, model_config, states, client, ckpt.step, (pp, dp, tp))
+    return {"run_dir": str(run_dir), "tag": tag, "step": ckpt.iteration, "consumed_samples": consumed, **source,
+            "optim": optim}
+
+
+def _write_run(run_dir: Path, data: dict, cfg, model_config, states: dict, client: dict, optimizer_step: int,
+               megatron_layout: tuple[int, int, int]) -> str:
+    """The run directory, built beside its place and renamed into it: config.yaml, the checkpoint (its marker
+    last), ``latest``. Returns the checkpoint's tag."""
+    import json
+
+    import yaml
+
+    from llmjp_ds.checkpoint.store import LATEST, MARKER, CheckpointMeta, tag_for
+    from llmjp_ds.io_utils import atomic_directory
+
+    step = client["train_state"]["step"]
+    tag = tag_for(step)
+    pp, dp, tp = megatron_layout
+    meta = CheckpointMeta.for_run(cfg, model_config, dp)
+    meta.pipeline_stages, meta.tensor_parallel, meta.layout_free = pp, tp, True  # Megatron's layout, for the log
+    with atomic_directory(run_dir) as tmp:
+        with open(tmp / "config.yaml", "w") as f:
+            yaml.safe_dump(data, f, sort_keys=False)
+        tag_dir = tmp / "checkpoints" / tag
+        files = _write_tag(tag_dir, states, optimizer_step, client)
+        (tag_dir / MARKER).write_text(json.dumps({**meta.to_dict(), "step": step, "tag": tag,
+                                                  "files": dict(sorted(files.items()))}, indent=1))
+        (tmp / "checkpoints" / LATEST).write_text(tag)
+    return tag
+
+
+def cli_main(argv: list[str], verb: str = "import-megatron") -> int:
+    p = argparse.ArgumentParser(prog=f"llmjp-ds {verb}", description="continue a Megatron-LM run: its checkpoint "
+                                "(weights, optimizer, LR schedule, data position) as a new llmjp-ds run")
+    p.add_argument("--load", required=True, help="Megatron-LM's --save directory (or one iter_NNNNNNN directory)")
+    p.add_argument("--iteration", type=int, default=None, help="the iteration to import (default: the latest)")
+    p.add_argument("--run", required=True, help="run directory to create (must not exist)")
+    p.add_argument("--config", help="run config (YAML or JSON), as llmjp-ds train takes it")
+    p.add_argument("--preset", help="run preset, e.g. llmjp3-1.8b")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value (repeatable)")
+    a = p.parse_args(argv)
+    out = import_megatron(a.load, a.run, a.iteration, a.config, a.preset, a.sets)
+    state = "with its optimizer state" if out["optimizer_state"] else "without optimizer state (AdamW starts afresh)"
+    print(f"imported iteration {out['iteration']} ({out['format']}, {out['layout']}) {state} as {out['tag']} of "
+          f"{out['run_dir']} ({out['consumed_samples']} samples consumed; LR {out['optim']['lr']:g}, warmup "
+          f"{out['optim']['warmup_steps']}, decay to step {out['optim']['decay_steps']}, Megatron's schedule); "
+          f"continue with: llmjp-ds train --config {Path(out['run_dir']) / 'config.yaml'}")
+    return 0

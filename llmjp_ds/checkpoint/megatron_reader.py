@@ -1,0 +1,327 @@
+"""Reading a Megatron-LM checkpoint directory of either format and any TP/PP/DP layout into whole tensors.
+
+``--load`` is what Megatron-LM's ``--save`` holds (``latest_checkpointed_iteration.txt`` and ``iter_NNNNNNN/``),
+or one ``iter_NNNNNNN`` (or ``release``) directory:
+
+* ``torch`` (legacy): ``mp_rank_TT[_PPP]/model_optim_rng.pt`` per tensor-parallel rank TT and pipeline stage PPP
+  (a dict: args, iteration, model or model0, model1, ... per virtual-pipeline chunk, optimizer,
+  opt_param_scheduler, ...), and ``distrib_optim.pt`` beside it under the distributed optimizer;
+* ``torch_dist``: ``metadata.json``, ``common.pt`` (args, iteration, opt_param_scheduler, the optimizer's plain
+  part), ``.metadata`` and ``__R_K.distcp`` (megatron.core.dist_checkpointing over torch.distributed.checkpoint).
+
+Every file is read through :mod:`llmjp_ds.checkpoint.safe_load` (nothing in it runs). The result is a
+:class:`MegatronCheckpoint`: the weights under Megatron-Core's TE-spec names (``megatron_adapter.canonical_name``),
+whole (tensor-parallel shards merged) and numbered globally, and per weight its fp32 master weight and Adam moments
+where the checkpoint has them (:mod:`llmjp_ds.checkpoint.megatron_optim` says where each format keeps them).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from llmjp_ds.checkpoint import megatron_optim as mo
+from llmjp_ds.checkpoint.safe_load import StandIn, load_megatron
+from llmjp_ds.errors import fail
+from llmjp_ds.model import megatron_adapter as ma
+
+TRACKER = "latest_checkpointed_iteration.txt"
+_ITER = re.compile(r"^iter_(\d{7})$")
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(_\d{3})?$")
+
+
+@dataclass
+class MegatronCheckpoint:
+    directory: Path  # the iter_ directory
+    fmt: str  # torch | torch_dist
+    args: dict  # the run's arguments (argparse.Namespace's fields)
+    iteration: int
+    scheduler: dict  # opt_param_scheduler's state
+    weights: dict  # Megatron-Core TE-spec name -> whole tensor
+    optimizer: dict | None  # name -> {param, exp_avg, exp_avg_sq}, whole, or None without optimizer state
+    step: int  # the optimizer's step count
+
+    def arg(self, name: str, default=None):
+        return self.args.get(name, default)
+
+
+def locate(load, iteration: int | None = None) -> Path:
+    """The ``iter_`` directory ``--load`` (and ``--iteration``) name; refused in one line if there is none."""
+    load = Path(load)
+    if not load.is_dir():
+        fail(f"--load {load} is not a directory: pass the directory Megatron-LM saved to (--save), or one of its "
+             "iter_NNNNNNN directories")
+    if _ITER.match(load.name) or load.name == "release":
+        if iteration is not None and load.name != f"iter_{iteration:07d}":
+            fail(f"--load {load} is the checkpoint of another iteration than --iteration {iteration}: pass its save "
+                 "directory with --iteration, or the iter_ directory alone")
+        return load
+    iters = sorted(int(m.group(1)) for p in load.iterdir() if (m := _ITER.match(p.name)) and p.is_dir())
+    if iteration is None:
+        if not (load / TRACKER).is_file():
+            fail(f"{load} is not a Megatron-LM checkpoint directory (no {TRACKER}"
+                 + (f"; it holds iterations {iters[-3:]}: pass --iteration" if iters else ", no iter_ directories")
+                 + ")")
+        text = (load / TRACKER).read_text(errors="replace").strip()
+        if text == "release":
+            return load / "release"
+        if not text.isdigit():
+            fail(f"{load / TRACKER} holds {text[:40]!r}, not an iteration: pass --iteration N")
+        iteration = int(text)
+    path = load / f"iter_{iteration:07d}"
+    if not path.is_dir():
+        fail(f"{load} has no checkpoint of iteration {iteration} ({path.name} is missing); it holds iterations "
+             f"{iters[-5:] or 'none'}")
+    return path
+
+
+def read(load, iteration: int | None = None) -> MegatronCheckpoint:
+    """The Megatron checkpoint ``--load`` / ``--iteration`` name, read whole."""
+    directory = locate(load, iteration)
+    if (directory / "metadata.json").is_file():
+        return _read_torch_dist(directory)
+    if any(_RANK_DIR.match(p.name) for p in directory.iterdir()):
+        return _read_torch(directory)
+    fail(f"{directory} is not a Megatron checkpoint: it holds neither mp_rank_* directories (format torch) nor "
+         "metadata.json (format torch_dist)")
+
+
+def _arguments(state, path: Path) -> dict:
+    """The run's arguments a checkpoint file holds (an argparse.Namespace, read as a StandIn), as a dict."""
+    args = state.get("args") if isinstance(state, dict) else None
+    if not isinstance(args, StandIn):
+        fail(f"{path} holds no Megatron-LM arguments: it is not a Megatron-LM checkpoint")
+    return dict(vars(args))
+
+
+def check_supported(args, where: Path) -> None:
+    """The model Megatron trained is a Llama (RMSNorm, SwiGLU, RoPE, no biases, untied head) on a dense layout."""
+    wrong = []
+    checks = (("normalization", "RMSNorm"), ("swiglu", True), ("position_embedding_type", "rope"),
+              ("add_bias_linear", False), ("untie_embeddings_and_output_weights", True), ("qk_layernorm", False),
+              ("rotary_interleaved", False), ("add_qkv_bias", False))
+    for name, want in checks:
+        have = args.get(name, want)
+        if have != want:
+            wrong.append(f"{name}={have!r}")
+    for name in ("num_experts", "rampup_batch_size"):
+        if args.get(name):
+            wrong.append(f"{name}={args.get(name)!r}")
+    for name in ("context_parallel_size", "expert_model_parallel_size", "num_distributed_optimizer_instances"):
+        if mo.arg_int(args, name) != 1:
+            wrong.append(f"{name}={args.get(name)!r}")
+    if float(args.get("rotary_percent", 1.0) or 1.0) != 1.0:
+        wrong.append(f"rotary_percent={args.get('rotary_percent')!r}")
+    if wrong:
+        fail(f"{where} was trained with {', '.join(wrong)}: llmjp-ds continues Llama-style runs only (RMSNorm, "
+             "SwiGLU, full RoPE, no biases, untied head, no MoE, context parallelism or batch ramp-up)")
+
+
+# --- torch (legacy) ---------------------------------------------------------------------------------------------
+
+def _rank_dirs(directory: Path, tp: int, pp: int) -> dict[tuple[int, int], Path]:
+    found = {}
+    for p in directory.iterdir():
+        m = _RANK_DIR.match(p.name)
+        if m and p.is_dir():
+            if m.group(3):
+                fail(f"{directory} holds expert-parallel shards ({p.name}): MoE checkpoints are not supported")
+            found[(int(m.group(1)), int(m.group(2) or 0))] = p
+    want = {(t, s) for t in range(tp) for s in range(pp)}
+    name = (lambda t, s: f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{s:03d}")
+    missing = sorted(want - set(found))
+    if missing:
+        fail(f"{directory} lacks {name(*missing[0])}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+             + f": its arguments say TP {tp} x PP {pp}; the checkpoint is incomplete, copy every mp_rank directory")
+    extra = [found[k].name for k in sorted(set(found) - want)]
+    extra += [p.name for p in found.values() if (pp > 1) != bool(_RANK_DIR.match(p.name).group(2))]
+    if extra:
+        fail(f"{directory} holds {extra[0]}, which does not add up to the TP {tp} x PP {pp} its arguments give: the "
+             "directory mixes checkpoints of several layouts; import it from a copy of one run's files")
+    return found
+
+
+def _flatten(tree, prefix: str = "") -> dict:
+    """A legacy Megatron-LM model state (nested dicts) as one level of dotted names."""
+    if not isinstance(tree, dict):
+        return {prefix[:-1]: tree}
+    out = {}
+    for key, value in tree.items():
+        out.update(_flatten(value, f"{prefix}{key}."))
+    return out
+
+
+def _model_chunks(state: dict, path: Path) -> list[dict]:
+    if "model" in state:
+        return [_flatten(state["model"])]
+    keys = sorted((k for k in state if re.fullmatch(r"model\d+", str(k))), key=lambda k: int(k[5:]))
+    chunks = [state[k] for k in keys]
+    if not chunks:
+        fail(f"{path} holds no model (no 'model' entry): it is not a Megatron model checkpoint")
+    return [_flatten(c) for c in chunks]
+
+
+def _read_torch(directory: Path) -> MegatronCheckpoint:
+    first = next(p for p in sorted(directory.iterdir()) if _RANK_DIR.match(p.name))
+    head = load_megatron(_model_file(first))
+    args = _arguments(head, _model_file(first))
+    check_supported(args, directory)
+    if float(head.get("checkpoint_version") or 0) < 2.0:  # Megatron-LM's fix_query_key_value_ordering
+        fail(f"{directory} is a Megatron-LM checkpoint of version {head.get('checkpoint_version')}, whose fused QKV "
+             "is ordered otherwise (before 2.0): load and save it once with a recent Megatron-LM first")
+    tp, pp = mo.arg_int(args, "tensor_model_parallel_size"), mo.arg_int(args, "pipeline_model_parallel_size")
+    dirs = _rank_dirs(directory, tp, pp)
+    states = {key: (head if path == first else load_megatron(_model_file(path))) for key, path in dirs.items()}
+    chunks = {key: _model_chunks(s, dirs[key]) for key, s in states.items()}
+    vp = len(chunks[(0, 0)])
+    counts = [[ma.layer_count(chunks[(0, s)][v]) for s in range(pp)] for v in range(vp)]
+    offsets = ma.chunk_layer_offsets(counts)
+    weights = {}
+    for s in range(pp):
+        for v in range(vp):
+            merged = _merge_tp([chunks[(t, s)][v] for t in range(tp)])
+            weights.update(ma.renumber_layers(merged, offsets[v][s]))
+    optimizer, step = _torch_optimizer(directory, args, dirs, states, chunks, offsets)
+    weights = {ma.canonical_name(k) or k: v for k, v in weights.items()}
+    return MegatronCheckpoint(directory, "torch", args, int(head.get("iteration", 0)),
+                              dict(head.get("opt_param_scheduler") or {}), weights, optimizer, step)
+
+
+def _model_file(rank_dir: Path) -> Path:
+    path = rank_dir / "model_optim_rng.pt"
+    if not path.is_file():
+        fail(f"{rank_dir} lacks model_optim_rng.pt: the checkpoint is incomplete; copy it again from the Megatron run")
+    return path
+
+
+def _merge_tp(shards: list[dict]) -> dict:
+    return {name: ma.tp_merge_megatron(name, [s[name] for s in shards]) for name in shards[0]
+            if not ma.is_extra_state(name)}
+
+
+def _params(chunk: dict) -> list[tuple[str, int, torch.dtype]]:
+    return [(n, t.numel(), t.dtype) for n, t in chunk.items() if not ma.is_extra_state(n) and hasattr(t, "dtype")]
+
+
+def _torch_optimizer(directory, args, dirs, states, chunks, offsets):
+    """(name -> whole {param, exp_avg, exp_avg_sq}, step) of a legacy checkpoint; (None, 0) without optimizer."""
+    head = states[(0, 0)]
+    if "optimizer" not in head:
+        return None, 0
+    tp = mo.arg_int(args, "tensor_model_parallel_size")
+    per_rank = {}
+    for (t, s), path in dirs.items():
+        ranks = chunks[(t, s)]
+        if args.get("use_distributed_optimizer", False):
+            per_rank[(t, s)] = _distributed_state(path, args, ranks, s)
+        else:
+            per_rank[(t, s)] = _local_state(path, states[(t, s)].get("optimizer") or {}, ranks)
+    merged = {}
+    for (t, s), state in per_rank.items():
+        if t:
+            continue
+        for v, names in enumerate(state):
+            for name in names:
+                whole = {k: ma.tp_merge_megatron(name, [per_rank[(r, s)][v][name][k] for r in range(tp)])
+                         for k in mo.STATES}
+                merged.update(ma.renumber_layers({name: whole}, offsets[v][s]))
+    opt = head["optimizer"]
+    groups = (opt.get("optimizer") or {}).get("param_groups", []) if isinstance(opt, dict) else []
+    steps = [g.get("step") for g in groups]
+    inner_state = (opt.get("optimizer") or {}).get("state", {}) if isinstance(opt, dict) else {}
+    steps += [s.get("step") for s in inner_state.values() if isinstance(s, dict)]
+    step = mo.optimizer_step([float(x) for x in steps if x is not None], directory / "mp_rank_00")
+    return {ma.canonical_name(k) or k: v for k, v in merged.items()}, step
+
+
+def _distributed_state(rank_dir: Path, args, chunks: list[dict], stage: int) -> list[dict]:
+    """Per model chunk: name (local) -> {param, exp_avg, exp_avg_sq} shaped as the rank's weight."""
+    path = rank_dir / "distrib_optim.pt"
+    if not path.is_file():
+        fail(f"{rank_dir} lacks distrib_optim.pt, which the distributed optimizer writes beside model_optim_rng.pt: "
+             "the checkpoint is incomplete; copy it again from the Megatron run")
+    state = load_megatron(path)
+    if isinstance(state, list):
+        fail(f"{path} holds {len(state)} chained optimizers: only one (a dense model's) is supported")
+    dp = mo.arg_int(args, "data_parallel_size")
+    numel = sum(n for c in chunks for _, n, _ in _params(c))
+    buffers = mo.buffers_of([_params(c) for c in chunks])
+    out: list[dict] = [{} for _ in chunks]
+    for index, (v, dtype, params) in enumerate(buffers):
+        stored = state.get(index) if isinstance(state, dict) else None
+        world = next((w for key, w in (stored or {}).items() if isinstance(key, tuple) and key[0] == dtype), None)
+        if world is None:
+            fail(f"{path} holds no optimizer state for buffer {index} ({dtype}): it does not match its model")
+        buckets = mo.buffer_layout(params, mo.bucket_size(args, v, stage, numel), dp,
+                                   bool(args.get("ddp_pad_buckets_for_high_nccl_busbw", False)))
+        if state.get("buckets_coalesced"):
+            flat = mo.split_buffer(world, buckets, str(path))
+        else:
+            flat = mo.split_buckets(world, buckets, str(path))
+        for name, tensors in flat.items():
+            out[v][name] = {k: t.view(chunks[v][name].shape) for k, t in tensors.items()}
+    return out
+
+
+def _local_state(rank_dir: Path, opt: dict, chunks: list[dict]) -> list[dict]:
+    """The same from Megatron's non-distributed optimizer (Float16OptimizerWithFloat16Params or FP32Optimizer):
+    its groups list the parameters by index, in group order."""
+    where = rank_dir / "model_optim_rng.pt"
+    inner = opt.get("optimizer", opt) if isinstance(opt, dict) else {}
+    groups, state = inner.get("param_groups", []), inner.get("state", {})
+    names = [(f"{v}:{n}", chunks[v][n].dim()) for v, c in enumerate(chunks) for n, _, _ in _params(c)]
+    members = mo.group_members(names, groups, str(where))
+    masters = opt.get("fp32_from_fp16_params")
+    out: list[dict] = [{} for _ in chunks]
+    for g, (group, member) in enumerate(zip(groups, members)):
+        for i, (index, key) in enumerate(zip(group["params"], member)):
+            v, name = key.split(":", 1)
+            weight = chunks[int(v)][name]
+            moments = state.get(index, {})
+            master = masters[g][i] if masters else weight
+            if tuple(master.shape) != tuple(weight.shape):
+                fail(f"{where}: the optimizer's parameter {index} has shape {list(master.shape)}, its weight "
+                     f"{name} {list(weight.shape)}: the optimizer groups differ from Megatron's defaults")
+            zeros = torch.zeros(weight.shape)
+            out[int(v)][name] = {"param": master.float(), "exp_avg": moments.get("exp_avg", zeros).float(),
+                                 "exp_avg_sq": moments.get("exp_avg_sq", zeros).float()}
+    return out
+
+
+# --- torch_dist ---------------------------------------------------------------------------------------------------
+
+def _read_torch_dist(directory: Path) -> MegatronCheckpoint:
+    from llmjp_ds.checkpoint.dcp_reader import DistCheckpoint
+    from llmjp_ds.checkpoint.megatron_dist_optim import dist_optimizer
+
+    try:
+        backend = json.loads((directory / "metadata.json").read_text()).get("sharded_backend")
+    except (OSError, ValueError, AttributeError) as exc:
+        fail(f"{directory / 'metadata.json'} cannot be read ({exc}): the checkpoint is damaged")
+    if backend != "torch_dist":
+        fail(f"{directory} is a Megatron distributed checkpoint of backend {backend!r}: only torch_dist is supported")
+    if not (directory / "common.pt").is_file():
+        fail(f"{directory} lacks common.pt: the checkpoint is incomplete; copy it again from the Megatron run")
+    common = load_megatron(directory / "common.pt")
+    args = _arguments(common, directory / "common.pt")
+    check_supported(args, directory)
+    dcp = DistCheckpoint(directory)
+    weights = _dist_weights(dcp, mo.arg_int(args, "num_layers", 0))
+    optimizer, step = dist_optimizer(dcp, common, args, weights)
+    return MegatronCheckpoint(directory, "torch_dist", args, int(common.get("iteration", 0)),
+                              dict(common.get("opt_param_scheduler") or {}), weights, optimizer, step)
+
+
+def _dist_weights(dcp, num_layers: int) -> dict:
+    from llmjp_ds.checkpoint.megatron_dist_optim import unstack
+
+    weights = {}
+    for key in dcp.tensor_keys():
+        if key.startswith("optimizer.") or ma.is_extra_state(key):
+            continue
+        weights.update(unstack(key, dcp.tensor(key), num_layers))
+    return weights

@@ -1,0 +1,105 @@
+"""Training curves from either stack, and how far two of them lie apart.
+
+A curve maps a step to what was logged there: ``loss``, ``grad_norm``, ``lr`` and ``valid_loss``. It is read from
+a llmjp-ds run (its ``metrics.jsonl``) or from a Megatron-LM training log, whose lines (``training_log`` and
+``evaluate_and_print_results`` in megatron/training/training.py, read from Megatron-Core 0.19) are::
+
+    [...] iteration      250/     500 | consumed samples: 250 | ... | learning rate: 1.5E-04 | ... |
+        lm loss: 3.141593E+00 | loss scale: 1.0 | grad norm: 0.271 | ...
+    validation loss at iteration 100 | lm loss value: 3.200000E+00 | lm loss PPL: 2.453253E+01 |
+
+Megatron-LM averages ``lm loss`` over its ``--log-interval``: only ``--log-interval 1`` gives every step. Steps
+count from 1 in both (the step that has just finished), so the two curves line up as they are.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+from llmjp_ds.errors import fail
+from llmjp_ds.metrics import METRICS_FILE, parse_records
+
+KEYS = ("loss", "grad_norm", "lr", "valid_loss")
+_ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*\d+\s*\|(.*)$")
+# the validations during training; the one after it ("... on validation set") reads further batches, and the test
+# set is another split
+_VALIDATION = re.compile(r"validation loss at iteration (\d+) \|\s*lm loss value:\s*([-+0-9.eEnaif]+)")
+_MEGATRON_FIELDS = {"lm loss": "loss", "grad norm": "grad_norm", "learning rate": "lr"}
+
+
+def _number(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def megatron_log_curve(text: str) -> dict[int, dict[str, float]]:
+    """The curve in a Megatron-LM log's text (other lines, and fields other than loss, grad norm and learning
+    rate, are passed over; a step logged twice, as after a restart, keeps its last line)."""
+    curve: dict[int, dict[str, float]] = {}
+    for line in text.splitlines():
+        match = _ITERATION.search(line)
+        if match:
+            point = curve.setdefault(int(match.group(1)), {})
+            for field in match.group(2).split("|"):
+                name, _, value = field.partition(":")
+                key = _MEGATRON_FIELDS.get(name.strip())
+                if key and _number(value.strip()) is not None:
+                    point[key] = _number(value.strip())
+            continue
+        match = _VALIDATION.search(line)
+        if match and _number(match.group(2)) is not None:
+            curve.setdefault(int(match.group(1)), {})["valid_loss"] = _number(match.group(2))
+    return {step: point for step, point in sorted(curve.items()) if point}
+
+
+def run_curve(records: list[dict]) -> dict[int, dict[str, float]]:
+    """The curve of a llmjp-ds run's metrics records (events skipped; a later record of a step wins)."""
+    curve: dict[int, dict[str, float]] = {}
+    for record in records:
+        if "event" in record:
+            continue
+        point = curve.setdefault(record["step"], {})
+        for key in KEYS:
+            value = record.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                point[key] = float(value)
+    return {step: point for step, point in sorted(curve.items()) if point}
+
+
+def read_curve(source: str | Path) -> dict[int, dict[str, float]]:
+    """The curve of ``source``: a llmjp-ds run directory, its ``metrics.jsonl``, or a Megatron-LM log file."""
+    path = Path(source)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        fail(f"cannot read {path} ({exc.strerror or exc}): pass a llmjp-ds run directory or a Megatron-LM log file")
+    if path.name == METRICS_FILE or path.suffix == ".jsonl":
+        curve = run_curve(parse_records(data)[0])
+    else:
+        curve = megatron_log_curve(data.decode("utf-8", errors="replace"))
+    if not any("loss" in point for point in curve.values()):
+        fail(f"{source} holds no training loss: pass a llmjp-ds run directory or a Megatron-LM log written with "
+             "--log-interval 1")
+    return curve
+
+
+def gap(reference: dict, other: dict, key: str = "loss", last: int = 100) -> dict:
+    """How far ``other`` lies from ``reference`` in ``key`` over the last ``last`` steps both logged: the mean
+    absolute difference, the same relative to the reference, and the relative difference at the last such step
+    (``final_rel``). Empty when the curves share no step."""
+    steps = [s for s in reference if key in reference[s] and key in other.get(s, {})][-last:]
+    if not steps:
+        return {}
+    diffs = [abs(other[s][key] - reference[s][key]) for s in steps]
+    end = steps[-1]
+    return {"steps": len(steps), "first": steps[0], "last": end,
+            "mean_abs": sum(diffs) / len(diffs),
+            "mean_rel": sum(d / abs(reference[s][key]) for d, s in zip(diffs, steps)) / len(diffs),
+            "final_rel": (other[end][key] - reference[end][key]) / abs(reference[end][key])}

@@ -1,0 +1,237 @@
+"""Megatron-LM's weight names and layouts <-> ours, as pure functions (no I/O): the map of ``import-megatron``.
+
+Megatron-Core's ``GPTModel`` with the Transformer Engine layer spec (what Megatron-LM trains with by default):
+
+=========================================================  =======================================================
+ours (TE names, ``hf_adapter``'s)                          Megatron-Core GPTModel (TE spec)
+=========================================================  =======================================================
+model.embed_tokens.weight                                  embedding.word_embeddings.weight
+model.layers.N.self_attention.layernorm_qkv                decoder.layers.N.self_attention.linear_qkv
+  .layer_norm_weight / .weight                               .layer_norm_weight / .weight
+model.layers.N.self_attention.proj.weight                  decoder.layers.N.self_attention.linear_proj.weight
+model.layers.N.layernorm_mlp.layer_norm_weight             decoder.layers.N.mlp.linear_fc1.layer_norm_weight
+model.layers.N.layernorm_mlp.fc1_weight                    decoder.layers.N.mlp.linear_fc1.weight
+model.layers.N.layernorm_mlp.fc2_weight                    decoder.layers.N.mlp.linear_fc2.weight
+model.norm.weight                                          decoder.final_layernorm.weight
+lm_head.weight                                             output_layer.weight
+=========================================================  =======================================================
+
+The local layer spec keeps the norms apart (``decoder.layers.N.input_layernorm.weight``,
+``decoder.layers.N.pre_mlp_layernorm.weight``), and Megatron-LM's legacy model (before Megatron-Core) nests
+everything under ``language_model`` (``embedding.word_embeddings``, ``encoder.layers.N.{input_norm,
+self_attention.query_key_value, self_attention.dense, post_attention_norm, mlp.dense_h_to_4h, mlp.dense_4h_to_h}``,
+``encoder.final_norm``, ``output_layer``; ``*_layernorm`` in older releases): both are read too.
+
+The layouts agree, so no tensor is rearranged: Megatron's fused QKV weight is, per query group, the group's query
+heads, then its key head, then its value head (``SelfAttention.get_query_key_value_tensors`` splits it so), which is
+TE's interleaved layout of ours; Megatron's ``linear_fc1`` is ``cat(gate, up)`` (SwiGLU gates the first half), as
+ours. Under tensor parallelism each rank holds whole query groups of the QKV rows, ``[its gate rows; its up rows]``
+of fc1, columns of ``linear_proj`` and ``linear_fc2``, and vocabulary rows of the embedding and the head (the norms
+are whole on every rank): the split of ours (``hf_adapter.tp_shard``), so a Megatron shard is merged by the name
+it has in ours.
+
+Transformer Engine's ``_extra_state`` entries (FP8 scaling metadata: amax histories and scales, per Megatron
+module) are dropped by :func:`from_megatron_state_dict`: Megatron's QKV, projection, fc1 and fc2 are four TE
+modules, ours three (fc1 and fc2 are one ``LayerNormMLP``), so their FP8 metadata has no slot here; FP8 scaling
+starts afresh. :func:`to_megatron_state_dict` writes none either (Megatron-Core builds its own).
+
+Under pipeline parallelism a Megatron-LM ``torch`` checkpoint numbers the decoder layers of each stage (and each
+virtual-pipeline chunk, ``model0``, ``model1``, ...) from 0: :func:`chunk_layer_offsets` and
+:func:`renumber_layers` put them back in place.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from llmjp_ds.errors import fail
+from llmjp_ds.model.hf_adapter import tp_merge, tp_shard
+
+_OURS_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_MEGATRON_LAYER = re.compile(r"^(decoder\.layers|language_model\.encoder\.layers)\.(\d+)\.(.+)$")
+# ours -> Megatron-Core's (TE spec), within a layer
+_LAYER_NAMES = {
+    "self_attention.layernorm_qkv.layer_norm_weight": "self_attention.linear_qkv.layer_norm_weight",
+    "self_attention.layernorm_qkv.weight": "self_attention.linear_qkv.weight",
+    "self_attention.proj.weight": "self_attention.linear_proj.weight",
+    "layernorm_mlp.layer_norm_weight": "mlp.linear_fc1.layer_norm_weight",
+    "layernorm_mlp.fc1_weight": "mlp.linear_fc1.weight",
+    "layernorm_mlp.fc2_weight": "mlp.linear_fc2.weight",
+}
+_SHARED_NAMES = {
+    "model.embed_tokens.weight": "embedding.word_embeddings.weight",
+    "model.norm.weight": "decoder.final_layernorm.weight",
+    "lm_head.weight": "output_layer.weight",
+}
+# Megatron's other spellings -> Megatron-Core's TE-spec names, within a layer (the local spec, legacy Megatron-LM)
+_LAYER_ALIASES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+    "input_norm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "self_attention.query_key_value.weight": "self_attention.linear_qkv.weight",
+    "self_attention.dense.weight": "self_attention.linear_proj.weight",
+    "post_attention_norm.weight": "mlp.linear_fc1.layer_norm_weight",
+    "post_attention_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+    "mlp.dense_h_to_4h.weight": "mlp.linear_fc1.weight",
+    "mlp.dense_4h_to_h.weight": "mlp.linear_fc2.weight",
+}
+_SHARED_ALIASES = {
+    "language_model.embedding.word_embeddings.weight": "embedding.word_embeddings.weight",
+    "language_model.encoder.final_norm.weight": "decoder.final_layernorm.weight",
+    "language_model.encoder.final_layernorm.weight": "decoder.final_layernorm.weight",
+    "language_model.output_layer.weight": "output_layer.weight",
+}
+_TO_OURS_LAYER = {megatron: ours for ours, megatron in _LAYER_NAMES.items()}
+_TO_OURS_SHARED = {megatron: ours for ours, megatron in _SHARED_NAMES.items()}
+
+
+def is_extra_state(name: str) -> bool:
+    return name.endswith("_extra_state")
+
+
+def canonical_name(name: str) -> str | None:
+    """Megatron-Core's TE-spec name of Megatron parameter ``name`` (any spec or release); None if ``name`` is not
+    a weight of a Llama-style GPT model."""
+    if name in _SHARED_NAMES.values():
+        return name
+    if name in _SHARED_ALIASES:
+        return _SHARED_ALIASES[name]
+    match = _MEGATRON_LAYER.match(name)
+    if not match:
+        return None
+    rest = match.group(3)
+    rest = rest if rest in _TO_OURS_LAYER else _LAYER_ALIASES.get(rest)
+    return f"decoder.layers.{match.group(2)}.{rest}" if rest else None
+
+
+def ours_name(name: str) -> str | None:
+    """Our name of Megatron parameter ``name`` (any spec or release); None if it is not a weight we have."""
+    name = canonical_name(name)
+    if name is None:
+        return None
+    if name in _TO_OURS_SHARED:
+        return _TO_OURS_SHARED[name]
+    layer, _, rest = name[len("decoder.layers."):].partition(".")
+    return f"model.layers.{layer}.{_TO_OURS_LAYER[rest]}"
+
+
+def megatron_name(name: str) -> str:
+    """Megatron-Core's TE-spec name of our parameter ``name``."""
+    if name in _SHARED_NAMES:
+        return _SHARED_NAMES[name]
+    match = _OURS_LAYER.match(name)
+    if not match or match.group(2) not in _LAYER_NAMES:
+        fail(f"unexpected parameter {name!r} in an llmjp-ds state dict: it does not come from this model")
+    return f"decoder.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+
+
+def expected_shape(name: str, config) -> tuple[int, ...]:
+    """The shape of our whole parameter ``name`` in a model of ``config`` (a transformers LlamaConfig)."""
+    h, ffn, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    d = getattr(config, "head_dim", None) or h // heads
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return (vocab, h)
+    if name == "model.norm.weight":
+        return (h,)
+    rest = _OURS_LAYER.match(name).group(2)
+    return {"self_attention.layernorm_qkv.layer_norm_weight": (h,), "layernorm_mlp.layer_norm_weight": (h,),
+            "self_attention.layernorm_qkv.weight": ((heads + 2 * kv) * d, h),
+            "self_attention.proj.weight": (h, heads * d), "layernorm_mlp.fc1_weight": (2 * ffn, h),
+            "layernorm_mlp.fc2_weight": (h, ffn)}[rest]
+
+
+def _check_shape(megatron: str, ours: str, tensor: torch.Tensor, config) -> None:
+    want = expected_shape(ours, config)
+    if tuple(tensor.shape) == want:
+        return
+    if ours in ("model.embed_tokens.weight", "lm_head.weight") and tensor.shape[1:] == want[1:]:
+        fail(f"Megatron's {megatron} has {tensor.shape[0]} vocabulary rows, the config's model has vocab_size "
+             f"{want[0]}: Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by x TP; set "
+             f"model.overrides.vocab_size={tensor.shape[0]} (or the preset whose vocabulary it is)")
+    fail(f"Megatron's {megatron} has shape {list(tensor.shape)}, the config's model wants {list(want)} for it: "
+         "the checkpoint is of another model shape; pass the config it was trained with")
+
+
+def from_megatron_state_dict(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """Ours from a whole (TP-merged, globally numbered) Megatron state dict of any spec or release; tensors are
+    the same objects (no copy). ``_extra_state`` entries are dropped; each weight's shape is checked against
+    ``config`` (a transformers LlamaConfig); anything that is not a Llama weight is refused."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if is_extra_state(name):
+            continue
+        ours = ours_name(name)
+        if ours is None:
+            fail(f"Megatron's checkpoint holds {name!r}, which a Llama-style model does not have (biases, "
+                 "learned positions, QK norms, MoE and tied embeddings are not supported)")
+        if ours in out:
+            fail(f"Megatron's checkpoint holds two tensors for {ours_name(name)} ({name!r} and another spelling)")
+        _check_shape(name, ours, tensor, config)
+        out[ours] = tensor
+    missing = [megatron_name(n) for n in _all_names(config) if n not in out]
+    if missing:
+        fail(f"Megatron's checkpoint lacks {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1
+                                                             else "") + ": it is incomplete or of another model")
+    return out
+
+
+def to_megatron_state_dict(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """Megatron-Core's TE-spec state dict from ours (inverse of :func:`from_megatron_state_dict`; tensors are
+    the same objects). ``_extra_state`` entries are left out."""
+    out = {}
+    for name, tensor in state.items():
+        if is_extra_state(name):
+            continue
+        _check_shape(megatron_name(name), name, tensor, config)
+        out[megatron_name(name)] = tensor
+    return out
+
+
+def _all_names(config) -> list[str]:
+    layer = [f"model.layers.{i}.{rest}" for i in range(config.num_hidden_layers) for rest in _LAYER_NAMES]
+    return [*_SHARED_NAMES, *layer]
+
+
+# --- tensor and pipeline parallelism ---------------------------------------------------------------------------
+
+def tp_merge_megatron(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    """The whole tensor of Megatron parameter ``name`` from its tensor-parallel shards (rank order)."""
+    ours = ours_name(name)
+    return shards[0] if ours is None else tp_merge(ours, shards)
+
+
+def tp_shard_megatron(name: str, tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Rank ``rank``'s shard of Megatron parameter ``name`` (whole ``tensor``), as Megatron splits it."""
+    ours = ours_name(name)
+    return tensor if ours is None else tp_shard(ours, tensor, rank, size)
+
+
+def chunk_layer_offsets(layer_counts: list[list[int]]) -> list[list[int]]:
+    """The global index of the first decoder layer of each model chunk, from ``layer_counts[v][p]``: the layers
+    of virtual-pipeline chunk ``v`` (``model{v}``; one chunk without virtual pipelining) of pipeline stage ``p``.
+    Megatron places the layers chunk by chunk, each chunk across the stages in order (even or uneven splits)."""
+    offsets, start = [], 0
+    for counts in layer_counts:
+        row = []
+        for count in counts:
+            row.append(start)
+            start += count
+        offsets.append(row)
+    return offsets
+
+
+def layer_count(names) -> int:
+    """How many decoder layers a chunk's state dict (local numbering) holds."""
+    found = {int(m.group(2)) for m in map(_MEGATRON_LAYER.match, names) if m}
+    return max(found) + 1 if found else 0
+
+
+def renumber_layers(state: dict, offset: int) -> dict:
+    """A chunk's state dict with its local decoder-layer numbers moved by ``offset`` (to the global ones)."""
+    def moved(name: str) -> str:
+        m = _MEGATRON_LAYER.match(name)
+        return name if not m else f"{m.group(1)}.{int(m.group(2)) + offset}.{m.group(3)}"
+    return {moved(name): value for name, value in state.items()}

@@ -1,0 +1,84 @@
+"""``llmjp-ds samples``: the token windows a run's trainer would read, written to a ``.npy``, without training.
+
+The run's datasets are built as the trainer builds them (the config, :func:`llmjp_ds.trainer.data_plan`,
+``DataPlan.build`` with the run's sample counts), and global samples ``K .. K+N-1`` of the train or valid split
+are written as an int64 array of shape ``(N, seq_len + 1)`` (inputs ``[:, :-1]``, labels ``[:, 1:]``), atomically.
+No DeepSpeed engine, no process group beyond the one-process group megatron-core's builder asks for, no run
+directory lock, nothing written into the run directory; the index caches are built or reused as a run would. Under
+``data.order: megatron`` these are megatron-core's windows: a Megatron-LM run with the same blend, seq_len, seed,
+split and length can be compared with it window by window. Step ``s`` of a run reads train samples
+``[s * gbs, (s + 1) * gbs)``; which valid samples a validation reads: :func:`llmjp_ds.batching.validation_starts`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+
+from llmjp_ds.errors import did_you_mean, fail
+
+SPLITS = ("train", "valid")
+
+
+def parse_args(argv: list[str], verb: str):
+    p = argparse.ArgumentParser(prog=f"llmjp-ds {verb}", description=__doc__.splitlines()[0])
+    p.add_argument("--config", help="run config (YAML or JSON); may name a preset with `preset:`")
+    p.add_argument("--preset", help="run preset: demo, llmjp3-1.8b, llmjp3-3.7b, llmjp3-13b, llmjp3-172b")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set data.order=megatron (repeatable)")
+    p.add_argument("--split", default="train", help="train (default) or valid")
+    p.add_argument("--start", type=int, metavar="K", help="the first global sample of the split")
+    p.add_argument("--count", type=int, metavar="N", help="how many samples")
+    p.add_argument("--output", metavar="F.npy", help="where to write the (N, seq_len + 1) int64 array")
+    p.add_argument("--force", action="store_true", help="replace an existing output file")
+    args = p.parse_args(argv)
+    if args.split not in SPLITS:
+        fail(f"--split {args.split!r} is not a split a run reads{did_you_mean(args.split, SPLITS)}: use train or "
+             "valid")
+    for name in ("start", "count", "output"):
+        if getattr(args, name) is None:
+            fail(f"--{name} is missing: llmjp-ds {verb} --config RUN.yaml --start K --count N --output F.npy")
+    if args.start < 0 or args.count < 1:
+        fail(f"--start {args.start} --count {args.count}: give a first sample >= 0 and a count >= 1")
+    if os.path.lexists(args.output) and not args.force:
+        fail(f"output {args.output} already exists: choose another --output, or pass --force to replace it")
+    if os.path.isdir(args.output):
+        fail(f"output {args.output} is a directory: give a file name such as windows.npy")
+    return args
+
+
+def read_windows(dataset, start: int, count: int) -> np.ndarray:
+    """Samples ``start .. start+count-1`` of a dataset (``ds[i]`` -> ``seq_len + 1`` token ids) as one array."""
+    return np.stack([np.asarray(dataset[i], dtype=np.int64) for i in range(start, start + count)])
+
+
+def cli_main(argv: list[str], verb: str = "samples") -> int:
+    from llmjp_ds.config import load_config, model_config_of, sample_counts, seq_len_of
+    from llmjp_ds.io_utils import atomic_file
+    from llmjp_ds.trainer import data_plan
+    from llmjp_ds.validate import validate_data
+
+    args = parse_args(argv, verb)
+    cfg = load_config(args.config, args.sets, args.preset)
+    validate_data(cfg)
+    counts = dict(zip(SPLITS, sample_counts(cfg)))
+    total, end = counts[args.split], args.start + args.count
+    if not total:
+        fail(f"the run reads no {args.split} samples (train.eval_interval is 0: no validation): set "
+             "train.eval_interval to the run's, or ask for --split train")
+    if end > total:
+        fail(f"--start {args.start} --count {args.count} reads up to {args.split} sample {end - 1}, but the run reads "
+             f"{total} {args.split} samples: ask for samples below {total}, or lengthen the run (train.steps)")
+    model_config = model_config_of(cfg)
+    seq_len = seq_len_of(cfg, model_config)
+    t0 = time.perf_counter()
+    datasets = dict(zip(SPLITS, data_plan(cfg, model_config).build(seq_len, *counts.values())))
+    windows = read_windows(datasets[args.split], args.start, args.count)
+    with atomic_file(args.output) as f:
+        np.save(f, windows)
+    print(f"wrote {args.output}: {args.split} samples {args.start}..{end - 1} ({windows.shape[0]} x {windows.shape[1]} "
+          f"tokens, order {cfg.data.order}, datasets ready in {time.perf_counter() - t0:.1f} s)")
+    return 0

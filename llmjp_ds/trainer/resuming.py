@@ -1,0 +1,93 @@
+"""Back to a checkpoint: at setup the newest intact one (falling back past damaged ones), on the layout it was saved
+on or converted once from another; after a divergence, the rollback to the one before it."""
+
+from __future__ import annotations
+
+import sys
+
+
+class Resume:
+    """Loads the checkpoints of ``run_dir`` into the ``engine``, the ``precision`` schedule and its ``controller``
+    (the trainer's ``TrainState`` comes back in each loaded checkpoint's client state, ``client["train_state"]``)."""
+
+    def __init__(self, run_dir, layout, num_layers: int, ctx, engine, precision, controller, watchdog):
+        self.run_dir, self.layout, self.num_layers, self.ctx, self.engine = run_dir, layout, num_layers, ctx, engine
+        self.precision, self.controller, self.watchdog = precision, controller, watchdog
+        self.tag: str | None = None  # the checkpoint the run resumed from
+        self.damaged: list[tuple[str, str]] = []  # (tag, why) of each newer checkpoint set aside
+        self.reshaped = None  # the layout the checkpoint was saved on, when it was converted to this one
+
+    def latest(self) -> dict:
+        """Load the newest intact checkpoint, if any: its client state ({} when the run starts afresh)."""
+        from llmjp_ds import checkpoint
+
+        client: dict = {}
+        tag, self.damaged = checkpoint.choose_intact(self.run_dir, self.ctx)
+        if tag:
+            marker = checkpoint.read_marker(self.run_dir, tag)
+            saved = checkpoint.saved_layout(self.run_dir, tag, marker)
+            if saved != self.layout or marker.layout_free:
+                client, self.reshaped = self._reshape(tag, saved), saved
+            else:
+                client = checkpoint.load(self.engine, self.run_dir, tag)
+            self.controller.load_state_dict(client)
+        self.tag = tag
+        return client
+
+    def report(self, logger, step: int, gas: int) -> None:
+        """The resume's events in the metrics log (``step``: the step resumed at), and a warning per damaged
+        checkpoint."""
+        for bad, reason in self.damaged:
+            logger.event(step, "checkpoint_fallback", damaged=bad, reason=reason, tag=self.tag)
+            if self.ctx.rank == 0:
+                print(f"warning: checkpoint {bad} is damaged ({reason}): set aside as {bad}.damaged; resuming from "
+                      f"{self.tag}", file=sys.stderr, flush=True)
+        if self.tag:
+            logger.event(step, "resume", tag=self.tag)
+        if self.reshaped:
+            logger.event(step, "reshape", tag=self.tag, saved=self.reshaped.name, now=self.layout.name,
+                         gradient_accumulation=gas)
+
+    def _reshape(self, tag: str, saved) -> dict:
+        """Resume checkpoint ``tag`` of another layout: rank 0 converts it once (``parallel.reshape``), every
+        rank reads its parameters from the conversion."""
+        from llmjp_ds import checkpoint
+        from llmjp_ds.parallel.deepspeed_internals import set_progress
+        from llmjp_ds.parallel.reshape import CONVERTED, convert, load_converted
+
+        n = self.num_layers
+        def extra_states() -> dict:
+            state = checkpoint.read_model_state(self.run_dir, tag, checkpoint.read_marker(self.run_dir, tag))
+            return {k: v for k, v in state.items() if k.endswith("_extra_state")}
+
+        if self.ctx.rank == 0:
+            convert(checkpoint.checkpoint_dir(self.run_dir) / tag, n, extra_states, saved,
+                    checkpoint.load_checkpoint_file)
+        self.ctx.barrier()
+        with checkpoint.trusted_te_extra_state():  # TE unpickles FP8 state that the safe reader vetted
+            load_converted(self.engine, checkpoint.checkpoint_dir(self.run_dir) / tag / CONVERTED, n,
+                           checkpoint.load_checkpoint_file, self.ctx.tp)
+        self.precision.weights_changed()
+        client = checkpoint.read_client_state(self.run_dir, tag)
+        progress = client["train_state"]
+        set_progress(self.engine, progress["step"], progress["consumed_samples"])
+        return client
+
+    def rollback(self, state, reason: str, checkpointer) -> None:
+        """Back to the checkpoint the precision controller names after a divergence (``state``: the trainer's
+        ``TrainState``, loaded in place; ``checkpointer`` saves the run); on as the controller says (BF16)."""
+        from llmjp_ds import checkpoint
+
+        self.watchdog.beat("checkpoint")  # loading the good checkpoint
+        # a background save of the diverging timeline lands first, then is discarded
+        checkpointer.commit(state.step, block=True)
+        failed_step = state.step
+        good_step, good_tag = self.controller.rollback_target(failed_step, reason,
+                                                              checkpoint.complete_tags(self.run_dir))
+        loaded = checkpoint.load(self.engine, self.run_dir, good_tag)
+        state.__dict__.update(loaded["train_state"])
+        self.controller.rolled_back(failed_step, good_step, good_tag, reason, loaded)
+        checkpointer.save(state, wait=True)
+        if self.ctx.rank == 0:
+            checkpoint.discard_after(self.run_dir, good_step)
+        self.ctx.barrier()

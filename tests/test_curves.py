@@ -1,0 +1,115 @@
+"""Training curves of both stacks (`llmjp_ds/curves.py`) and `llmjp-ds plot --beside`: a Megatron-LM log read
+step for step, a run's metrics, the gap between two curves, and the figure that draws them together."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from llmjp_ds.curves import gap, megatron_log_curve, read_curve, run_curve
+from llmjp_ds.errors import UserError
+from llmjp_ds.metrics import MetricsLogger
+from llmjp_ds.plot import _by_step, _draw, cli_main, read_records
+
+
+def megatron_line(step: int, total: int, loss: float, grad_norm: float, lr: float) -> str:
+    """One line of Megatron-LM's training log, field for field as ``training_log`` (megatron/training/training.py,
+    Megatron-Core 0.19) formats it under ``--log-interval 1``."""
+    return (f"[2026-12-03 10:00:00] iteration {step:8d}/{total:8d} | consumed samples: {step:12d} | elapsed time per "
+            f"iteration (ms): 123.4 | throughput per GPU (TFLOP/s/GPU): 450.1 | learning rate: {lr:.6E} | global "
+            f"batch size: {1:5d} | lm loss: {loss:.6E} | loss scale: 1.0 | grad norm: {grad_norm:.3f} | number of "
+            f"skipped iterations: {0:3d} | number of nan iterations: {0:3d} |")
+
+
+def validation_line(prefix: str, loss: float) -> str:
+    return f" validation loss at {prefix} | lm loss value: {loss:.6E} | lm loss PPL: {math.exp(loss):.6E} | "
+
+
+def _loss(step: int, shift: float = 0.0) -> float:
+    return 2.0 + 9.0 * math.exp(-step / 30) + shift
+
+
+def _write_megatron_log(path, shift: float = 0.0, steps: int = 120) -> None:
+    lines = ["using world size: 1, data-parallel size: 1", "  lr ............................ 0.0003"]
+    for step in range(1, steps + 1):
+        lines.append(megatron_line(step, steps, _loss(step, shift), 1.0 + step / 1000, 3e-4 * min(1, step / 10)))
+        if step % 30 == 0:
+            lines.append(validation_line(f"iteration {step}", _loss(step, shift + 0.1)))
+    lines.append(validation_line(f"iteration {steps} on validation set", 99.0))  # further batches: not the curve's
+    lines.append(validation_line(f"iteration {steps} on test set", 98.0))  # another split
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _write_run(run_dir, steps: int = 120) -> None:
+    with MetricsLogger(run_dir, wandb_mode="disabled") as logger:
+        for step in range(1, steps + 1):
+            logger.log(step, {"loss": _loss(step), "grad_norm": 1.0, "lr": 3e-4, "tokens_per_s": 100.0,
+                              "phase": "bf16"})
+            if step % 30 == 0:
+                logger.log(step, {"valid_loss": _loss(step, 0.1)})
+        logger.event(60, "resume", tag="step00000060")
+
+
+def test_megatron_log_is_read_step_for_step(tmp_path):
+    log = tmp_path / "megatron.log"
+    _write_megatron_log(log)
+    curve = read_curve(log)
+    assert sorted(curve) == list(range(1, 121))
+    assert curve[7] == pytest.approx({"loss": _loss(7), "grad_norm": 1.007, "lr": 3e-4 * 0.7}, rel=1e-6)
+    assert curve[90]["valid_loss"] == pytest.approx(_loss(90, 0.1), rel=1e-6)
+    assert curve[120]["valid_loss"] == pytest.approx(_loss(120, 0.1), rel=1e-6)  # not the end's or the test set's
+
+
+def test_a_step_logged_again_after_a_restart_keeps_its_last_line():
+    text = "\n".join([megatron_line(5, 10, 3.0, 1.0, 1e-4), megatron_line(5, 10, 2.5, 0.5, 1e-4)])
+    assert megatron_log_curve(text)[5]["loss"] == 2.5
+
+
+def test_run_curve_skips_events_and_merges_a_step(tmp_path):
+    _write_run(tmp_path)
+    curve = read_curve(tmp_path)
+    assert sorted(curve) == list(range(1, 121))
+    assert curve[60] == pytest.approx({"loss": _loss(60), "grad_norm": 1.0, "lr": 3e-4, "valid_loss": _loss(60, 0.1)})
+    assert run_curve([{"step": 3, "event": "resume"}]) == {}
+
+
+def test_gap_over_the_last_common_steps():
+    ref = {s: {"loss": 2.0} for s in range(1, 201)}
+    other = {s: {"loss": 2.0 + (0.02 if s > 150 else 0.5)} for s in range(51, 201)}
+    g = gap(ref, other, last=50)
+    assert (g["steps"], g["first"], g["last"]) == (50, 151, 200)
+    assert g["mean_abs"] == pytest.approx(0.02) and g["mean_rel"] == pytest.approx(0.01)
+    assert g["final_rel"] == pytest.approx(0.01)
+    assert gap(ref, other, last=100)["mean_abs"] == pytest.approx((50 * 0.02 + 50 * 0.5) / 100)
+    assert gap(ref, {300: {"loss": 1.0}}) == {}
+
+
+def test_a_source_without_a_loss_is_one_line(tmp_path):
+    log = tmp_path / "other.log"
+    log.write_text("using world size: 1\n")
+    with pytest.raises(UserError, match="holds no training loss.*--log-interval 1"):
+        read_curve(log)
+
+
+def test_plot_beside_draws_the_other_curves_and_the_differences(tmp_path, capsys):
+    _write_run(tmp_path / "ours")
+    _write_megatron_log(tmp_path / "megatron-a.log")
+    _write_megatron_log(tmp_path / "megatron-b.log", shift=0.01)
+    steps, events = _by_step(read_records(tmp_path / "ours" / "metrics.jsonl")[0])
+    beside = [(name, read_curve(tmp_path / f"{name}.log")) for name in ("megatron-a", "megatron-b")]
+    fig = _draw(steps, events, "t", beside=beside)
+    labels = {ax.get_ylabel(): [line.get_label() for line in ax.get_lines()] for ax in fig.axes}
+    assert {"megatron-a", "megatron-b", "megatron-a valid"} <= set(labels["loss"])
+    assert {"megatron-a", "megatron-b"} <= set(labels["grad norm"])
+    delta = next(ax for ax in fig.axes if ax.get_ylabel() == "loss - megatron-a")
+    lines = {line.get_label(): line.get_ydata() for line in delta.get_lines() if not line.get_label().startswith("_")}
+    assert max(abs(y) for y in lines["this run - megatron-a"]) < 1e-5  # the log's 7 digits
+    assert all(y == pytest.approx(0.01, abs=1e-5) for y in lines["megatron-b - megatron-a"])
+
+    assert cli_main([str(tmp_path / "ours"), "--output", str(tmp_path / "out.png"), "--beside",
+                     str(tmp_path / "megatron-a.log"), "--beside", str(tmp_path / "megatron-b.log")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert (tmp_path / "out.png").read_bytes()[:4] == b"\x89PNG"
+    assert out[1].startswith("ours - megatron-a: mean |loss difference| ") and "over steps 21-120" in out[1]
+    assert out[2].startswith("megatron-b - megatron-a: mean |loss difference| 0.01 ")

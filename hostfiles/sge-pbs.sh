@@ -31,6 +31,8 @@
 # and the script exits 99, which Grid Engine answers by queueing the job again: the rerun resumes from `latest`.
 # A deleted job is not rerun. Keep the queue's notify time above checkpoint.grace_seconds. PBS's qdel and walltime
 # send SIGTERM to the job's processes, then SIGKILL after kill_delay; the trap forwards SIGTERM as SIGUSR2 too.
+# Open MPI's odls_base_sigkill_timeout stays at its 1 s (unlike hostfiles/slurm-mpirun.sbatch): mpirun, ending a
+# job, sleeps that long after its SIGTERM to the ranks whatever they do, so a large value keeps a failed job alive.
 #$ -cwd
 #$ -j y
 #$ -notify
@@ -57,8 +59,8 @@ MASTER_ADDR=$(awk 'NF && $1 !~ /^#/ {print $1; exit}' "$hostfile")
 MASTER_PORT=$((10000 + job % 50000))
 ranks=$(awk -F'slots=' 'NF > 1 {n += $2} END {print n}' "$hostfile")
 export MASTER_ADDR MASTER_PORT
-export OMPI_MCA_odls_base_sigkill_timeout=${OMPI_MCA_odls_base_sigkill_timeout:-600}  # a stop's save may finish
-echo "llmjp-ds: job $job: $ranks ranks on $(awk 'NF && $1 !~ /^#/ {printf "%s ", $1}' "$hostfile")master $MASTER_ADDR:$MASTER_PORT"
+hosts=$(awk 'NF && $1 !~ /^#/ {printf "%s ", $1}' "$hostfile")
+echo "llmjp-ds: job $job: $ranks ranks on ${hosts}master $MASTER_ADDR:$MASTER_PORT"
 
 command -v mpirun >/dev/null || { echo "error: mpirun is not on PATH: install Open MPI (apt install openmpi-bin) or load its module, then submit again" >&2; exit 1; }
 stopped=0

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import sys
 from pathlib import Path
 
 from llmjp_ds.errors import fail
@@ -172,8 +173,6 @@ def cli_main(argv: list[str], verb: str = "preflight") -> int:
         line += "; " + check_hosts(a.hostfile, hosts)
         warning = keepalive_warning(a.hostfile, hosts)
         if warning:
-            import sys
-
             print(warning, file=sys.stderr)
     if a.config or a.preset or a.sets:
         from llmjp_ds.config import load_config

@@ -1,8 +1,9 @@
 """Hosts made of network namespaces on this machine, each with its own address, name and sshd, and a real Slurm
 on them: what the multi-host tests launch across.
 
-:class:`NetHosts` makes ``n`` hosts ``node1 .. nodeN`` (and a ``login`` host, which runs no rank) joined by a bridge in a namespace of its own, on a
-random 10.x.y.0/24 that exists only inside those namespaces (nothing is sent anywhere else). Each host has:
+:class:`NetHosts` makes ``n`` hosts ``node1 .. nodeN`` (and a ``login`` host, which runs no rank) joined by a
+bridge in a namespace of its own, on a random 10.x.y.0/24 that exists only inside those namespaces (nothing is
+sent anywhere else). Each host has:
 
 * a network namespace (``ip netns``) with ``eth0`` on the bridge;
 * its own host name and its own /etc/hosts and /etc/ssh, bound over the machine's in a mount namespace of its
@@ -435,11 +436,11 @@ class GridEngine(_Started):
     """Son of Grid Engine 8.1.9 (Debian's gridengine-master, -exec, -client) on ``hosts``: a qmaster on the first
     node, an execd on each, a queue of one slot a node (node1 first) and a parallel environment with allocation_rule
     $round_robin: a job of 2 slots then spans both nodes (with 2 a node, a rerun that found node1 not yet free ran
-    both ranks on node2). Its SGE_ROOT and cell are in the fixture's directory (Debian's binaries linked into it), spooled
-    in plain files. The qmaster's own host reaches it from loopback, where its name resolves to 127.0.1.1 as Debian
-    writes /etc/hosts: the cell's host_aliases names that connection the host's. Root may run jobs (min_uid 0),
-    the scheduler runs every second, and a job asked to stop with -notify gets SIGUSR2 :data:`NOTIFY` before
-    SIGKILL."""
+    both ranks on node2). Its SGE_ROOT and cell are in the fixture's directory (Debian's binaries linked into it),
+    spooled in plain files. The qmaster's own host reaches it from loopback, where its name resolves to 127.0.1.1
+    as Debian writes /etc/hosts: the cell's host_aliases names that connection the host's. Root may run jobs
+    (min_uid 0), the scheduler runs every second, and a job asked to stop with -notify gets SIGUSR2 :data:`NOTIFY`
+    before SIGKILL."""
 
     PE = "llmjp"
     NOTIFY = "00:00:20"

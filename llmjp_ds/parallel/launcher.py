@@ -179,7 +179,7 @@ def watch(launchers: list[Launcher], on_gone: Callable[[Launcher], None]) -> Lau
     return LauncherWatch(launchers, on_gone) if launchers else None
 
 
-# --- the deepspeed launcher's ssh session to a lost host --------------------------------------------------
+# --- the launcher's session to a lost host ------------------------------------------------------------------
 
 def _flag(argv: list[str], name: str) -> str | None:
     """The value of ``name=VALUE`` in ``argv``, or None."""

@@ -21,14 +21,14 @@ a thread in every rank that adds to its counter in the store every few seconds t
 apart from the collectives. The first rank of each host also reads every rank's counter. A counter that stays
 still for ``parallel.heartbeat_timeout_s`` names its rank and host. A store that stops answering for that long
 names the master's host. The rank that notices first prints one line and ends the job: the other ranks see the
-``failed`` key, or the closed store, and end quietly. Every rank that ends the job for a silent host first calls
-``on_lost`` with that host's ranks and members (the ``lost`` key names it for the quiet ones): it ends the
-launcher's ssh session to that host (:func:`llmjp_ds.parallel.launcher.end_launch_sessions`), which would
-otherwise keep the ``deepspeed`` command, or ``mpirun``, waiting. A rank whose process ended leaves a refused connection,
-not silence: its peers' collectives fail at once, and the rank that failed says why; when it died without a word
-(killed, its host's processes ended), :meth:`Heartbeat.report_lost_peer` names the host whose address the failed
-collective's error carries, claimed in the store as the job's one line. :meth:`Heartbeat.stop` marks
-a rank finished before the last barrier, so that a rank ending normally is never taken for a lost one. The
+``failed`` key, or the closed store, and end quietly. Every rank that ends the job for a silent host calls
+``on_lost`` with that host's ranks and members (the ``lost`` key names it for the quiet ones), after its line is
+out: it ends the launcher's ssh session to that host (:func:`llmjp_ds.parallel.launcher.end_launch_sessions`),
+which would otherwise keep the ``deepspeed`` command, or ``mpirun``, waiting. A rank whose process ended leaves a
+refused connection, not silence: its peers' collectives fail at once, and the rank that failed says why; when it
+died without a word (killed, its host's processes ended), :meth:`Heartbeat.report_lost_peer` names the host whose
+address the failed collective's error carries, claimed in the store as the job's one line. :meth:`Heartbeat.stop`
+marks a rank finished before the last barrier, so that a rank ending normally is never taken for a lost one. The
 :class:`~llmjp_ds.parallel.context.ParallelContext` holds its rank's heartbeat.
 """
 

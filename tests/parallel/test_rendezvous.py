@@ -156,6 +156,7 @@ def test_under_mpirun_the_session_to_the_lost_host_ends_and_mpirun_is_interrupte
 
     from tests.launch import REPO, subprocess_env
 
-    done = subprocess.run(["bash", "-c", 'exec -a "${0%/*}/mpirun" "$0" -c "$1" "$0"', sys.executable, MPIRUN], cwd=REPO,
-                          env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    as_mpirun = 'exec -a "${0%/*}/mpirun" "$0" -c "$1" "$0"'  # argv[0] .../mpirun, beside the venv's python
+    done = subprocess.run(["bash", "-c", as_mpirun, sys.executable, MPIRUN], cwd=REPO, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=60)
     assert done.stdout.split()[:4] == ["True", "-15", "None", "2"], done.stdout + done.stderr

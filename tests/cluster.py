@@ -589,13 +589,17 @@ def hosts(net_hosts):
     return net_hosts
 
 
-@pytest.fixture(scope="session")
-def slurm_cluster(net_hosts):
-    reason = missing("slurmctld", "slurmd", "sbatch", "munged")
+def _session_scheduler(net_hosts: NetHosts, kind, *tools: str):
+    reason = missing(*tools)
     if reason:
         pytest.skip(reason)
-    with Slurm(net_hosts, net_hosts.root / "slurm") as made:
+    with kind(net_hosts, net_hosts.root / kind.__name__.lower()) as made:
         yield made
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(net_hosts):
+    yield from _session_scheduler(net_hosts, Slurm, "slurmctld", "slurmd", "sbatch", "munged")
 
 
 @pytest.fixture
@@ -606,11 +610,8 @@ def slurm(hosts, slurm_cluster):
 
 @pytest.fixture(scope="session")
 def gridengine_cluster(net_hosts):
-    reason = missing("sge_qmaster", "sge_execd", "qsub", "qconf", "/usr/lib/gridengine/spoolinit")
-    if reason:
-        pytest.skip(reason)
-    with GridEngine(net_hosts, net_hosts.root / "gridengine") as made:
-        yield made
+    yield from _session_scheduler(net_hosts, GridEngine, "sge_qmaster", "sge_execd", "qsub", "qconf",
+                                  "/usr/lib/gridengine/spoolinit")
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """Hosts made of network namespaces on this machine, each with its own address, name and sshd, and a real Slurm
-on them: what the multi-host tests launch across.
+and a real Grid Engine on them: what the multi-host tests launch across.
 
 :class:`NetHosts` makes ``n`` hosts ``node1 .. nodeN`` (and a ``login`` host, which runs no rank) joined by a
 bridge in a namespace of its own, on a random 10.x.y.0/24 that exists only inside those namespaces (nothing is
@@ -15,11 +15,12 @@ sent anywhere else). Each host has:
 
 :class:`Slurm` runs munged (its socket in the fixture's directory), a slurmctld on the first host and a slurmd
 on each, from a generated slurm.conf (``ProctrackType=proctrack/linuxproc``, ``TaskPlugin=task/none``).
+:class:`GridEngine` runs a qmaster on the first host and an execd on each, from a cell of its own.
 
-One pair of hosts, and one Slurm on them, serve the whole session (:func:`net_hosts`, :func:`slurm_cluster`);
-before each test :meth:`NetHosts.reset` brings them back to what they were made as: every scheduler's jobs
-cancelled, links up, /etc files rewritten, sshd running, and every process in the hosts' namespaces but their
-daemons ended.
+One pair of hosts, and one Slurm and one Grid Engine on them, serve the whole session (:func:`net_hosts`,
+:func:`slurm_cluster`, :func:`gridengine_cluster`); before each test :meth:`NetHosts.reset` brings them back to
+what they were made as: every scheduler's jobs cancelled, links up, /etc files rewritten, sshd running, and every
+process in the hosts' namespaces but their daemons ended.
 
 Everything is removed afterwards: the processes inside the namespaces (by namespace), the daemons (by the pids in
 their pid files), the namespaces. Nothing is written outside the fixture's directory but sshd's /run/sshd. Without

@@ -9,7 +9,8 @@ the command the user typed must end within 60 s, non-zero, with one line naming 
 on the remaining host (one rank, the same global batch) resumes from the latest checkpoint through the reshape.
 The hosts' ssh has no keepalive, as a user's has not: a session to a silent host ends only when something ends it.
 
-The two hosts and the Slurm on them are made once for the session (tests/cluster.py) and reset before each test.
+The hosts, and the Slurm and the Grid Engine on them, are made once for the session (tests/cluster.py) and reset
+before each test.
 The long runs notice a lost host after ``parallel.heartbeat_timeout_s`` of 10 s (30 by default): what the tests
 assert (the line, the end within 60 s, the resume) does not depend on it.
 """
@@ -36,6 +37,7 @@ pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
 CARRIED = ("LLMJP_DS_CACHE", "TORCH_EXTENSIONS_DIR")
 LOST_WITHIN_S = 60
+_LOST = {"power": "gone silent", "end": "killed"}  # how node2 was taken away, as the tests print it
 RANK_ON_DEEPSPEED = r"llmjp_ds/train\.py --local_rank"  # a rank's command line under DeepSpeed's launch
 RANK_OF_TEMPLATE = r"^\S*python\S* -m llmjp_ds\.train"  # a rank of the batch templates (not srun or mpirun)
 RANK_ON_TORCHRUN = r"^\S*python\S* -u -m llmjp_ds\.train"  # a worker of torchrun (not torchrun itself)
@@ -148,6 +150,13 @@ def _torchrun_on_both(hosts, tmp_path: Path, run_dir: Path, sets) -> dict[str, s
                          _clean_env()) for name in hosts.nodes}
 
 
+def _wait_for(what: str, done, timeout: float, say) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, f"no {what} after {timeout:.0f} s\n{say()}"
+        time.sleep(0.5)
+
+
 def _wait_for_checkpoint(run_dir: Path, proc: subprocess.Popen, logs: Path, timeout: float = 180) -> str:
     latest = run_dir / "checkpoints" / "latest"
     deadline = time.monotonic() + timeout
@@ -176,9 +185,6 @@ def _lose_a_host(hosts, tmp_path: Path, how: str) -> tuple[Path, float, str, int
     print(f"deepspeed --hostfile, node2 {_LOST[how]}: the deepspeed command ended {took:.1f} s later, "
           f"status {proc.returncode}")
     return run_dir, took, out, proc.returncode
-
-
-_LOST = {"power": "gone silent", "end": "killed"}
 
 
 def _our_lines(out: str) -> list[str]:
@@ -441,13 +447,6 @@ def requeue_reference(train_env, tmp_path_factory) -> Path:
     from tests.runs import run_train
 
     return run_train(tmp_path_factory.mktemp("requeue-reference"), 2, *REQUEUE_SETS[len(COMMON_SETS):])
-
-
-def _wait_for(what: str, done, timeout: float, say) -> None:
-    deadline = time.monotonic() + timeout
-    while not done():
-        assert time.monotonic() < deadline, f"no {what} after {timeout:.0f} s\n{say()}"
-        time.sleep(0.5)
 
 
 def _stopped_and_resumed(run_dir: Path, reference: Path, steps: int | None = None) -> list[dict]:

@@ -19,6 +19,9 @@ where it found this process's place (``launch: slurm, world 16, nodes 2, master 
 ``--check-hosts`` then checks the hosts as the launcher will reach them (:func:`check_hosts`): over several
 hosts pdsh must be installed (the launcher starts the other hosts with it), every host name must resolve here,
 and ``ssh <host> true`` must succeed without a prompt; under Slurm the slots must match ``--ntasks-per-node``.
+When this host runs no rank of the hostfile (a login node) and its ssh has no keepalive, one warning line says
+what to set (:func:`keepalive_warning`): a host that goes silent mid-run leaves pdsh's ssh session to it open,
+and only a rank on the launching host can end that session (:mod:`llmjp_ds.parallel.launcher`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import sys
 from pathlib import Path
 
 from llmjp_ds.errors import fail
@@ -167,6 +171,9 @@ def cli_main(argv: list[str], verb: str = "preflight") -> int:
     line = f"{a.hostfile}: {len(hosts)} hosts, {world} ranks"
     if a.check_hosts:
         line += "; " + check_hosts(a.hostfile, hosts)
+        warning = keepalive_warning(a.hostfile, hosts)
+        if warning:
+            print(warning, file=sys.stderr)
     if a.config or a.preset or a.sets:
         from llmjp_ds.config import load_config
         from llmjp_ds.validate import validate_run
@@ -241,6 +248,80 @@ def check_hosts(path, hosts: dict[str, int], env=None, ssh_timeout_s: float = 10
         fail(f"{path}: ssh cannot reach {host}{more}: {why}; the launcher needs `ssh {host}` to work without a "
              "password or prompt (keys in ~/.ssh, the host's key accepted)")
     return f"hosts OK (pdsh, names, ssh to {len(hosts)})"
+
+
+KEEPALIVE = "-o ServerAliveInterval=10 -o ServerAliveCountMax=3"
+
+
+def _local_addresses() -> set[str]:
+    import psutil
+
+    return {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs}
+
+
+def runs_a_rank_here(hosts: dict[str, int]) -> bool:
+    """Whether one of ``hosts`` is this host: its name, or a name resolving to an address of this host."""
+    import ipaddress
+    import socket
+
+    names = {socket.gethostname(), socket.gethostname().split(".")[0], socket.getfqdn(), "localhost"}
+    if names & set(hosts):
+        return True
+    local = _local_addresses()
+    for host in hosts:
+        try:
+            found = {info[4][0] for info in socket.getaddrinfo(host, 22, type=socket.SOCK_STREAM)}
+        except OSError:
+            continue
+        if found & local or any(ipaddress.ip_address(a).is_loopback for a in found):
+            return True
+    return False
+
+
+def ssh_gives_up_after_s(host: str, env=None) -> int | None:
+    """How long ``ssh <host>``, as pdsh runs it (``$PDSH_SSH_ARGS_APPEND`` added), keeps a session to a silent host:
+    ``ServerAliveInterval`` x ``ServerAliveCountMax`` from ``ssh -G``; 0 when it has no keepalive (it waits as long
+    as TCP does); None when ssh cannot say."""
+    import os
+    import shlex
+    import shutil
+    import subprocess
+
+    env = os.environ if env is None else env
+    ssh = shutil.which("ssh", path=env.get("PATH"))
+    if ssh is None:
+        return None
+    argv = [ssh, "-G", *shlex.split(env.get("PDSH_SSH_ARGS_APPEND", "")), host]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=10, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    interval = re.search(r"^serveraliveinterval (\d+)$", done.stdout, re.MULTILINE)
+    count = re.search(r"^serveralivecountmax (\d+)$", done.stdout, re.MULTILINE)
+    if done.returncode != 0 or not interval or not count:
+        return None
+    return int(interval.group(1)) * max(1, int(count.group(1)))
+
+
+GIVES_UP_WITHIN_S = 60  # a launch command that outlives a lost host longer than this is waiting on ssh
+
+
+def keepalive_warning(path, hosts: dict[str, int], env=None) -> str | None:
+    """One line when the deepspeed launcher started here could outlive a host gone silent: this host runs no rank
+    of ``hosts`` (no rank here can end pdsh's session to that host) and ssh to them keeps such a session open
+    for longer than a minute."""
+    import socket
+
+    if len(hosts) < 2 or runs_a_rank_here(hosts):
+        return None
+    after = ssh_gives_up_after_s(next(iter(hosts)), env)
+    if after is None or 0 < after <= GIVES_UP_WITHIN_S:
+        return None
+    how = ("ssh here has no keepalive (ServerAliveInterval 0)" if after == 0 else
+           f"ssh here gives up on a silent host only after {after} s (ServerAliveInterval x ServerAliveCountMax)")
+    return (f"warning: {path}: this host ({socket.gethostname()}) runs none of its ranks and {how}: if a host goes "
+            "silent mid-run the ranks end, but the deepspeed command here waits on pdsh's ssh session to it; export "
+            f"PDSH_SSH_ARGS_APPEND=\"{KEEPALIVE}\" before the launch, or launch from one of the hostfile's hosts")
 
 
 def memory_line(cfg, layout, gas: int, capacity_gib: float, ranks_per_node: int | None = None,

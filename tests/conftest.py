@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.cluster import gridengine, gridengine_cluster, hosts, net_hosts, slurm, slurm_cluster  # noqa: F401
 from tests.runs import exports, flip_runs, runs, train_env  # noqa: F401  (session fixtures of two suites)
 
 REPO = Path(__file__).resolve().parents[1]

@@ -63,7 +63,8 @@ def init_distributed(rendezvous_timeout_s: float = 60.0, heartbeat_timeout_s: fl
     heartbeat = None
     try:
         if world > 1 and not dist.is_initialized():
-            heartbeat = _meet(backend, rank, world, addr, port, agent_store, rendezvous_timeout_s, heartbeat_timeout_s)
+            heartbeat = _meet(backend, rank, world, addr, port, agent_store, rendezvous_timeout_s, heartbeat_timeout_s,
+                              on_lost=lambda lost: launcher.end_launch_sessions(launchers, lost))
         deepspeed.init_distributed(dist_backend=backend)
     except Exception as exc:
         if serves_store and launcher.is_address_in_use(exc):  # taken between the check and the store's bind
@@ -73,9 +74,10 @@ def init_distributed(rendezvous_timeout_s: float = 60.0, heartbeat_timeout_s: fl
 
 
 def _meet(backend: str, rank: int, world: int, addr: str, port: int, agent_store: bool, rendezvous_timeout_s: float,
-          heartbeat_timeout_s: float):
+          heartbeat_timeout_s: float, on_lost=None):
     """The rendezvous of ``world`` ranks (:mod:`llmjp_ds.parallel.rendezvous`), the socket interface of the
-    master's host, the process group, then the heartbeat (returned; None on one host)."""
+    master's host, the process group, then the heartbeat (returned; None on one host; ``on_lost``: what it does
+    before it ends the job for a silent host)."""
     import torch.distributed as dist
     from deepspeed.constants import default_pg_timeout
 
@@ -99,7 +101,7 @@ def _meet(backend: str, rank: int, world: int, addr: str, port: int, agent_store
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=default_pg_timeout,
                                 **kwargs)
     return rendezvous.start_heartbeat(addr, port, rank, int(os.environ["LOCAL_RANK"]), members, heartbeat_timeout_s,
-                                      namespace)
+                                      namespace, on_lost)
 
 
 @dataclass

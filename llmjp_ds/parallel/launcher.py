@@ -18,6 +18,21 @@ them gone (exited, killed, a zombie) and calls back: the trainer then stops exac
 (save at the step boundary, every rank together, exit 0). Under a plain ``python -m llmjp_ds.train`` there is
 no launcher and nothing is watched.
 
+**A lost host's ssh session.** Over several hosts the deepspeed runner starts every host's ``launch`` with pdsh,
+one ssh session per host, and waits for pdsh, which waits for every session. A session to a host that went
+silent (power lost, link down) ends only when ssh's keepalive gives up, and ssh has none by default: the
+``deepspeed`` command would outlive the job by as long as TCP waits. When the job ends for a lost host,
+:func:`end_launch_sessions`, run by each rank that ends it, sends SIGTERM to that host's ssh session where this
+host holds it (the host the user typed ``deepspeed`` on): pdsh's children whose remote command is this job's
+``launch`` (its ``--world_info`` and ``--master_port``, read from this rank's own ``launch``) for the lost
+host's node (``--node_rank``). pdsh then reports that session's end and exits non-zero, and the runner with it.
+Open MPI's mpirun is stuck the same way: aborting the job, it waits for the silent host's daemon, whose TCP
+connection retransmits for ~15 minutes, and a SIGTERM does not end it. When the rank's parent is mpirun, the
+rank interrupts it twice: the second SIGINT makes mpirun end at once, which ends the daemons of the other hosts
+and their ranks, and the batch script's ``wait`` with a non-zero status. The session that its parent (mpirun, or
+a daemon that started others) holds to that host (``ssh HOST ... orted ...``) is ended too: left behind, it
+would keep the job's processes alive.
+
 **A port in use.** :func:`port_in_use_message` names the port, the host, the process listening on it (from
 ``psutil.net_connections``, when this user may see it) and how to choose another.
 """
@@ -162,6 +177,125 @@ class LauncherWatch:
 def watch(launchers: list[Launcher], on_gone: Callable[[Launcher], None]) -> LauncherWatch | None:
     """Watch ``launchers`` (None when there are none: a plain ``python -m llmjp_ds.train``)."""
     return LauncherWatch(launchers, on_gone) if launchers else None
+
+
+# --- the launcher's session to a lost host ------------------------------------------------------------------
+
+def _flag(argv: list[str], name: str) -> str | None:
+    """The value of ``name=VALUE`` in ``argv``, or None."""
+    return next((a[len(name) + 1:] for a in argv if a.startswith(name + "=")), None)
+
+
+def launch_world(argv: list[str]) -> tuple[str, str, list[int]] | None:
+    """(``--world_info``, ``--master_port``, ranks of each node in node order) of a deepspeed ``launch`` command
+    line; None when it has no world info (another launcher)."""
+    import base64
+    import binascii
+    import json
+
+    info, port = _flag(argv, "--world_info"), _flag(argv, "--master_port")
+    if not info or not port:
+        return None
+    try:
+        nodes = json.loads(base64.urlsafe_b64decode(info))
+    except (binascii.Error, ValueError):
+        return None
+    if not isinstance(nodes, dict) or not all(isinstance(slots, list) for slots in nodes.values()):
+        return None
+    return info, port, [len(slots) for slots in nodes.values()]
+
+
+def nodes_of(ranks, sizes: list[int]) -> list[int]:
+    """The node indices (``--node_rank``) holding ``ranks`` when node i runs the next ``sizes[i]`` ranks."""
+    nodes, first = [], 0
+    for node, size in enumerate(sizes):
+        if any(first <= r < first + size for r in ranks):
+            nodes.append(node)
+        first += size
+    return nodes
+
+
+def _own_processes() -> list[int]:
+    uid = os.getuid()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and entry.stat().st_uid == uid:
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+def _pdsh_sessions(launchers: list[Launcher], ranks) -> list[int]:
+    """The deepspeed launcher: pdsh's ssh children (anywhere on this host) whose remote command is this job's
+    ``launch`` for a node of ``ranks``."""
+    launch = next((launcher for launcher in launchers if launcher.kind == "deepspeed launch"), None)
+    world = launch_world(_cmdline(launch.pid)) if launch is not None else None
+    if world is None:
+        return []
+    info, port, sizes = world
+    wanted = [(f"--world_info={info}", f"--node_rank={node} ", f"--master_port={port}")
+              for node in nodes_of(ranks, sizes)]
+    mine = {os.getpid(), *(launcher.pid for launcher in launchers)}
+    found = []
+    for pid in _own_processes():
+        argv = _cmdline(pid)
+        line = " ".join(argv) + " "
+        if pid not in mine and not launcher_kind(argv) and any(all(m in line for m in marks) for marks in wanted):
+            found.append(pid)
+    return found
+
+
+MPI_DAEMONS = ("mpirun", "mpiexec", "orterun", "orted", "prterun", "prted")
+
+
+def _mpi_sessions(members) -> list[int]:
+    """Open MPI: the sessions (``ssh HOST ... orted ...``) to the hosts of ``members`` that this rank's parent holds
+    (mpirun on the first host, or a daemon that started further daemons)."""
+    parent = os.getppid()
+    argv = _cmdline(parent)
+    if not argv or os.path.basename(argv[0]) not in MPI_DAEMONS:
+        return []
+    names = {name for m in members for name in (m.host, m.host.split(".")[0], m.addr)}
+    found = []
+    for pid in _own_processes():
+        info, child = _stat(pid), _cmdline(pid)
+        if info and info[1] == parent and names & set(child) and any("orted" in a for a in child):
+            found.append(pid)
+    return found
+
+
+MPI_LAUNCHERS = ("mpirun", "mpiexec", "orterun", "prterun")
+
+
+def end_launch_sessions(launchers: list[Launcher], lost: dict) -> list[int]:
+    """Interrupt this rank's mpirun twice, then SIGTERM each process of this host (this user's) that holds the
+    launcher's session to the silent host of ``lost`` ({rank: member with ``host`` and ``addr``}; module
+    docstring); the pids signalled."""
+    import signal
+    import time
+
+    sessions = _pdsh_sessions(launchers, list(lost)) + _mpi_sessions(lost.values())  # while mpirun is their parent
+    ended = []
+    parent = os.getppid()
+    argv = _cmdline(parent)
+    if argv and os.path.basename(argv[0]) in MPI_LAUNCHERS:
+        time.sleep(0.5)  # mpirun forwards the line this rank printed before it ends
+        try:
+            os.kill(parent, signal.SIGINT)  # mpirun starts aborting the job ...
+            time.sleep(0.2)
+            os.kill(parent, signal.SIGINT)  # ... and, interrupted again, ends without waiting for every daemon
+            ended.append(parent)
+        except OSError:
+            pass
+    for pid in sessions:
+        try:
+            os.kill(pid, signal.SIGTERM)
+            ended.append(pid)
+        except OSError:
+            pass
+    return ended
 
 
 # --- a rendezvous port in use ------------------------------------------------------------------------------

@@ -21,11 +21,14 @@ a thread in every rank that adds to its counter in the store every few seconds t
 apart from the collectives. The first rank of each host also reads every rank's counter. A counter that stays
 still for ``parallel.heartbeat_timeout_s`` names its rank and host. A store that stops answering for that long
 names the master's host. The rank that notices first prints one line and ends the job: the other ranks see the
-``failed`` key, or the closed store, and end quietly. A rank whose process ended leaves a refused connection,
-not silence: its peers' collectives fail at once, and the rank that failed says why; when it died without a word
-(killed, its host's processes ended), :meth:`Heartbeat.report_lost_peer` names the host whose address the failed
-collective's error carries, claimed in the store as the job's one line. :meth:`Heartbeat.stop` marks
-a rank finished before the last barrier, so that a rank ending normally is never taken for a lost one. The
+``failed`` key, or the closed store, and end quietly. Every rank that ends the job for a silent host calls
+``on_lost`` with that host's ranks and members (the ``lost`` key names it for the quiet ones), after its line is
+out: it ends the launcher's ssh session to that host (:func:`llmjp_ds.parallel.launcher.end_launch_sessions`),
+which would otherwise keep the ``deepspeed`` command, or ``mpirun``, waiting. A rank whose process ended leaves a
+refused connection, not silence: its peers' collectives fail at once, and the rank that failed says why; when it
+died without a word (killed, its host's processes ended), :meth:`Heartbeat.report_lost_peer` names the host whose
+address the failed collective's error carries, claimed in the store as the job's one line. :meth:`Heartbeat.stop`
+marks a rank finished before the last barrier, so that a rank ending normally is never taken for a lost one. The
 :class:`~llmjp_ds.parallel.context.ParallelContext` holds its rank's heartbeat.
 """
 
@@ -127,6 +130,11 @@ def _check(store, key: str) -> bool:
         return False
 
 
+def _get(store, key: str) -> str | None:
+    """``key``'s value, None when it is not set (never waits for it)."""
+    return store.get(key).decode() if _check(store, key) else None
+
+
 def hosts(members: list[Member]) -> list[str]:
     """The distinct hosts of ``members``, in rank order."""
     return list(dict.fromkeys(m.host for m in members))
@@ -136,9 +144,10 @@ class Heartbeat:
     """This rank's beat, and (``checks``) the watch over every rank's; see the module docstring."""
 
     def __init__(self, addr: str, port: int, rank: int, members: list[Member], timeout_s: float, checks: bool,
-                 namespace: str = ""):
+                 namespace: str = "", on_lost=None):
         self.addr, self.port, self.rank, self.members = addr, port, rank, members
         self.timeout_s, self.checks = timeout_s, checks
+        self.on_lost = on_lost  # called with {rank: Member} of a lost host before this rank ends the job for it
         self.ns = f"{PREFIX}{namespace}"
         self.master_host = members[0].host  # rank 0 serves the store (under torchrun its agent, on the same host)
         self.interval_s = max(0.2, min(5.0, timeout_s / 6))
@@ -171,7 +180,7 @@ class Heartbeat:
             try:
                 store.add(keys[self.rank], 1)
                 if store.check([f"{self.ns}failed"]):
-                    self._end(None)
+                    self._end(None, _get(store, f"{self.ns}lost"))
                 if self.checks:
                     now = time.monotonic()
                     for r, value in enumerate(store.multi_get(keys)):
@@ -189,6 +198,9 @@ class Heartbeat:
                 self._store_lost(exc, self.answered)
             self._stop.wait(self.interval_s)
 
+    def _ranks_on(self, host: str) -> dict[int, Member]:
+        return {r: m for r, m in enumerate(self.members) if m.host == host}
+
     def _watch_store(self) -> None:
         """A store call that hangs past the timeout (a silent host: the socket waits on) counts as no answer."""
         while not self._stop.wait(self.interval_s):
@@ -200,7 +212,7 @@ class Heartbeat:
         line = (f"error: [rank {self.rank}] rank {rank} on {m.host} ({m.addr}) has sent no heartbeat for "
                 f"{silent_s:.0f} s: the host died, its network went down, or the process was stopped; ending the "
                 f"job (relaunch without {m.host}: training resumes from the latest checkpoint)")
-        self._end(line if self.claim(line, store) else None)
+        self._end(line if self.claim(line, store, lost=m.host) else None, m.host)
 
     def _store_lost(self, exc: BaseException, since: float) -> None:
         if "refused" in str(exc).lower() or "reset" in str(exc).lower() or "broken pipe" in str(exc).lower():
@@ -210,9 +222,11 @@ class Heartbeat:
                 f"not answered for {time.monotonic() - since:.0f} s ({_reason(exc)}): the host died or its network "
                 f"went down; ending the job (relaunch without {self.master_host}: training resumes from the latest "
                 f"checkpoint)")
-        self._end(line if self.checks else None)
+        self._end(line if self.checks else None, self.master_host)
 
-    def _end(self, line: str | None) -> None:
+    def _end(self, line: str | None, lost: str | None = None) -> None:
+        """End this process (status 3 with ``line``, else 1 quietly); ``on_lost`` for host ``lost`` runs after the
+        line is out (it may end the launcher that carries this rank's output)."""
         if self._stop.is_set():
             return
         if not self._ending.acquire(blocking=False):
@@ -220,6 +234,11 @@ class Heartbeat:
         if line:
             print(line, file=sys.stderr, flush=True)
         sys.stdout.flush()
+        if lost and self.on_lost is not None:
+            try:
+                self.on_lost(self._ranks_on(lost))
+            except Exception:  # ending the job matters more
+                pass
         os._exit(LOST_EXIT if line else 1)
 
     def report_lost_peer(self, exc: BaseException) -> bool:
@@ -241,13 +260,16 @@ class Heartbeat:
             print(line, file=sys.stderr, flush=True)
         return True
 
-    def claim(self, line: str, store=None) -> bool:
-        """Whether ``line`` is the first failure reported in the store (the job prints one); ``store``: the
-        heartbeat thread's connection (its errors are the thread's to handle), else a new one."""
+    def claim(self, line: str, store=None, lost: str | None = None) -> bool:
+        """Whether ``line`` is the first failure reported in the store (the job prints one); ``lost``: the silent
+        host it names, recorded first for the ranks that end quietly; ``store``: the heartbeat thread's connection
+        (its errors are the thread's to handle), else a new one."""
         if store is not None:
+            if lost:
+                store.compare_set(f"{self.ns}lost", "", lost)
             return store.compare_set(f"{self.ns}failed", "", line).decode() == line
         try:
-            return self.claim(line, self._connect())
+            return self.claim(line, self._connect(), lost)
         except (RuntimeError, OSError):
             return True  # the store is gone too: say it here
 
@@ -262,8 +284,9 @@ class Heartbeat:
 
 
 def start_heartbeat(addr: str, port: int, rank: int, local_rank: int, members: list[Member], timeout_s: float,
-                    namespace: str = "") -> Heartbeat | None:
+                    namespace: str = "", on_lost=None) -> Heartbeat | None:
     """This rank's heartbeat, when the ranks span several hosts and ``timeout_s`` > 0 (None otherwise)."""
     if timeout_s <= 0 or len(hosts(members)) < 2:
         return None
-    return Heartbeat(addr, port, rank, members, timeout_s, checks=local_rank == 0, namespace=namespace).start()
+    return Heartbeat(addr, port, rank, members, timeout_s, checks=local_rank == 0, namespace=namespace,
+                     on_lost=on_lost).start()

@@ -329,13 +329,17 @@ def test_preflight_writes_and_checks_the_allocation(tmp_path, monkeypatch, capsy
 
 REPO = Path(__file__).resolve().parents[2]
 STAND_IN = """#!/bin/bash
+hold=; if [ "$(basename "$0")" != scontrol ] && [ -n "${HOLD:-}" ]; then hold=1; fi
+if [ -n "$hold" ]; then  # before the line below, which tells the test it may signal
+    trap 'echo "$(basename "$0") got TERM" >> "$LOG"; exit 0' TERM
+    trap 'echo "$(basename "$0") got USR1" >> "$LOG"; exit 0' USR1
+    trap 'echo "$(basename "$0") got USR2" >> "$LOG"; exit 0' USR2
+fi
 echo "$(basename "$0") $* | ${MASTER_ADDR:-}:${MASTER_PORT:-}" >> "$LOG"
 if [ "$(basename "$0")" = scontrol ] && [ "$1" = show ]; then printf 'n1\\nn2\\n'; fi
 if [ "$(basename "$0")" = scancel ]; then kill -TERM "$(cat "$LOG.launcher.pid")"; exit 0; fi
 case "$(basename "$0")" in srun|mpirun) echo $$ > "$LOG.launcher.pid";; esac
-if [ "$(basename "$0")" != scontrol ] && [ -n "${HOLD:-}" ]; then
-    trap 'echo "$(basename "$0") got TERM" >> "$LOG"; exit 0' TERM
-    trap 'echo "$(basename "$0") got USR1" >> "$LOG"; exit 0' USR1
+if [ -n "$hold" ]; then
     sleep 30 & wait
 fi
 """
@@ -392,17 +396,43 @@ def test_slurm_templates_launch_and_requeue_before_the_time_limit(tmp_path, scri
     assert after == [*stop, f"scontrol requeue 1234567 | {rendezvous}"]
 
 
-def test_sge_template_writes_the_hostfile_and_starts_deepspeed(tmp_path):
+@pytest.mark.parametrize("scheduler", ["sge", "pbs"])
+def test_sge_pbs_template_writes_the_hostfile_starts_mpirun_and_forwards_a_stop(tmp_path, scheduler):
+    """Grid Engine's $PE_HOSTFILE or PBS Pro's $PBS_NODEFILE (ABCI 3.0: a line per MPI process) becomes the
+    hostfile mpirun reads; a stop (Grid Engine's SIGUSR2 before it kills the job, PBS's SIGTERM) reaches mpirun as
+    SIGUSR2, which it forwards to the ranks, and under Grid Engine the script then exits 99: queue the job again."""
     env = _stand_ins(tmp_path)
     for key in [k for k in env if k.startswith("SLURM_")]:
         del env[key]
-    (tmp_path / "pe").write_text("g1 40 gpu@g1 UNDEFINED\ng2 40 gpu@g2 UNDEFINED\n")
     hostfile = tmp_path / "hostfile"
-    env.update(PE_HOSTFILE=str(tmp_path / "pe"), GPUS_PER_NODE="2", LLMJP_DS_HOSTFILE=str(hostfile),
-               SGE_O_WORKDIR=str(REPO))
-    done = subprocess.run(["bash", str(REPO / "hostfiles" / "sge-pbs.sh")], env=env, capture_output=True, text=True,
-                          timeout=60)
+    if scheduler == "sge":
+        (tmp_path / "pe").write_text("g1 40 gpu@g1 UNDEFINED\ng2 40 gpu@g2 UNDEFINED\n")
+        env.update(PE_HOSTFILE=str(tmp_path / "pe"), GPUS_PER_NODE="2", JOB_ID="1234567", SGE_ROOT=str(tmp_path),
+                   SGE_O_WORKDIR=str(REPO))
+        wrote, stop, status = "$PE_HOSTFILE (SGE): 2 hosts, 4 slots", signal.SIGUSR2, 99
+    else:
+        (tmp_path / "nodes").write_text("g1\ng1\ng2\ng2\n")
+        env.update(PBS_NODEFILE=str(tmp_path / "nodes"), PBS_JOBID="1234567.pbs1", PBS_O_WORKDIR=str(REPO))
+        wrote, stop, status = "$PBS_NODEFILE (PBS): 2 hosts, 4 slots", signal.SIGTERM, 0
+    env.update(LLMJP_DS_HOSTFILE=str(hostfile))
+    argv = ["bash", str(REPO / "hostfiles" / "sge-pbs.sh")]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert f"wrote {hostfile} from $PE_HOSTFILE (SGE): 2 hosts, 4 slots" in done.stdout
+    assert f"wrote {hostfile} from {wrote}" in done.stdout
     assert parse_hostfile(hostfile) == {"g1": 2, "g2": 2}
-    assert _log(tmp_path) == [f"deepspeed --hostfile {hostfile} llmjp_ds/train.py | :"]
+    assert _log(tmp_path) == [  # LLM-jp's port rule, from the job id
+        f"mpirun -np 4 --hostfile {hostfile} -bind-to none -map-by slot -mca plm_rsh_disable_qrsh 1 -x MASTER_ADDR "
+        "-x MASTER_PORT -x PATH -x LD_LIBRARY_PATH python -m llmjp_ds.train --set "
+        "checkpoint.stop_signals=[SIGTERM,SIGINT,SIGUSR2] | g1:44567"]
+    (tmp_path / "log").unlink()
+    job = subprocess.Popen(argv, env={**env, "HOLD": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not any(line.startswith("mpirun") for line in _log(tmp_path)):
+            assert time.monotonic() < deadline and job.poll() is None, job.communicate()
+            time.sleep(0.05)
+        job.send_signal(stop)
+        assert job.wait(20) == status, job.communicate()
+    finally:
+        job.kill()
+    assert _log(tmp_path)[1:] == ["mpirun got USR2"]

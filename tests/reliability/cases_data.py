@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import lzma
+from pathlib import Path
 
 from tests.reliability.cases import SMALL, Case, L, T, sub  # noqa: F401
 
@@ -187,6 +188,16 @@ def prepare(ctx) -> None:
     (d / "hosts_latin1").write_bytes("node-a slots=8\nnodé-b slots=8\n".encode("latin-1"))
     (d / "hosts_nul").write_bytes(b"node-a slots=8\nnode\x00-b slots=8\n")
     _megatron_cache(ctx)
+
+
+def good_corpus(tmp: Path, tok: Path) -> Path:
+    """The catalogue's good corpus, ``{tmp}/good_text_document``: 200 documents of Japanese and English."""
+    from llmjp_ds.data.preprocess import preprocess
+
+    (tmp / "docs.jsonl").write_text("".join(json.dumps({"text": f"文書 {i}: the quick brown fox. " * 30}) + "\n"
+                                            for i in range(200)))
+    preprocess([tmp / "docs.jsonl"], tok, tmp / "good", workers=1, progress=False)
+    return tmp / "good_text_document"
 
 
 def _megatron_cache(ctx) -> None:

@@ -236,13 +236,9 @@ class Ctx:
         import numpy as np
 
         from llmjp_ds.data.indexed import IndexedDatasetWriter
-        from llmjp_ds.data.preprocess import preprocess
 
         self.tmp, self.tok, self.run = tmp, tok, run
-        (tmp / "docs.jsonl").write_text("".join(json.dumps({"text": f"文書 {i}: the quick brown fox. " * 30}) + "\n"
-                                                for i in range(200)))
-        preprocess([tmp / "docs.jsonl"], tok, tmp / "good", workers=1, progress=False)
-        good = tmp / "good_text_document"
+        good = cases_data.good_corpus(tmp, tok)
         for name, edit in (("trunc_bin", lambda b, i: (b[:1000], i)), ("trunc_idx", lambda b, i: (b, i[:-100])),
                            ("badcode", lambda b, i: (b, i[:17] + bytes([99]) + i[18:])),
                            ("garbage", lambda b, i: (b, b"not an index at all" + i[19:]))):

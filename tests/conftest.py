@@ -21,14 +21,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
-def pytest_collection_modifyitems(items):
-    """Under ``pytest -n 2 --dist loadgroup`` (the README's command), the tests on the session's network-namespace
-    hosts run in one worker: one set of hosts, sshd, Slurm and Grid Engine per machine."""
-    for item in items:
-        if "net_hosts" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("hosts"))
-
-
 def shared_path(*parts: str) -> Path:
     """A file under ../shared, or skip the test (a user's fresh clone has no ../shared)."""
     path = SHARED.joinpath(*parts)

@@ -3,7 +3,9 @@ address, its own name (which resolves to 127.0.1.1 on itself, as Debian writes /
 
 Each way of launching runs the config of the suite's two-rank ZeRO-1 run (``runs.full("zero1")``: torchrun, two
 ranks on one host) with one rank per host, and its trail must equal that run's to the bit: the same two ranks
-reduce the same numbers in the same order over gloo, whichever host each rank is on. Then a host is taken away
+reduce the same numbers in the same order over gloo, whichever host each rank is on. The batch templates (Slurm's
+two, Grid Engine's) prove it in their requeue and rerun tests, whose whole trail, stopped and resumed, equals an
+uninterrupted torchrun run of the same config. Then a host is taken away
 mid-run, by ending its processes or by silence (its link down and its processes killed, as when it loses power):
 the command the user typed must end within 60 s, non-zero, with one line naming the lost host, and the relaunch
 on the remaining host (one rank, the same global batch) resumes from the latest checkpoint through the reshape.
@@ -330,22 +332,6 @@ def _job_output(tmp_path: Path, name: str) -> str:
     return "\n".join(p.read_text(errors="replace") for p in sorted((tmp_path / "logs").glob(f"{name}-*.out")))
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("script", ["slurm.sbatch", "slurm-mpirun.sbatch"])
-def test_sbatch_trains_one_world_across_two_slurm_nodes(runs, hosts, slurm, tmp_path, script):
-    if script == "slurm-mpirun.sbatch" and cluster.missing("mpirun"):
-        pytest.skip(cluster.missing("mpirun"))
-    reference = runs.full("zero1")
-    run_dir = tmp_path / "run"
-    job = _job_id(_sbatch(hosts, slurm, tmp_path, script, run_dir, SETS, script))
-    _wait_for_job_end(hosts, slurm, job, 300)
-    said = hosts.run("node1", ["scontrol", "show", "job", job], env=slurm.env()).stdout
-    out = _job_output(tmp_path, script)
-    assert "JobState=COMPLETED" in said and "ExitCode=0:0" in said, f"{said}\n{out[-4000:]}\n{slurm.log_tail()}"
-    assert "node[1-2]" in out  # the job's nodelist, as its script printed it
-    _same_trail(run_dir, reference)
-
-
 def _job_id(proc: subprocess.Popen) -> str:
     said, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, said
@@ -487,6 +473,7 @@ def test_a_usr1_before_the_time_limit_saves_requeues_and_the_rerun_ends_bit_iden
     # requeued, the job waits cred_expire + 1 s before it may start again (tests/cluster.py: 10 s, not 120)
     _wait_for("last step", lambda: any(r.get("step") == REQUEUE_STEPS for r in trail(run_dir)), 300, say)
     _wait_for_job_end(hosts, slurm, job, 120)
+    assert "node[1-2]" in _job_output(tmp_path, "requeue")  # the job's nodelist, as its script printed it
     # srun's tasks got SIGTERM (scancel), mpirun's ranks SIGUSR1 (forwarded by mpirun)
     _stopped_and_resumed(run_dir, requeue_reference)
 
@@ -525,18 +512,6 @@ def _ge_job(hosts, gridengine, tmp_path: Path, run_dir: Path, sets, name: str):
 
 
 @pytest.mark.timeout(600)
-def test_qsub_trains_one_world_across_two_grid_engine_hosts(runs, hosts, gridengine, tmp_path):
-    reference = runs.full("zero1")
-    run_dir = tmp_path / "run"
-    proc = _qsub(hosts, gridengine, tmp_path, run_dir, SETS, "qsub", "-sync", "y")
-    said, _ = proc.communicate(timeout=300)
-    out = _ge_output(tmp_path, "qsub")
-    assert proc.returncode == 0, f"{said}\n{out[-4000:]}\n{gridengine.log_tail()}"
-    assert "2 ranks on node1 node2 master node1:" in out  # the job's hosts, as its script printed them
-    _same_trail(run_dir, reference)
-
-
-@pytest.mark.timeout(600)
 def test_a_grid_engine_job_saves_on_notice_its_rerun_resumes_exactly_and_a_deleted_one_stays_deleted(
         hosts, gridengine, requeue_reference, tmp_path):
     """``qmod -rj`` (reschedule) mid-run: Grid Engine sends the -notify SIGUSR2, the ranks save, the script exits 99
@@ -559,6 +534,7 @@ def test_a_grid_engine_job_saves_on_notice_its_rerun_resumes_exactly_and_a_delet
     _wait_for("the job's end", lambda: job not in gridengine.jobs(), 120, say)
     time.sleep(3)
     assert job not in gridengine.jobs() and len(events("resume")) == 1, say()  # deleted: not rerun
+    assert "2 ranks on node1 node2 master node1:" in say()  # the job's hosts, as its script printed them
     stops = events("preempted")
     assert [e["reason"] for e in stops] == ["SIGUSR2", "SIGUSR2"], stops
     _stopped_and_resumed(run_dir, requeue_reference, stops[-1]["step"])

@@ -5,11 +5,11 @@ Each way of launching runs the config of the suite's two-rank ZeRO-1 run (``runs
 ranks on one host) with one rank per host, and its trail must equal that run's to the bit: the same two ranks
 reduce the same numbers in the same order over gloo, whichever host each rank is on. The batch templates (Slurm's
 two, Grid Engine's) prove it in their requeue and rerun tests, whose whole trail, stopped and resumed, equals an
-uninterrupted torchrun run of the same config. Then a host is taken away
-mid-run, by ending its processes or by silence (its link down and its processes killed, as when it loses power):
-the command the user typed must end within 60 s, non-zero, with one line naming the lost host, and the relaunch
-on the remaining host (one rank, the same global batch) resumes from the latest checkpoint through the reshape.
-The hosts' ssh has no keepalive, as a user's has not: a session to a silent host ends only when something ends it.
+uninterrupted torchrun run of the same config. Then a host is taken away mid-run, by ending its processes or by
+silence (its link down and its processes killed, as when it loses power): the command the user typed must end
+within 60 s, non-zero, with one line naming the lost host, and the relaunch on the remaining host (one rank, the
+same global batch) resumes from the latest checkpoint through the reshape. The hosts' ssh has no keepalive, as a
+user's has not: a session to a silent host ends only when something ends it.
 
 The hosts, and the Slurm and the Grid Engine on them, are made once for the session (tests/cluster.py) and reset
 before each test.

@@ -3,7 +3,8 @@
 ``preprocess`` under a file-size limit (``RLIMIT_FSIZE``: the write fails with EFBIG, as ENOSPC on a full disk):
 one line naming the output, the reason and the free space; no temp file, no partial corpus; an existing corpus
 that ``--force`` would replace is untouched. The catalogue's harness checks that files that existed are unchanged;
-here the data cases run again against their own directory to check that a failing command also adds nothing.
+here the data cases that start no training run again against their own directory, to check that a failing
+command also adds nothing.
 """
 
 from __future__ import annotations

@@ -55,11 +55,11 @@ if [ "${slots:-0}" -gt 0 ]; then
 else
     llmjp-ds preflight --write-hostfile "$hostfile" "$@"
 fi
-MASTER_ADDR=$(awk 'NF && $1 !~ /^#/ {print $1; exit}' "$hostfile")
+hosts=$(awk 'NF && $1 !~ /^#/ {printf "%s ", $1}' "$hostfile")
+MASTER_ADDR=${hosts%% *}  # the first host
 MASTER_PORT=$((10000 + job % 50000))
 ranks=$(awk -F'slots=' 'NF > 1 {n += $2} END {print n}' "$hostfile")
 export MASTER_ADDR MASTER_PORT
-hosts=$(awk 'NF && $1 !~ /^#/ {printf "%s ", $1}' "$hostfile")
 echo "llmjp-ds: job $job: $ranks ranks on ${hosts}master $MASTER_ADDR:$MASTER_PORT"
 
 command -v mpirun >/dev/null || { echo "error: mpirun is not on PATH: install Open MPI (apt install openmpi-bin) or load its module, then submit again" >&2; exit 1; }

@@ -84,6 +84,24 @@ def _alive(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] not in "ZX"
 
 
+def _wait_until(done, timeout: float, failure, interval: float = 0.5) -> None:
+    """Poll ``done()`` until it is true; RuntimeError(``failure()``) once ``timeout`` seconds have passed."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            raise RuntimeError(failure())
+        time.sleep(interval)
+
+
+def _terminate(pidfiles) -> None:
+    """SIGTERM to the daemon of each pid file (one gone, or a file never written, is skipped)."""
+    for pidfile in pidfiles:
+        try:
+            os.kill(int(pidfile.read_text().strip()), signal.SIGTERM)
+        except (OSError, ValueError):
+            pass
+
+
 class _Started:
     """A context manager that starts in ``_make`` and undoes in ``close`` (also when ``_make`` fails half-way)."""
 
@@ -172,11 +190,8 @@ class NetHosts(_Started):
 
     def _wait_for_port(self, from_host: str, addr: str, port: int, timeout: float = 10) -> None:
         probe = f"import socket; socket.create_connection(('{addr}', {port}), timeout=1).close()"
-        deadline = time.monotonic() + timeout
-        while self.run(from_host, ["python3", "-c", probe]).returncode != 0:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{addr}:{port} does not answer from {from_host}")
-            time.sleep(0.2)
+        _wait_until(lambda: self.run(from_host, ["python3", "-c", probe]).returncode == 0, timeout,
+                    lambda: f"{addr}:{port} does not answer from {from_host}", interval=0.2)
 
     def pids(self, name: str) -> list[int]:
         out = _sh("ip", "netns", "pids", self.ns[name], check=False).stdout
@@ -263,11 +278,8 @@ class NetHosts(_Started):
 
 def _pid_of(pidfile: Path, timeout: float = 10) -> int:
     """The number in a daemon's pid file (which it may create before it writes the number)."""
-    deadline = time.monotonic() + timeout
-    while not (pidfile.is_file() and pidfile.read_text().strip()):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{pidfile} holds no pid after {timeout} s")
-        time.sleep(0.05)
+    _wait_until(lambda: pidfile.is_file() and pidfile.read_text().strip(), timeout,
+                lambda: f"{pidfile} holds no pid after {timeout} s", interval=0.05)
     return int(pidfile.read_text())
 
 
@@ -338,27 +350,26 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
         self.hosts.schedulers.append(self)
 
     def _wait_for_idle_nodes(self, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
+        states: dict[str, str] = {}
+
+        def idle() -> bool:
+            nonlocal states
             out = self.hosts.run(self.head, ["sinfo", "-h", "-N", "-o", "%N %T"], env=self.env()).stdout
             states = dict(line.split() for line in out.splitlines() if line.strip())
-            if all(states.get(n) in ("idle", "mixed") for n in self.hosts.nodes):
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"Slurm's nodes are not idle: {states}\n{self.log_tail()}")
-            time.sleep(0.5)
+            return all(states.get(n) in ("idle", "mixed") for n in self.hosts.nodes)
+
+        _wait_until(idle, timeout, lambda: f"Slurm's nodes are not idle: {states}\n{self.log_tail()}")
+
+    def jobs(self) -> list[str]:
+        return self.hosts.run(self.head, ["squeue", "-h", "-o", "%i"], env=self.env()).stdout.split()
 
     def reset(self) -> None:
         """Cancel every job and wait until every node is idle (a test that took a node away left it busy)."""
-        jobs = self.hosts.run(self.head, ["squeue", "-h", "-o", "%i"], env=self.env()).stdout.split()
+        jobs = self.jobs()
         if jobs:
             self.hosts.run(self.head, ["scancel", "--signal=KILL", *jobs], env=self.env())
             self.hosts.run(self.head, ["scancel", *jobs], env=self.env())
-        deadline = time.monotonic() + 60
-        while self.hosts.run(self.head, ["squeue", "-h", "-o", "%i"], env=self.env()).stdout.split():
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"Slurm's jobs did not end: {self.log_tail()}")
-            time.sleep(0.5)
+        _wait_until(lambda: not self.jobs(), 60, lambda: f"Slurm's jobs did not end: {self.log_tail()}")
         self._wait_for_idle_nodes()
 
     def env(self, **extra) -> dict:
@@ -373,12 +384,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
     def close(self) -> None:
         if self in self.hosts.schedulers:
             self.hosts.schedulers.remove(self)
-        pidfiles = [self.root / "slurmctld.pid", *self.root.glob("slurmd-*.pid"), self.root / "munge" / "munged.pid"]
-        for pidfile in pidfiles:
-            try:
-                os.kill(int(pidfile.read_text().strip()), signal.SIGTERM)
-            except (OSError, ValueError):
-                pass
+        _terminate([self.root / "slurmctld.pid", *self.root.glob("slurmd-*.pid"), self.root / "munge" / "munged.pid"])
 
 
 SGE_BINARIES = Path("/var/lib/gridengine")  # Debian's SGE_ROOT: bin, lib, util, utilbin
@@ -496,11 +502,8 @@ class GridEngine(_Started):
             f"{spooling} usersets /usr/share/gridengine/util/resources/usersets && {spooling} managers root")
         self.hosts.run(self.head, ["sge_qmaster"], check=True, env=self.env())
         self.hosts.daemons[self.head].add(_pid_of(spool / "qmaster" / "qmaster.pid"))
-        deadline = time.monotonic() + 30
-        while self.hosts.run(self.head, ["qconf", "-sh"], env=self.env()).returncode != 0:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"sge_qmaster does not answer\n{self.log_tail()}")
-            time.sleep(0.5)
+        _wait_until(lambda: self.hosts.run(self.head, ["qconf", "-sh"], env=self.env()).returncode == 0, 30,
+                    lambda: f"sge_qmaster does not answer\n{self.log_tail()}")
         self._configure(spool)
 
     def _configure(self, spool: Path) -> None:
@@ -529,15 +532,15 @@ class GridEngine(_Started):
 
     def _wait_for_queues(self, timeout: float = 60) -> None:
         """Until every node's queue instance has reported its load, with no alarm, error or unknown state."""
-        deadline = time.monotonic() + timeout
-        while True:
+        out = ""
+
+        def ready() -> bool:
+            nonlocal out
             out = self.hosts.run(self.head, ["qstat", "-f"], env=self.env()).stdout
             rows = [line.split() for line in out.splitlines() if line.startswith("all.q@")]
-            if len(rows) == len(self.hosts.nodes) and all(len(r) == 5 and r[3] != "-NA-" for r in rows):
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"Grid Engine's queues are not ready:\n{out}\n{self.log_tail()}")
-            time.sleep(0.5)
+            return len(rows) == len(self.hosts.nodes) and all(len(r) == 5 and r[3] != "-NA-" for r in rows)
+
+        _wait_until(ready, timeout, lambda: f"Grid Engine's queues are not ready:\n{out}\n{self.log_tail()}")
 
     def jobs(self) -> list[str]:
         out = self.hosts.run(self.head, ["qstat", "-u", "*"], env=self.env()).stdout
@@ -548,11 +551,7 @@ class GridEngine(_Started):
         jobs = self.jobs()
         if jobs:
             self.hosts.run(self.head, ["qdel", "-f", *jobs], env=self.env())
-        deadline = time.monotonic() + 60
-        while self.jobs():
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"Grid Engine's jobs did not end: {self.log_tail()}")
-            time.sleep(0.5)
+        _wait_until(lambda: not self.jobs(), 60, lambda: f"Grid Engine's jobs did not end: {self.log_tail()}")
         self.hosts.run(self.head, ["qmod", "-c", "*"], env=self.env())
         self._wait_for_queues()
 
@@ -564,11 +563,7 @@ class GridEngine(_Started):
         if self in self.hosts.schedulers:
             self.hosts.schedulers.remove(self)
         spool = self.root / "spool"
-        for pidfile in [*spool.glob("execd/*/execd.pid"), spool / "qmaster" / "qmaster.pid"]:
-            try:
-                os.kill(int(pidfile.read_text().strip()), signal.SIGTERM)
-            except (OSError, ValueError):
-                pass
+        _terminate([*spool.glob("execd/*/execd.pid"), spool / "qmaster" / "qmaster.pid"])
 
 
 # --- the session's hosts and schedulers (registered in tests/conftest.py) ---------------------------------------

@@ -247,15 +247,22 @@ def _pdsh_sessions(launchers: list[Launcher], ranks) -> list[int]:
     return found
 
 
-MPI_DAEMONS = ("mpirun", "mpiexec", "orterun", "orted", "prterun", "prted")
+MPI_LAUNCHERS = ("mpirun", "mpiexec", "orterun", "prterun")
+MPI_DAEMONS = (*MPI_LAUNCHERS, "orted", "prted")  # what a rank's parent is under Open MPI
+
+
+def _parent_program() -> tuple[int, str]:
+    """(pid, program name) of this process's parent ("" when /proc does not say)."""
+    parent = os.getppid()
+    argv = _cmdline(parent)
+    return parent, os.path.basename(argv[0]) if argv else ""
 
 
 def _mpi_sessions(members) -> list[int]:
     """Open MPI: the sessions (``ssh HOST ... orted ...``) to the hosts of ``members`` that this rank's parent holds
     (mpirun on the first host, or a daemon that started further daemons)."""
-    parent = os.getppid()
-    argv = _cmdline(parent)
-    if not argv or os.path.basename(argv[0]) not in MPI_DAEMONS:
+    parent, program = _parent_program()
+    if program not in MPI_DAEMONS:
         return []
     names = {name for m in members for name in (m.host, m.host.split(".")[0], m.addr)}
     found = []
@@ -264,9 +271,6 @@ def _mpi_sessions(members) -> list[int]:
         if info and info[1] == parent and names & set(child) and any("orted" in a for a in child):
             found.append(pid)
     return found
-
-
-MPI_LAUNCHERS = ("mpirun", "mpiexec", "orterun", "prterun")
 
 
 def end_launch_sessions(launchers: list[Launcher], lost: dict) -> list[int]:
@@ -278,9 +282,8 @@ def end_launch_sessions(launchers: list[Launcher], lost: dict) -> list[int]:
 
     sessions = _pdsh_sessions(launchers, list(lost)) + _mpi_sessions(lost.values())  # while mpirun is their parent
     ended = []
-    parent = os.getppid()
-    argv = _cmdline(parent)
-    if argv and os.path.basename(argv[0]) in MPI_LAUNCHERS:
+    parent, program = _parent_program()
+    if program in MPI_LAUNCHERS:
         time.sleep(0.5)  # mpirun forwards the line this rank printed before it ends
         try:
             os.kill(parent, signal.SIGINT)  # mpirun starts aborting the job ...

@@ -365,11 +365,8 @@ def test_a_lost_slurm_node_ends_the_job_within_60s_naming_it(hosts, slurm, train
         pytest.skip(cluster.missing("mpirun"))
     run_dir = tmp_path / "run"
     job = _job_id(_sbatch(hosts, slurm, tmp_path, script, run_dir, LONG, "lost"))
-    latest = run_dir / "checkpoints" / "latest"
-    deadline = time.monotonic() + 240
-    while not latest.is_file():
-        assert time.monotonic() < deadline, _job_output(tmp_path, "lost") + slurm.log_tail()
-        time.sleep(0.5)
+    _wait_for("checkpoint", (run_dir / "checkpoints" / "latest").is_file, 240,
+              lambda: _job_output(tmp_path, "lost") + slurm.log_tail())
     t0 = time.monotonic()
     if how == "power":
         assert hosts.power_off("node2")

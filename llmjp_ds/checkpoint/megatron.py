@@ -142,7 +142,9 @@ def _write_tag(tag_dir: Path, states: dict, step: int, client: dict) -> dict:
     files = {}
     (tag_dir / CONVERTED).mkdir(parents=True)
     for name, state in states.items():
-        files[f"{CONVERTED}/{name}.pt"] = save_hashed(state, tag_dir / CONVERTED / f"{name}.pt")
+        # a copy of each: the reader's tensors may be views of an optimizer buffer, which torch.save writes whole
+        files[f"{CONVERTED}/{name}.pt"] = save_hashed({k: v.clone() for k, v in state.items()},
+                                                      tag_dir / CONVERTED / f"{name}.pt")
     meta = {"step": torch.tensor(float(step)), "extra": {}}
     files[f"{CONVERTED}/_extra_state.pt"] = save_hashed(meta, tag_dir / CONVERTED / "_extra_state.pt")
     (tag_dir / CONVERTED / DONE).write_text("megatron\n")

@@ -190,10 +190,13 @@ def test_import_writes_a_run_at_megatrons_iteration(d, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".run.")]  # nothing left beside it
     ckpt = read(d)
     for name in ma.from_megatron_state_dict(ckpt.weights, config_of(info)):
-        written = torch.load(tmp_path / "run" / "checkpoints" / tag / CONVERTED / f"{name}.pt")
+        path = tmp_path / "run" / "checkpoints" / tag / CONVERTED / f"{name}.pt"
+        written = torch.load(path)
         theirs = ckpt.optimizer[ma.megatron_name(name)]
         assert all(torch.equal(written[ours], theirs[key]) for ours, key in
                    (("fp32", "param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))), name
+        # each file holds its parameter's state alone, not the optimizer buffer the reader took it from
+        assert path.stat().st_size <= 12 * theirs["param"].numel() + 4096, (name, path.stat().st_size)
 
 
 @pytest.mark.slow

@@ -9,10 +9,12 @@ A       Megatron-LM, BF16, steps 1..flip, saves (torch_dist, distributed optimiz
 B       Megatron-LM, BF16, 1..end uninterrupted: Megatron-Core against itself (kernels are not
         bit-deterministic), the spread every comparison is measured against
 ours    llmjp-ds, BF16, 1..end, from the same initial weights and batches
+A3      Megatron-LM resumed from A's checkpoint a second time, BF16: A3 - A is the spread of a
+        continuation from one checkpoint
 F1, F2  Megatron-LM restarted from A's checkpoint with FP8 (delayed, hybrid), flip..end: how LLM-jp
         flipped its 172B run on Megatron-LM; F2 - F1 is the FP8 spread
 import  ``llmjp-ds import-megatron`` of A's checkpoint, then ``ours-bf16`` (the round trip, against
-        A) and ``ours-fp8`` (flipping to FP8 at the same step, against F1) continue it here
+        A, beside A3) and ``ours-fp8`` (flipping to FP8 at the same step, against F1, beside F2) continue it here
 ======  =========================================================================================
 
 Writes to ``--out``: ``summary-parity.md`` (the gaps, each against its spread, and the first steps),
@@ -108,15 +110,17 @@ def jobs(setup: Setup, work: Path, runs: Path, mlm: Path, blend, tokenizer: str)
         Job("B", megatron("B", load=init, finetune=True), estimate_s=start + setup.steps * third),
         Job("ours", ours("ours", runs / "ours", init_hf=str(work / "init-hf")),
             estimate_s=start + setup.steps * third),
+        # after A1, in the order they start: each comparison's two runs before the spreads they are judged against
         Job("A2", megatron("A2", load=ckpt), after=("A1",), estimate_s=start + rest * third),
         Job("import", [sys.executable, "-m", "llmjp_ds.cli", "import-megatron", "--load", ckpt, "--run",
                        str(imported), "--preset", "llmjp3-1.8b", *ours_import], after=("A1",), gib=0),
         Job("F1", megatron("F1", load=ckpt, fp8=True), after=("A1",), gib=48, estimate_s=start + rest * third),
-        Job("F2", megatron("F2", load=ckpt, fp8=True), after=("A1",), gib=48, estimate_s=start + rest * third),
-        Job("ours-bf16", continued("ours-bf16"), after=("import",), before=fork("ours-bf16"),
-            estimate_s=start + rest * third),
         Job("ours-fp8", continued("ours-fp8", "--set", ours_sets(setup, blend, tokenizer, "", None, setup.flip)[-1]),
             after=("import",), before=fork("ours-fp8"), estimate_s=start + rest * third),
+        Job("ours-bf16", continued("ours-bf16"), after=("import",), before=fork("ours-bf16"),
+            estimate_s=start + rest * third),
+        Job("F2", megatron("F2", load=ckpt, fp8=True), after=("A1",), gib=48, estimate_s=start + rest * third),
+        Job("A3", megatron("A3", load=ckpt), after=("A1",), estimate_s=start + rest * third),
     ]
 
 
@@ -187,8 +191,8 @@ def curves(runs: Path, logs: Path) -> dict[str, Path]:
 
     keep = ("iteration", "validation loss at")
     sources = {}
-    for name, parts in (("megatron-a", ("A1", "A2")), ("megatron-b", ("B",)), ("megatron-f1", ("F1",)),
-                        ("megatron-f2", ("F2",))):
+    for name, parts in (("megatron-a", ("A1", "A2")), ("megatron-a3", ("A1", "A3")), ("megatron-b", ("B",)),
+                        ("megatron-f1", ("F1",)), ("megatron-f2", ("F2",))):
         lines = [line for p in parts if (logs / f"{p}.log").exists()
                  for line in (logs / f"{p}.log").read_text(errors="replace").splitlines()
                  if any(k in line for k in keep)]
@@ -213,7 +217,7 @@ def report(setup: Setup, sources: dict[str, Path], out: Path) -> str:
                                     ("FP8 from the flip (both from A's checkpoint)", "ours-fp8", "megatron-f1",
                                      "megatron-f2"),
                                     ("round trip: A imported at the flip, BF16", "ours-bf16", "megatron-a",
-                                     "megatron-b")):
+                                     "megatron-a3")):
         if not all(k in c for k in (ours, ref, spread)):
             rows.append(f"| {what} | not run | | | | | |")
             continue
@@ -224,7 +228,7 @@ def report(setup: Setup, sources: dict[str, Path], out: Path) -> str:
                     f"{100 * g['final_rel']:+.3f} % | {100 * s['final_rel']:+.3f} % | {'yes' if meets else 'NO'} |")
     for png, run, beside in (("parity-bf16.png", "ours", ("megatron-a", "megatron-b")),
                              ("parity-fp8.png", "ours-fp8", ("megatron-f1", "megatron-f2")),
-                             ("parity-roundtrip.png", "ours-bf16", ("megatron-a", "megatron-b"))):
+                             ("parity-roundtrip.png", "ours-bf16", ("megatron-a", "megatron-a3"))):
         if run in sources and all(b in sources for b in beside):
             plot_run(sources[run], out / png, [sources[b] for b in beside])
     steps = (1, 2, setup.flip + 1, setup.flip + 2)
@@ -240,13 +244,13 @@ def report(setup: Setup, sources: dict[str, Path], out: Path) -> str:
         *firsts, ""])
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--megatron-lm", required=True, type=Path, help="a Megatron-LM checkout at core_v0.19")
     p.add_argument("--tokenizer", required=True, help="the LLM-jp v3 SentencePiece model")
     p.add_argument("--work", type=Path, default=Path("/tmp/parity"))
-    p.add_argument("--runs", type=Path, default=Path("/dev/shm/parity-runs"),
-                   help="our run directories (the imported checkpoint: 12 bytes a parameter)")
+    p.add_argument("--runs", type=Path, default=None, help="our run directories (default: WORK/runs; the imported "
+                   "checkpoint takes 12 bytes a parameter, beside Megatron's 14)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/out")))
     p.add_argument("--budget-s", type=float, default=560.0, help="stop starting runs that would end later")
     p.add_argument("--gpu-gib", type=float, default=132.0, help="GPU memory the runs sharing it may take together")
@@ -259,6 +263,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=Setup.steps)
     p.add_argument("--flip", type=int, default=Setup.flip)
     a = p.parse_args(argv)
+    a.runs = a.runs or a.work / "runs"
     deadline = time.time() + a.budget_s
     setup = Setup(steps=a.steps, flip=a.flip, lr=a.lr, min_lr=a.lr / 10)
     logs = a.work / "logs"
@@ -284,6 +289,7 @@ def main(argv=None) -> None:
     (a.out / "summary-parity.md").write_text(summary)
     print(summary, flush=True)
     shutil.rmtree(a.runs, ignore_errors=True)
+    return 0 if all(j.state == "done" for j in all_jobs) else 1  # a run that failed or never started fails the check
 
 
 def _worth_keeping(lines: list[str], i: int) -> bool:
@@ -317,4 +323,4 @@ def pack(a, all_jobs: list[Job], sources: dict[str, Path], logs: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -10,7 +10,8 @@ the windows (0.19 loads cached indices through ``safe_numpy_load`` and returns t
   ``seq_len + 1`` token ids, before any mask, label shift or padding (``__getitem__`` builds those from it). It
   returns a tuple whose first item is the window (0.16: text and document ids; 0.19 adds the documents' lengths).
 * ``megatron.core.safe_globals.SAFE_GLOBALS``: the classes megatron.core's import adds to torch's ``weights_only``
-  allowlist (:func:`datasets` takes them back).
+  allowlist, and (0.19) its ``safe_load_from_bytes`` put in place of ``torch.storage._load_from_bytes``
+  (:func:`datasets` takes both back).
 * ``BlendedDataset.dataset_index[i]`` / ``dataset_sample_index[i]``: which of ``BlendedDataset.datasets``, and
   which of its samples, blended sample ``i`` is (``BlendedDataset.__getitem__`` reads the same two arrays).
 """
@@ -66,10 +67,14 @@ def version() -> str:
 def datasets() -> types.SimpleNamespace:
     """megatron-core's dataset modules (``builder``, ``gpt``, ``config``), imported quietly: megatron.core warns at
     import about Transformer Engine and Apex, which its dataset code does not use. Its import also puts its own
-    classes on torch's global ``weights_only`` allowlist (``megatron/core/safe_globals.py``); that is undone, so a
-    run under this order loads checkpoints with the project's allowlist alone (``checkpoint/safe_load.py``)."""
+    classes on torch's global ``weights_only`` allowlist and (0.19) replaces torch's ``_load_from_bytes``, the
+    function every pickled CPU tensor names, TE's FP8 extra state included (``megatron/core/safe_globals.py``). Both
+    are undone: a run under this order loads checkpoints with the project's allowlist alone
+    (``checkpoint/safe_load.py``), and the checkpoints it writes name torch's function, not megatron-core's."""
     import torch.serialization
+    import torch.storage
 
+    load_from_bytes = torch.storage._load_from_bytes
     names = {"builder": "blended_megatron_dataset_builder", "gpt": "gpt_dataset",
              "config": "blended_megatron_dataset_config"}
     allowed = torch.serialization.get_safe_globals()
@@ -79,6 +84,7 @@ def datasets() -> types.SimpleNamespace:
             return types.SimpleNamespace(**{k: importlib.import_module(f"megatron.core.datasets.{m}")
                                             for k, m in names.items()})
     finally:  # keep what was there and what torch's own modules registered meanwhile; drop megatron-core's list
+        torch.storage._load_from_bytes = load_from_bytes
         megatrons = getattr(sys.modules.get("megatron.core.safe_globals"), "SAFE_GLOBALS", [])
         keep = [g for g in torch.serialization.get_safe_globals() if g in allowed or g not in megatrons]
         torch.serialization.clear_safe_globals()

@@ -296,3 +296,24 @@ def test_importing_megatron_core_leaves_torchs_allowlist_alone():
     assert result.returncode == 0, result.stderr[-2000:]
     listed, left = result.stdout.strip().splitlines()[-1].split(" ", 1)
     assert int(listed) > 5 and left == "[]", result.stdout
+
+
+def test_te_extra_state_written_after_megatron_cores_import_loads_safely(tmp_path):
+    """megatron.core 0.19's import puts its own function in place of torch.storage._load_from_bytes, which every
+    CPU tensor pickled with pickle.dumps names (Transformer Engine's FP8 extra state is such a pickle): a
+    checkpoint saved after it named megatron.core.safe_globals.safe_load_from_bytes and its resume was refused.
+    After the megatron order's import, such an extra state names torch's function and passes the vetting. In a
+    fresh interpreter: megatron imported once."""
+    import sys
+
+    from tests.launch import run
+
+    code = ("import pickle, torch; from llmjp_ds.data import megatron_internals; megatron_internals.datasets(); "
+            "from llmjp_ds.checkpoint.safe_load import vet_extra_state; "
+            "extra = {'scale_fwd': torch.ones(3), 'amax_history_fwd': torch.zeros(1, 3), 'extra_fp8_variables': {}}; "
+            "state = torch.frombuffer(bytearray(pickle.dumps(extra)), dtype=torch.uint8); "
+            "vet_extra_state('ckpt.pt', 'layernorm_qkv._extra_state', state); "
+            "print(torch.storage._load_from_bytes.__module__)")
+    result = run([sys.executable, "-c", code], timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "torch.storage", result.stdout

@@ -60,6 +60,20 @@ def megatron_log_curve(text: str) -> dict[int, dict[str, float]]:
     return {step: point for step, point in sorted(curve.items()) if point and step <= last}
 
 
+def megatron_unmixed(curve: dict[int, dict[str, float]], starts) -> dict[int, dict[str, float]]:
+    """``curve`` (a Megatron-LM log's, at ``--log-interval 1``) with the loss of each process's second iteration
+    taken apart from its first. ``starts``: the first iteration of each process in the log. Megatron-Core 0.17 to
+    0.19 keep a process's first iteration in ``training_log``'s sums (``should_reset = not is_first_iteration``), so
+    its second line prints the mean of the two (NVIDIA/Megatron-LM#6237, fixed by #7092): the iteration's own
+    loss is twice that mean less the first. Nothing else in the line is a mean of two."""
+    out = {step: dict(point) for step, point in curve.items()}
+    for first in starts:
+        one, two = out.get(first, {}), out.get(first + 1, {})
+        if "loss" in one and "loss" in two:
+            two["loss"] = 2 * two["loss"] - one["loss"]
+    return out
+
+
 def run_curve(records: list[dict]) -> dict[int, dict[str, float]]:
     """The curve of a llmjp-ds run's metrics records (events skipped; a later record of a step wins)."""
     curve: dict[int, dict[str, float]] = {}

@@ -125,3 +125,21 @@ def test_a_log_megatron_lm_wrote_reads_as_its_lines_say():
     assert curve[1] == {"loss": 11.91296, "grad_norm": 80.123}  # its rate is iteration 2's
     assert curve[2] == {"loss": 11.92958, "grad_norm": 45.857, "lr": 6e-06}
     assert curve[100]["valid_loss"] == 6.376589
+
+
+def test_a_megatron_processs_second_line_is_taken_apart_from_its_first():
+    """Megatron-Core 0.19 prints on a process's second line the mean of its first two losses. Measured on the H200
+    (docs/performance.md, run AE): from one checkpoint at 250 on one batch each step, Megatron-LM printed
+    4.88904 / 5.17945 / 5.88216 at 251-253 and ours logged 4.88902 / 5.46996 / 5.88224, the grad norms equal at
+    every step; and run AD's run B (the fixture) printed 11.92958 at step 2, where ours logged 11.94641."""
+    from llmjp_ds.curves import megatron_unmixed
+
+    restart = {250: {"loss": 4.88061}, 251: {"loss": 4.88904}, 252: {"loss": 5.17945, "grad_norm": 3.140},
+               253: {"loss": 5.88216}}
+    unmixed = megatron_unmixed(restart, [1, 251])
+    assert unmixed[252]["loss"] == pytest.approx(5.46996, abs=2e-4) and unmixed[252]["grad_norm"] == 3.140
+    assert {s: unmixed[s] for s in (250, 251, 253)} == {s: restart[s] for s in (250, 251, 253)}
+    assert restart[252]["loss"] == 5.17945  # the curve given is left as it was
+    fixture = read_curve(Path(__file__).parent / "fixtures" / "megatron" / "pretrain_gpt-0.19.log")
+    assert megatron_unmixed(fixture, [1])[2]["loss"] == pytest.approx(11.94641, abs=2e-3)
+    assert megatron_unmixed(fixture, [1])[3] == fixture[3]

@@ -184,13 +184,14 @@ def schedule(all_jobs: list[Job], logs: Path, deadline: float, gib: float) -> No
         time.sleep(2)
 
 
-def curves(runs: Path, logs: Path) -> dict[str, Path]:
+def curves(runs: Path, logs: Path) -> tuple[dict[str, Path], dict[str, list[int]]]:
     """Each run's curve as a source ``llmjp-ds plot --beside`` reads: Megatron's log lines (A's two processes
-    joined) and our run directories."""
+    joined) and our run directories; and the first iteration of each Megatron process (for
+    :func:`~llmjp_ds.curves.megatron_unmixed`)."""
     from llmjp_ds.curves import megatron_log_curve
 
     keep = ("iteration", "validation loss at")
-    sources = {}
+    sources, starts = {}, {}
     for name, parts in (("megatron-a", ("A1", "A2")), ("megatron-a3", ("A1", "A3")), ("megatron-b", ("B",)),
                         ("megatron-f1", ("F1",)), ("megatron-f2", ("F2",))):
         lines = [line for p in parts if (logs / f"{p}.log").exists()
@@ -199,19 +200,21 @@ def curves(runs: Path, logs: Path) -> dict[str, Path]:
         if megatron_log_curve("\n".join(lines)):  # a run that ended before its first step has no curve
             sources[name] = logs / f"{name}.log"
             sources[name].write_text("\n".join(lines) + "\n")
+            starts[name] = [min(c) for p in parts if (logs / f"{p}.log").exists()
+                            and (c := megatron_log_curve((logs / f"{p}.log").read_text(errors="replace")))]
     for name in ("ours", "ours-bf16", "ours-fp8"):
         if (runs / name / "metrics.jsonl").exists():
             sources[name] = runs / name
-    return sources
+    return sources, starts
 
 
-def report(setup: Setup, sources: dict[str, Path], out: Path) -> str:
+def report(setup: Setup, sources: dict[str, Path], starts: dict[str, list[int]], out: Path) -> str:
     """The gaps (mean |loss difference| over the last 100 steps both logged, and at the last step), each beside
     the spread it is judged against, and the figures."""
-    from llmjp_ds.curves import gap, read_curve
+    from llmjp_ds.curves import gap, megatron_unmixed, read_curve
     from llmjp_ds.plot import plot_run
 
-    c = {name: read_curve(src) for name, src in sources.items()}
+    c = {name: megatron_unmixed(read_curve(src), starts.get(name, ())) for name, src in sources.items()}
     rows = []
     for what, ours, ref, spread in (("BF16, 1..end", "ours", "megatron-a", "megatron-b"),
                                     ("FP8 from the flip (both from A's checkpoint)", "ours-fp8", "megatron-f1",
@@ -282,9 +285,9 @@ def main(argv=None) -> int:
             if job.state == "running":
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(job.proc.pid, signal.SIGKILL)
-        sources = curves(a.runs, logs)
+        sources, starts = curves(a.runs, logs)
         pack(a, all_jobs, sources, logs)
-    summary = report(setup, sources, a.out)
+    summary = report(setup, sources, starts, a.out)
     summary += "\n" + "\n".join(f"- {j.name}: {j.state}" for j in all_jobs) + "\n"
     (a.out / "summary-parity.md").write_text(summary)
     print(summary, flush=True)

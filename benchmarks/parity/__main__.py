@@ -99,8 +99,8 @@ def jobs(setup: Setup, work: Path, runs: Path, mlm: Path, blend, tokenizer: str)
                 f"run_dir={runs / name}", "--set", f"data.cache_dir={work / 'cache' / name}", *sets]
 
     fork = lambda name: [["cp", "-al", str(imported), str(runs / name)]]  # noqa: E731  the checkpoint, shared
-    # seconds: the start (~45), the steps at a third of the GPU (~0.33 s each when three runs share it), a save
-    third, start = 0.33, 45
+    # seconds: the start (~45), the steps with the GPU shared (~0.33 s a sequence), a save
+    third, start = 0.33 * setup.global_batch, 45
     rest = setup.steps - setup.flip
     return [
         Job("fixtures", [sys.executable, "-m", "benchmarks.parity.fixtures", "--megatron-lm", str(mlm), "--out",
@@ -265,10 +265,12 @@ def main(argv=None) -> int:
                    "so each step's loss compares the two stacks' batches and forward passes alone")
     p.add_argument("--steps", type=int, default=Setup.steps)
     p.add_argument("--flip", type=int, default=Setup.flip)
+    p.add_argument("--global-batch", type=int, default=Setup.global_batch,
+                   help="sequences a step (micro-batches of one): a larger batch narrows the run-to-run spread")
     a = p.parse_args(argv)
     a.runs = a.runs or a.work / "runs"
     deadline = time.time() + a.budget_s
-    setup = Setup(steps=a.steps, flip=a.flip, lr=a.lr, min_lr=a.lr / 10)
+    setup = Setup(steps=a.steps, flip=a.flip, lr=a.lr, min_lr=a.lr / 10, global_batch=a.global_batch)
     logs = a.work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     a.out.mkdir(parents=True, exist_ok=True)

@@ -65,7 +65,7 @@ class DistCheckpoint:
         entry = self.entries.get(key)
         if entry is None or not hasattr(entry, "chunks"):
             fail(f"{self.dir} holds no tensor {key!r}: the checkpoint is incomplete or of another model")
-        size, dtype = tuple(entry.size), entry.properties.dtype
+        shape, dtype = tuple(entry.size), entry.properties.dtype
         out, covered = None, 0
         for chunk in entry.chunks:
             info = self.storage.get((key, tuple(chunk.offsets)))
@@ -75,17 +75,17 @@ class DistCheckpoint:
             if not isinstance(part, torch.Tensor) or tuple(part.shape) != tuple(chunk.sizes):
                 fail(f"{self.dir / info.relative_path} holds a wrong chunk of {key!r} (shape "
                      f"{list(getattr(part, 'shape', []))}, the metadata says {list(chunk.sizes)}): it is damaged")
-            if tuple(part.shape) == size and part.dtype == dtype:  # whole in one chunk: no second copy of it
+            if tuple(part.shape) == shape and part.dtype == dtype:  # whole in one chunk: no second copy of it
                 return part
             if out is None:
-                out = torch.empty(size, dtype=dtype)
+                out = torch.empty(shape, dtype=dtype)
             region = out
             for dim, (start, size) in enumerate(zip(chunk.offsets, chunk.sizes)):
                 region = region.narrow(dim, start, size)
             region.copy_(part)
             covered += part.numel()
         if out is None or covered < out.numel():
-            fail(f"{self.dir} stores only {covered} of the {math.prod(size)} elements of {key!r}: the checkpoint is "
+            fail(f"{self.dir} stores only {covered} of the {math.prod(shape)} elements of {key!r}: the checkpoint is "
                  "incomplete")
         return out
 

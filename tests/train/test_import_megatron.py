@@ -409,3 +409,19 @@ def test_fp8_extra_state_is_dropped_unread(d, monkeypatch):
         monkeypatch.setitem(sys.modules, module, None)
     ckpt = read(d)
     assert len(ma.from_megatron_state_dict(ckpt.weights, config_of(fixture_info(d)))) == 3 + 6 * ckpt.arg("num_layers")
+
+
+def test_a_tensor_whose_chunks_do_not_cover_it_is_refused():
+    """A torch_dist tensor is assembled from its chunks (here one per tensor-parallel rank); a tensor that the
+    metadata's chunks do not cover is one line, not a tensor with uninitialised memory."""
+    from llmjp_ds.checkpoint.dcp_reader import DistCheckpoint
+    from llmjp_ds.errors import UserError
+
+    directory = next((FIXTURES / "torch_dist-tp2dp2-dp_reshardable" / "save").glob("iter_*"))
+    dcp = DistCheckpoint(directory)
+    key = next(k for k in dcp.tensor_keys() if len(dcp.entries[k].chunks) > 1)
+    whole = dcp.tensor(key)
+    assert tuple(whole.shape) == dcp.shape(key)
+    dcp.entries[key].chunks = dcp.entries[key].chunks[:-1]
+    with pytest.raises(UserError, match=r"stores only \d+ of the \d+ elements of .*: the checkpoint is incomplete"):
+        dcp.tensor(key)

@@ -17,7 +17,8 @@ import  ``llmjp-ds import-megatron`` of A's checkpoint, then ``ours-bf16`` (the 
         A, beside A3) and ``ours-fp8`` (flipping to FP8 at the same step, against F1, beside F2) continue it here
 ======  =========================================================================================
 
-Writes to ``--out``: ``summary-parity.md`` (the gaps, each against its spread, and the first steps),
+``--report-from DIR ...`` trains nothing and reports on earlier calls' curves. Writes to ``--out``:
+``summary-parity.md`` (the gaps, each against its spread, and the first steps),
 ``parity-bf16.png``, ``parity-fp8.png``, ``parity-roundtrip.png`` (``llmjp-ds plot --beside``),
 ``parity-curves.tgz`` (each run's per-step loss, grad norm, lr and validation loss as JSONL, Megatron's log lines
 they come from, and the tail of every log), and ``megatron-fixtures.tgz`` (benchmarks/parity/fixtures.py's tiny
@@ -184,59 +185,89 @@ def schedule(all_jobs: list[Job], logs: Path, deadline: float, gib: float) -> No
         time.sleep(2)
 
 
-def curves(runs: Path, logs: Path) -> tuple[dict[str, Path], dict[str, list[int]]]:
+MEGATRON_RUNS = (("megatron-a", ("A1", "A2")), ("megatron-a3", ("A1", "A3")), ("megatron-b", ("B",)),
+                 ("megatron-f1", ("F1",)), ("megatron-f2", ("F2",)))
+OURS_RUNS = ("ours", "ours-bf16", "ours-fp8")
+# (row, ours, the Megatron run it is compared with, the Megatron run that gives the spread, figure, whether the
+# runs start from A's checkpoint: then each pair must come from one call, whose A wrote it)
+COMPARISONS = (("BF16, 1..end (against B, uninterrupted like ours)", "ours", "megatron-b", "megatron-a",
+                "parity-bf16.png", False),
+               ("FP8 from the flip (both from A's checkpoint)", "ours-fp8", "megatron-f1", "megatron-f2",
+                "parity-fp8.png", True),
+               ("round trip: A imported at the flip, BF16", "ours-bf16", "megatron-a", "megatron-a3",
+                "parity-roundtrip.png", True))
+
+
+def curves(runs: Path, logs: Path) -> dict[str, Path]:
     """Each run's curve as a source ``llmjp-ds plot --beside`` reads: Megatron's log lines (A's two processes
-    joined) and our run directories; and the first iteration of each Megatron process (for
-    :func:`~llmjp_ds.curves.megatron_unmixed`)."""
+    joined) and our run directories."""
     from llmjp_ds.curves import megatron_log_curve
 
     keep = ("iteration", "validation loss at")
-    sources, starts = {}, {}
-    for name, parts in (("megatron-a", ("A1", "A2")), ("megatron-a3", ("A1", "A3")), ("megatron-b", ("B",)),
-                        ("megatron-f1", ("F1",)), ("megatron-f2", ("F2",))):
+    sources = {}
+    for name, parts in MEGATRON_RUNS:
         lines = [line for p in parts if (logs / f"{p}.log").exists()
                  for line in (logs / f"{p}.log").read_text(errors="replace").splitlines()
                  if any(k in line for k in keep)]
         if megatron_log_curve("\n".join(lines)):  # a run that ended before its first step has no curve
             sources[name] = logs / f"{name}.log"
             sources[name].write_text("\n".join(lines) + "\n")
-            starts[name] = [min(c) for p in parts if (logs / f"{p}.log").exists()
-                            and (c := megatron_log_curve((logs / f"{p}.log").read_text(errors="replace")))]
-    for name in ("ours", "ours-bf16", "ours-fp8"):
+    for name in OURS_RUNS:
         if (runs / name / "metrics.jsonl").exists():
             sources[name] = runs / name
-    return sources, starts
+    return sources
 
 
-def report(setup: Setup, sources: dict[str, Path], starts: dict[str, list[int]], out: Path) -> str:
+def sources_in(directory: Path) -> dict[str, Path]:
+    """The curves of one earlier call, from its ``parity-curves.tgz`` unpacked into ``directory``."""
+    found = {name: directory / f"{name}.log" for name, _ in MEGATRON_RUNS if (directory / f"{name}.log").is_file()}
+    found.update({name: directory / name for name in OURS_RUNS if (directory / name / "metrics.jsonl").is_file()})
+    return found
+
+
+def report(setup: Setup, calls: list[dict[str, Path]], out: Path) -> str:
     """The gaps (mean |loss difference| over the last 100 steps both logged, and at the last step), each beside
-    the spread it is judged against, and the figures."""
+    the spread it is judged against, and the figures. ``calls``: the sources of one call or of several. Runs from
+    the initial weights may come from any call (every call writes the same ones); a call's checkpoint does not
+    outlive it, so a run from A's checkpoint is compared with a Megatron run of its own call, and the spread is
+    taken within one call too. Megatron's second line after each start is taken apart
+    (:func:`~llmjp_ds.curves.megatron_unmixed`): A, A3 and B start at step 1, A2, A3 and F at the flip."""
     from llmjp_ds.curves import gap, megatron_unmixed, read_curve
     from llmjp_ds.plot import plot_run
 
-    c = {name: megatron_unmixed(read_curve(src), starts.get(name, ())) for name, src in sources.items()}
+    starts = {"megatron-a": (1, setup.flip + 1), "megatron-a3": (1, setup.flip + 1), "megatron-b": (1,),
+              "megatron-f1": (setup.flip + 1,), "megatron-f2": (setup.flip + 1,)}
+    c = [{name: megatron_unmixed(read_curve(src), starts.get(name, ())) for name, src in call.items()}
+         for call in calls]
+
+    def having(*names):
+        return next((i for i, call in enumerate(c) if all(n in call for n in names)), None)
+
     rows = []
-    for what, ours, ref, spread in (("BF16, 1..end", "ours", "megatron-a", "megatron-b"),
-                                    ("FP8 from the flip (both from A's checkpoint)", "ours-fp8", "megatron-f1",
-                                     "megatron-f2"),
-                                    ("round trip: A imported at the flip, BF16", "ours-bf16", "megatron-a",
-                                     "megatron-a3")):
-        if not all(k in c for k in (ours, ref, spread)):
+    for what, ours, ref, spread, png, from_checkpoint in COMPARISONS:
+        if from_checkpoint:
+            mine, theirs = having(ours, ref), having(ref, spread)
+            at = {ours: mine, ref: mine, spread: theirs}
+            spread_ref = theirs
+        else:  # one call's three runs where a call has them
+            whole = having(ours, ref, spread)
+            at = {name: whole if whole is not None else having(name) for name in (ours, ref, spread)}
+            spread_ref = at[ref]
+        if None in at.values() or spread_ref is None:
             rows.append(f"| {what} | not run | | | | | |")
             continue
-        g, s = gap(c[ref], c[ours]), gap(c[ref], c[spread])
+        g, s = gap(c[at[ref]][ref], c[at[ours]][ours]), gap(c[spread_ref][ref], c[at[spread]][spread])
         ratio = g["mean_abs"] / s["mean_abs"] if s.get("mean_abs") else float("inf")
         meets = ratio <= 1.5 and abs(g["final_rel"]) <= 0.003  # the issue's targets
         rows.append(f"| {what} | {g['mean_abs']:.4f} | {s['mean_abs']:.4f} | {ratio:.2f} | "
                     f"{100 * g['final_rel']:+.3f} % | {100 * s['final_rel']:+.3f} % | {'yes' if meets else 'NO'} |")
-    for png, run, beside in (("parity-bf16.png", "ours", ("megatron-a", "megatron-b")),
-                             ("parity-fp8.png", "ours-fp8", ("megatron-f1", "megatron-f2")),
-                             ("parity-roundtrip.png", "ours-bf16", ("megatron-a", "megatron-a3"))):
-        if run in sources and all(b in sources for b in beside):
-            plot_run(sources[run], out / png, [sources[b] for b in beside])
+        beside = [calls[at[ref]][ref]] + ([calls[at[ref]][spread]] if spread in calls[at[ref]] else [])
+        plot_run(calls[at[ours]][ours], out / png, beside)
     steps = (1, 2, setup.flip + 1, setup.flip + 2)
-    firsts = [f"| {name} | " + " | ".join(f"{c[name][s]['loss']:.5f} / {c[name][s].get('grad_norm', float('nan')):.3f}"
-                                          if s in c[name] else "" for s in steps) + " |" for name in c]
+    firsts = [f"| {name}{f' (call {i + 1})' if len(c) > 1 else ''} | "
+              + " | ".join(f"{curve[s]['loss']:.5f} / {curve[s].get('grad_norm', float('nan')):.3f}"
+                           if s in curve else "" for s in steps) + " |"
+              for i, call in enumerate(c) for name, curve in call.items()]
     return "\n".join([
         f"Setup: {setup}", "",
         "| comparison | ours vs Megatron: mean abs loss diff, last 100 steps | Megatron vs Megatron (spread) | "
@@ -249,8 +280,8 @@ def report(setup: Setup, sources: dict[str, Path], starts: dict[str, list[int]],
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--megatron-lm", required=True, type=Path, help="a Megatron-LM checkout at core_v0.19")
-    p.add_argument("--tokenizer", required=True, help="the LLM-jp v3 SentencePiece model")
+    p.add_argument("--megatron-lm", type=Path, help="a Megatron-LM checkout at core_v0.19")
+    p.add_argument("--tokenizer", help="the LLM-jp v3 SentencePiece model")
     p.add_argument("--work", type=Path, default=Path("/tmp/parity"))
     p.add_argument("--runs", type=Path, default=None, help="our run directories (default: WORK/runs; the imported "
                    "checkpoint takes 12 bytes a parameter, beside Megatron's 14)")
@@ -267,7 +298,18 @@ def main(argv=None) -> int:
     p.add_argument("--flip", type=int, default=Setup.flip)
     p.add_argument("--global-batch", type=int, default=Setup.global_batch,
                    help="sequences a step (micro-batches of one): a larger batch narrows the run-to-run spread")
+    p.add_argument("--report-from", nargs="+", type=Path, metavar="DIR",
+                   help="train nothing: the report of earlier calls, each DIR an unpacked parity-curves.tgz")
     a = p.parse_args(argv)
+    if a.report_from:
+        setup = Setup(steps=a.steps, flip=a.flip, lr=a.lr, min_lr=a.lr / 10, global_batch=a.global_batch)
+        a.out.mkdir(parents=True, exist_ok=True)
+        summary = report(setup, [sources_in(d) for d in a.report_from], a.out)
+        (a.out / "summary-parity.md").write_text(summary)
+        print(summary, flush=True)
+        return 0
+    if not (a.megatron_lm and a.tokenizer):
+        p.error("--megatron-lm and --tokenizer are needed to train (or --report-from DIR to report on earlier calls)")
     a.runs = a.runs or a.work / "runs"
     deadline = time.time() + a.budget_s
     setup = Setup(steps=a.steps, flip=a.flip, lr=a.lr, min_lr=a.lr / 10, global_batch=a.global_batch)
@@ -287,9 +329,9 @@ def main(argv=None) -> int:
             if job.state == "running":
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(job.proc.pid, signal.SIGKILL)
-        sources, starts = curves(a.runs, logs)
+        sources = curves(a.runs, logs)
         pack(a, all_jobs, sources, logs)
-    summary = report(setup, sources, starts, a.out)
+    summary = report(setup, [sources], a.out)
     summary += "\n" + "\n".join(f"- {j.name}: {j.state}" for j in all_jobs) + "\n"
     (a.out / "summary-parity.md").write_text(summary)
     print(summary, flush=True)
@@ -310,7 +352,7 @@ def pack(a, all_jobs: list[Job], sources: dict[str, Path], logs: Path) -> None:
     with tarfile.open(a.out / "parity-curves.tgz", "w:gz") as tar:
         for name, src in sources.items():
             tar.add(src / "metrics.jsonl" if src.is_dir() else src,
-                    arcname=f"{name}.{'jsonl' if src.is_dir() else 'log'}")
+                    arcname=f"{name}/metrics.jsonl" if src.is_dir() else f"{name}.log")  # as sources_in reads them
         for job in all_jobs:  # every log's tail: what a failed run said
             log = logs / f"{job.name}.log"
             if log.exists():

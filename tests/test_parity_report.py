@@ -3,6 +3,7 @@ calls give docs/performance.md's figures, each run from A's checkpoint compared 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -39,3 +40,54 @@ def test_a_run_from_a_checkpoint_is_never_compared_across_calls(tmp_path):
         got = rows(tmp_path / call)
         assert got["FP8 from the flip (both from A's checkpoint)"][0] == "not run"
         assert got["round trip: A imported at the flip, BF16"][0] == "not run"
+
+
+def test_the_harness_schedules_its_runs_and_fails_on_a_failed_one(tmp_path, monkeypatch):
+    """The training path, each run stood in for by a process that prints what it printed in run AE's second call
+    (Megatron's lines; our metrics.jsonl into its run directory), each after its predecessors: its
+    parity-curves.tgz, reported on beside the first call's, gives the documented figures; and a run that fails
+    makes the check fail, with the runs after it skipped."""
+    import sys
+    import tarfile
+
+    import benchmarks.parity.__main__ as harness
+
+    call = RAW / "run-ae" / "continued"
+
+    def shows(name, steps):
+        lines = [line for line in (call / f"{name}.log").read_text().splitlines()
+                 if (m := re.search(r"iteration\s+(\d+)\s*/", line)) and int(m.group(1)) in steps]
+        return [sys.executable, "-c", "import sys; print('\\n'.join(sys.argv[1:]))", *lines]
+
+    def fake_jobs(setup, work, runs, mlm, blend, tokenizer, fail=()):
+        def copies(name):
+            return [sys.executable, "-c", "import os, shutil, sys; os.makedirs(sys.argv[2]); "
+                    "shutil.copy(sys.argv[1], sys.argv[2] + '/metrics.jsonl')", str(call / name / "metrics.jsonl"),
+                    str(runs / name)]
+
+        plan = [("A1", shows("megatron-a", range(1, 251)), ()), ("A2", shows("megatron-a", range(251, 501)), ("A1",)),
+                ("import", [sys.executable, "-c", "pass"], ("A1",)), ("F1", shows("megatron-f1", range(251, 501)), ("A1",)),
+                ("ours-fp8", copies("ours-fp8"), ("import",)), ("ours-bf16", copies("ours-bf16"), ("import",))]
+        return [harness.Job(name, [sys.executable, "-c", "raise SystemExit(3)"] if name in fail else cmd, after,
+                            gib=50, estimate_s=1) for name, cmd, after in plan]
+
+    monkeypatch.setattr(harness, "prepare", lambda work, tokenizer, megabytes: [])
+    (tmp_path / "work" / "init-megatron").mkdir(parents=True)
+    (tmp_path / "work" / "init-megatron" / "latest_checkpointed_iteration.txt").write_text("release")
+    args = ["--megatron-lm", str(tmp_path), "--tokenizer", "t.model", "--work", str(tmp_path / "work"),
+            "--no-fixtures", "--budget-s", "120"]
+    monkeypatch.setattr(harness, "jobs", fake_jobs)
+    assert harness.main([*args, "--out", str(tmp_path / "out")]) == 0
+    with tarfile.open(tmp_path / "out" / "parity-curves.tgz") as tar:
+        tar.extractall(tmp_path / "unpacked", filter="data")
+    assert main(["--report-from", str(tmp_path / "unpacked"), str(RAW / "run-ae" / "spreads"), "--out",
+                 str(tmp_path / "report")]) == 0
+    assert main(["--report-from", str(call), str(RAW / "run-ae" / "spreads"), "--out",
+                 str(tmp_path / "documented")]) == 0
+    assert rows(tmp_path / "report") == rows(tmp_path / "documented")
+    assert rows(tmp_path / "report")["round trip: A imported at the flip, BF16"][2] == "0.57"
+
+    monkeypatch.setattr(harness, "jobs", lambda *a: fake_jobs(*a, fail=("A1",)))
+    assert harness.main([*args, "--out", str(tmp_path / "failed")]) == 1
+    summary = (tmp_path / "failed" / "summary-parity.md").read_text()
+    assert "- A1: failed" in summary and "- ours-fp8: skipped" in summary

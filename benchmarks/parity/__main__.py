@@ -187,6 +187,7 @@ def schedule(all_jobs: list[Job], logs: Path, deadline: float, gib: float) -> No
 
 MEGATRON_RUNS = (("megatron-a", ("A1", "A2")), ("megatron-a3", ("A1", "A3")), ("megatron-b", ("B",)),
                  ("megatron-f1", ("F1",)), ("megatron-f2", ("F2",)))
+FROM_INIT = ("A1", "B")  # the processes that start at step 1; the others start at the flip, from A1's checkpoint
 OURS_RUNS = ("ours", "ours-bf16", "ours-fp8")
 # (row, ours, the Megatron run it is compared with, the Megatron run that gives the spread, figure, whether the
 # runs start from A's checkpoint: then each pair must come from one call, whose A wrote it)
@@ -206,8 +207,9 @@ def curves(runs: Path, logs: Path) -> dict[str, Path]:
     keep = ("iteration", "validation loss at")
     sources = {}
     for name, parts in MEGATRON_RUNS:
-        lines = [line for p in parts if (logs / f"{p}.log").exists()
-                 for line in (logs / f"{p}.log").read_text(errors="replace").splitlines()
+        if not all((logs / f"{p}.log").exists() for p in parts):  # A1 alone is not A3's curve
+            continue
+        lines = [line for p in parts for line in (logs / f"{p}.log").read_text(errors="replace").splitlines()
                  if any(k in line for k in keep)]
         if megatron_log_curve("\n".join(lines)):  # a run that ended before its first step has no curve
             sources[name] = logs / f"{name}.log"
@@ -235,8 +237,7 @@ def report(setup: Setup, calls: list[dict[str, Path]], out: Path) -> str:
     from llmjp_ds.curves import gap, megatron_unmixed, read_curve
     from llmjp_ds.plot import plot_run
 
-    starts = {"megatron-a": (1, setup.flip + 1), "megatron-a3": (1, setup.flip + 1), "megatron-b": (1,),
-              "megatron-f1": (setup.flip + 1,), "megatron-f2": (setup.flip + 1,)}
+    starts = {name: [1 if part in FROM_INIT else setup.flip + 1 for part in parts] for name, parts in MEGATRON_RUNS}
     c = [{name: megatron_unmixed(read_curve(src), starts.get(name, ())) for name, src in call.items()}
          for call in calls]
 
@@ -301,21 +302,16 @@ def main(argv=None) -> int:
     p.add_argument("--report-from", nargs="+", type=Path, metavar="DIR",
                    help="train nothing: the report of earlier calls, each DIR an unpacked parity-curves.tgz")
     a = p.parse_args(argv)
+    setup = Setup(steps=a.steps, flip=a.flip, lr=a.lr, min_lr=a.lr / 10, global_batch=a.global_batch)
+    a.out.mkdir(parents=True, exist_ok=True)
     if a.report_from:
-        setup = Setup(steps=a.steps, flip=a.flip, lr=a.lr, min_lr=a.lr / 10, global_batch=a.global_batch)
-        a.out.mkdir(parents=True, exist_ok=True)
-        summary = report(setup, [sources_in(d) for d in a.report_from], a.out)
-        (a.out / "summary-parity.md").write_text(summary)
-        print(summary, flush=True)
-        return 0
+        return _summarize(a.out, report(setup, [sources_in(d) for d in a.report_from], a.out), [])
     if not (a.megatron_lm and a.tokenizer):
         p.error("--megatron-lm and --tokenizer are needed to train (or --report-from DIR to report on earlier calls)")
     a.runs = a.runs or a.work / "runs"
     deadline = time.time() + a.budget_s
-    setup = Setup(steps=a.steps, flip=a.flip, lr=a.lr, min_lr=a.lr / 10, global_batch=a.global_batch)
     logs = a.work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    a.out.mkdir(parents=True, exist_ok=True)
     blend = prepare(a.work, a.tokenizer, a.megabytes)
     if not (a.work / "init-megatron" / "latest_checkpointed_iteration.txt").exists():
         subprocess.run([sys.executable, "-m", "benchmarks.parity.init", "--hf", str(a.work / "init-hf"),
@@ -331,12 +327,17 @@ def main(argv=None) -> int:
                     os.killpg(job.proc.pid, signal.SIGKILL)
         sources = curves(a.runs, logs)
         pack(a, all_jobs, sources, logs)
-    summary = report(setup, [sources], a.out)
-    summary += "\n" + "\n".join(f"- {j.name}: {j.state}" for j in all_jobs) + "\n"
-    (a.out / "summary-parity.md").write_text(summary)
-    print(summary, flush=True)
+    summary = report(setup, [sources], a.out)  # reads our run directories: before they go
     shutil.rmtree(a.runs, ignore_errors=True)
-    return 0 if all(j.state == "done" for j in all_jobs) else 1  # a run that failed or never started fails the check
+    return _summarize(a.out, summary, all_jobs)
+
+
+def _summarize(out: Path, summary: str, all_jobs: list[Job]) -> int:
+    """``summary-parity.md``, with each job's end; non-zero when a run failed or never started."""
+    summary += "".join(f"\n- {j.name}: {j.state}" for j in all_jobs) + "\n"
+    (out / "summary-parity.md").write_text(summary)
+    print(summary, flush=True)
+    return 0 if all(j.state == "done" for j in all_jobs) else 1
 
 
 def _worth_keeping(lines: list[str], i: int) -> bool:

@@ -3,12 +3,12 @@ calls give docs/performance.md's figures, each run from A's checkpoint compared 
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 
-from benchmarks.parity.__main__ import main
+from benchmarks.parity import __main__ as harness
+from llmjp_ds.curves import _ITERATION
 
 RAW = Path(__file__).resolve().parents[1] / "docs" / "perf-raw"
 
@@ -22,7 +22,7 @@ def rows(out: Path) -> dict[str, list[str]]:
 @pytest.mark.parametrize("order", [("continued", "spreads"), ("spreads", "continued")])
 def test_run_ae_gives_the_documented_gaps(order, tmp_path):
     calls = [RAW / "run-ae" / name for name in order] + [RAW / "run-ad"]
-    assert main(["--report-from", *map(str, calls), "--out", str(tmp_path)]) == 0
+    assert harness.main(["--report-from", *map(str, calls), "--out", str(tmp_path)]) == 0
     got = rows(tmp_path)
     fp8, round_trip = "FP8 from the flip (both from A's checkpoint)", "round trip: A imported at the flip, BF16"
     assert got[fp8] == ["0.0039", "0.0056", "0.69", "+0.033 %", "-0.094 %", "yes"]
@@ -32,11 +32,11 @@ def test_run_ae_gives_the_documented_gaps(order, tmp_path):
                ("parity-bf16.png", "parity-fp8.png", "parity-roundtrip.png"))
 
 
-def test_a_run_from_a_checkpoint_is_never_compared_across_calls(tmp_path):
+def test_a_comparison_whose_spread_no_call_has_is_not_run(tmp_path):
     """The continuing call alone has ours and Megatron's continuation but no spread; the spreads' call alone has no
     ours: neither is reported, though together they are."""
     for call in ("continued", "spreads"):
-        assert main(["--report-from", str(RAW / "run-ae" / call), "--out", str(tmp_path / call)]) == 0
+        assert harness.main(["--report-from", str(RAW / "run-ae" / call), "--out", str(tmp_path / call)]) == 0
         got = rows(tmp_path / call)
         assert got["FP8 from the flip (both from A's checkpoint)"][0] == "not run"
         assert got["round trip: A imported at the flip, BF16"][0] == "not run"
@@ -50,13 +50,11 @@ def test_the_harness_schedules_its_runs_and_fails_on_a_failed_one(tmp_path, monk
     import sys
     import tarfile
 
-    import benchmarks.parity.__main__ as harness
-
     call = RAW / "run-ae" / "continued"
 
     def shows(name, steps):
         lines = [line for line in (call / f"{name}.log").read_text().splitlines()
-                 if (m := re.search(r"iteration\s+(\d+)\s*/", line)) and int(m.group(1)) in steps]
+                 if (m := _ITERATION.search(line)) and int(m.group(1)) in steps]
         return [sys.executable, "-c", "import sys; print('\\n'.join(sys.argv[1:]))", *lines]
 
     def fake_jobs(setup, work, runs, mlm, blend, tokenizer, fail=()):
@@ -65,8 +63,10 @@ def test_the_harness_schedules_its_runs_and_fails_on_a_failed_one(tmp_path, monk
                     "shutil.copy(sys.argv[1], sys.argv[2] + '/metrics.jsonl')", str(call / name / "metrics.jsonl"),
                     str(runs / name)]
 
-        plan = [("A1", shows("megatron-a", range(1, 251)), ()), ("A2", shows("megatron-a", range(251, 501)), ("A1",)),
-                ("import", [sys.executable, "-c", "pass"], ("A1",)), ("F1", shows("megatron-f1", range(251, 501)), ("A1",)),
+        plan = [("A1", shows("megatron-a", range(1, 251)), ()),
+                ("A2", shows("megatron-a", range(251, 501)), ("A1",)),
+                ("import", [sys.executable, "-c", "pass"], ("A1",)),
+                ("F1", shows("megatron-f1", range(251, 501)), ("A1",)),
                 ("ours-fp8", copies("ours-fp8"), ("import",)), ("ours-bf16", copies("ours-bf16"), ("import",))]
         return [harness.Job(name, [sys.executable, "-c", "raise SystemExit(3)"] if name in fail else cmd, after,
                             gib=50, estimate_s=1) for name, cmd, after in plan]
@@ -80,9 +80,9 @@ def test_the_harness_schedules_its_runs_and_fails_on_a_failed_one(tmp_path, monk
     assert harness.main([*args, "--out", str(tmp_path / "out")]) == 0
     with tarfile.open(tmp_path / "out" / "parity-curves.tgz") as tar:
         tar.extractall(tmp_path / "unpacked", filter="data")
-    assert main(["--report-from", str(tmp_path / "unpacked"), str(RAW / "run-ae" / "spreads"), "--out",
+    assert harness.main(["--report-from", str(tmp_path / "unpacked"), str(RAW / "run-ae" / "spreads"), "--out",
                  str(tmp_path / "report")]) == 0
-    assert main(["--report-from", str(call), str(RAW / "run-ae" / "spreads"), "--out",
+    assert harness.main(["--report-from", str(call), str(RAW / "run-ae" / "spreads"), "--out",
                  str(tmp_path / "documented")]) == 0
     assert rows(tmp_path / "report") == rows(tmp_path / "documented")
     assert rows(tmp_path / "report")["round trip: A imported at the flip, BF16"][2] == "0.57"

@@ -1,12 +1,13 @@
 """A large real-text corpus from text already on a machine: the Python sources (code and docstrings) of its
 installed packages and standard library, for FP8 fidelity runs that must not memorise their data.
 
-    python benchmarks/real_text_corpus.py --output-dir DIR --tokenizer LLM_JP_V3_MODEL [--megabytes 250]
+    python benchmarks/real_text_corpus.py --output-dir DIR --tokenizer LLM_JP_V3_MODEL [--megabytes 250] [--parts K]
 
 Writes ``DIR/sources.jsonl`` (one document per source file, in a fixed order, up to ``--megabytes`` of text;
 with ``--parquet`` also ``DIR/sources.parquet``, the same documents in row groups of ~``--row-group-mb``)
 and preprocesses it with ``llmjp-ds preprocess`` into ``DIR/python_text_document.{bin,idx}``; prints the blend
-prefix. The bundled demo corpus cannot serve here: it is a few MB, which a small model learns by heart within
+prefix. With ``--parts K`` the documents are dealt in turn into K corpora instead,
+``DIR/python-1_text_document`` .. ``python-K``: a blend of K datasets, none of which repeats before the whole does. The bundled demo corpus cannot serve here: it is a few MB, which a small model learns by heart within
 a few hundred steps, and the FP8 penalty then measures the precision of memorisation (docs/precision.md).
 Not shipped: it only runs where the evidence is gathered (run P of docs/precision.md).
 """
@@ -14,6 +15,7 @@ Not shipped: it only runs where the evidence is gathered (run P of docs/precisio
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -81,6 +83,7 @@ def main(argv=None) -> None:
     p.add_argument("--workers", type=int, default=max(1, min(14, os.cpu_count() or 1)))
     p.add_argument("--parquet", action="store_true", help="also write DIR/sources.parquet (the same documents)")
     p.add_argument("--row-group-mb", type=float, default=8.0)
+    p.add_argument("--parts", type=int, default=1, help="deal the documents into this many corpora")
     a = p.parse_args(argv)
     out = Path(a.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -89,11 +92,24 @@ def main(argv=None) -> None:
     if a.parquet:
         groups = write_parquet_copy(out / "sources.jsonl", out / "sources.parquet", a.row_group_mb)
         print(f"{out / 'sources.parquet'}: the same documents in {groups} row groups", flush=True)
-    prefix = out / "python"
-    subprocess.run([sys.executable, "-m", "llmjp_ds.cli", "preprocess", "--input", str(out / "sources.jsonl"),
-                    "--tokenizer", a.tokenizer, "--output-prefix", str(prefix), "--workers", str(a.workers),
-                    "--force"], check=True)
-    print(f"blend prefix: {prefix}_text_document", flush=True)
+    names = {"sources.jsonl": "python"} if a.parts == 1 else deal(out / "sources.jsonl", a.parts)
+    for source, name in names.items():
+        subprocess.run([sys.executable, "-m", "llmjp_ds.cli", "preprocess", "--input", str(out / source),
+                        "--tokenizer", a.tokenizer, "--output-prefix", str(out / name), "--workers", str(a.workers),
+                        "--force"], check=True)
+        print(f"blend prefix: {out / name}_text_document", flush=True)
+
+
+def deal(jsonl: Path, parts: int) -> dict[str, str]:
+    """The documents of ``jsonl`` (``sources.jsonl``) dealt in turn into ``sources-1.jsonl`` .. ``sources-K.jsonl``
+    beside it: {file: corpus name}."""
+    names = {f"{jsonl.stem}-{i}.jsonl": f"python-{i}" for i in range(1, parts + 1)}
+    with contextlib.ExitStack() as stack:
+        outs = [stack.enter_context(open(jsonl.parent / f, "w", encoding="utf-8")) for f in names]
+        with open(jsonl, encoding="utf-8") as src:
+            for i, line in enumerate(src):
+                outs[i % parts].write(line)
+    return names
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""The parity check's report (benchmarks/parity/__main__.py) on the H200's raw curves in docs/perf-raw: run AE's two
-calls give docs/performance.md's figures, each run from A's checkpoint compared only within its own call."""
+"""The parity check's report (benchmarks/parity/__main__.py) on the H200's raw curves in docs/perf-raw: run AE's and
+run AF's calls give docs/performance.md's figures, each run from A's checkpoint compared only within its own call."""
 
 from __future__ import annotations
 
@@ -30,6 +30,17 @@ def test_run_ae_gives_the_documented_gaps(order, tmp_path):
     assert got["BF16, 1..end (against B, uninterrupted like ours)"][:3] == ["0.1068", "0.1096", "0.97"]
     assert all((tmp_path / png).read_bytes()[:4] == b"\x89PNG" for png in
                ("parity-bf16.png", "parity-fp8.png", "parity-roundtrip.png"))
+
+
+@pytest.mark.parametrize("order", [("call-1", "call-2"), ("call-2", "call-1")])
+def test_run_af_gives_the_documented_gap_from_step_1(order, tmp_path):
+    """B and ours ran in one call, A (the spread) in another: runs from the initial weights pair across calls."""
+    calls = [RAW / "run-af" / name for name in order]
+    assert harness.main(["--report-from", *map(str, calls), "--out", str(tmp_path)]) == 0
+    got = rows(tmp_path)
+    assert got["BF16, 1..end (against B, uninterrupted like ours)"] == ["0.0296", "0.0629", "0.47", "+0.032 %",
+                                                                         "+1.267 %", "yes"]
+    assert got["FP8 from the flip (both from A's checkpoint)"][0] == "not run"
 
 
 def test_a_comparison_whose_spread_no_call_has_is_not_run(tmp_path):
@@ -73,12 +84,15 @@ def test_the_harness_schedules_its_runs_and_fails_on_a_failed_one(tmp_path, monk
 
     monkeypatch.setattr(harness, "prepare", lambda work, tokenizer, megabytes: [])
     (tmp_path / "work" / "init-megatron").mkdir(parents=True)
+    (tmp_path / "work" / "logs").mkdir()  # an earlier call's log in the same --work: not a run of this call
+    (tmp_path / "work" / "logs" / "B.log").write_text((RAW / "run-af" / "call-1" / "megatron-b.log").read_text())
     (tmp_path / "work" / "init-megatron" / "latest_checkpointed_iteration.txt").write_text("release")
     args = ["--megatron-lm", str(tmp_path), "--tokenizer", "t.model", "--work", str(tmp_path / "work"),
             "--no-fixtures", "--budget-s", "120"]
     monkeypatch.setattr(harness, "jobs", fake_jobs)
     assert harness.main([*args, "--out", str(tmp_path / "out")]) == 0
     with tarfile.open(tmp_path / "out" / "parity-curves.tgz") as tar:
+        assert "megatron-b.log" not in tar.getnames()
         tar.extractall(tmp_path / "unpacked", filter="data")
     assert harness.main(["--report-from", str(tmp_path / "unpacked"), str(RAW / "run-ae" / "spreads"), "--out",
                  str(tmp_path / "report")]) == 0

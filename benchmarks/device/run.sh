@@ -16,7 +16,7 @@ CHECKS=(
   "async     6 1 background checkpoints of the whole 1.8B: each save's stall, a kill -9 mid-write, the resume"
   "cluster   3 1 mpirun, a rank per GPU: each rank's place, the flip, SIGUSR1 saves, the relaunch resumes"
   "multi     8 2 ZeRO-1/3, pipeline, tensor parallel on every GPU against one GPU through the flip; resume, export"
-  "parity    16 1 Megatron-LM and ours from one init on the same batches: 500 steps BF16, FP8 from 250, a round trip"
+  "parity    24 1 Megatron-LM and ours from one init on the same batches: 500 steps BF16, FP8 from 250, a round trip"
 )
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2

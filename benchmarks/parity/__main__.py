@@ -198,15 +198,16 @@ COMPARISONS = (("BF16, 1..end (against B, uninterrupted like ours)", "ours", "me
                 "parity-roundtrip.png", True))
 
 
-def curves(runs: Path, logs: Path) -> dict[str, Path]:
+def curves(runs: Path, logs: Path, ran: set[str]) -> dict[str, Path]:
     """Each run's curve as a source ``llmjp-ds plot --beside`` reads: Megatron's log lines (A's two processes
-    joined) and our run directories."""
+    joined) and our run directories. A Megatron curve only from processes of this call (``ran``): ``--work``'s logs
+    outlive a call, and A1 alone is not A3's curve."""
     from llmjp_ds.curves import megatron_log_curve
 
     keep = ("iteration", "validation loss at")
     sources = {}
     for name, parts in MEGATRON_RUNS:
-        if not all((logs / f"{p}.log").exists() for p in parts):  # A1 alone is not A3's curve
+        if not set(parts) <= ran:
             continue
         lines = [line for p in parts for line in (logs / f"{p}.log").read_text(errors="replace").splitlines()
                  if any(k in line for k in keep)]
@@ -261,7 +262,10 @@ def report(setup: Setup, calls: list[dict[str, Path]], out: Path) -> str:
         meets = ratio <= 1.5 and abs(g["final_rel"]) <= 0.003  # the issue's targets
         rows.append(f"| {what} | {g['mean_abs']:.4f} | {s['mean_abs']:.4f} | {ratio:.2f} | "
                     f"{100 * g['final_rel']:+.3f} % | {100 * s['final_rel']:+.3f} % | {'yes' if meets else 'NO'} |")
-        beside = [calls[at[ref]][ref]] + ([calls[at[ref]][spread]] if spread in calls[at[ref]] else [])
+        # the spread's run beside, where its difference from the reference is the spread: from the initial weights
+        # any call's; from A's checkpoint only the reference's call's
+        other = at[spread] if not from_checkpoint else at[ref] if spread in calls[at[ref]] else None
+        beside = [calls[at[ref]][ref]] + ([calls[other][spread]] if other is not None else [])
         plot_run(calls[at[ours]][ours], out / png, beside)
     steps = (1, 2, setup.flip + 1, setup.flip + 2)
     firsts = [f"| {name}{f' (call {i + 1})' if len(c) > 1 else ''} | "
@@ -325,7 +329,7 @@ def main(argv=None) -> int:
             if job.state == "running":
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(job.proc.pid, signal.SIGKILL)
-        sources = curves(a.runs, logs)
+        sources = curves(a.runs, logs, {j.name for j in all_jobs if j.started})
         pack(a, all_jobs, sources, logs)
     summary = report(setup, [sources], a.out)  # reads our run directories: before they go
     shutil.rmtree(a.runs, ignore_errors=True)

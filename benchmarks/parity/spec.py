@@ -20,7 +20,7 @@ class Setup:
     steps: int = 500
     flip: int = 250  # the FP8 runs (delayed scaling, hybrid) start here, from the BF16 checkpoint of this step
     seq_len: int = 4096
-    global_batch: int = 1
+    global_batch: int = 2  # sequences a step (micro-batches of one); run AE's continuations ran at 1
     micro_batch: int = 1
     lr: float = 3e-4
     min_lr: float = 3e-5

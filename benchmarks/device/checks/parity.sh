@@ -4,8 +4,8 @@
 # Megatron against itself. Needs a Megatron-LM checkout at core_v0.19 (MEGATRON_LM, default .megatron-lm: its
 # pretrain_gpt.py, gpt_builders.py, model_provider.py) and the LLM-jp v3 tokenizer (TOKENIZER, default
 # .cache/tokenizer-v3.model). ARGS: more `python -m benchmarks.parity` arguments (--steps, --flip, --only ...).
-# All of it takes ~16 minutes (two runs share the GPU at a time): BUDGET_S=1200; within 10-minute calls, two calls
-# with --only (docs/device-checks.md).
+# All of it takes ~24 minutes (two runs share the GPU at a time): BUDGET_S=1500; within 10-minute calls, several
+# calls with --only (docs/device-checks.md).
 # the device kit's megatron-core wheel ships its compiled dataset helpers but not the Makefile pretrain_gpt.py runs
 # make with on rank 0: an empty one there (a Megatron-LM checkout has its own)
 site=$(python -c 'import megatron.core.datasets as d, os; print(os.path.dirname(d.__file__))' 2>/dev/null)

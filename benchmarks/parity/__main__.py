@@ -47,8 +47,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # would train on from its own initialisation (any other failure ends the process by itself)
 FATAL = ("load_return:",)
 # three corpora of the machine's Python sources, dealt from one (benchmarks/real_text_corpus.py --parts 3): real
-# text that no run repeats within its samples. The bundled demo corpus is a few MB; the 1.8B learnt its samples by
-# heart within 300 steps, and Megatron's two runs then differed by up to 1.4 on them (run AD)
+# text that no run repeats within its samples. The bundled demo corpus is generated from templates; the 1.8B learnt
+# them within 300 steps, each run at its own pace, and Megatron's two runs then differed by up to 1.4 on their
+# samples (run AD)
 BLEND = (("python-1", 0.5), ("python-2", 0.3), ("python-3", 0.2))
 
 

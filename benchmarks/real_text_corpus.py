@@ -6,9 +6,10 @@ installed packages and standard library, for FP8 fidelity runs that must not mem
 Writes ``DIR/sources.jsonl`` (one document per source file, in a fixed order, up to ``--megabytes`` of text;
 with ``--parquet`` also ``DIR/sources.parquet``, the same documents in row groups of ~``--row-group-mb``)
 and preprocesses it with ``llmjp-ds preprocess`` into ``DIR/python_text_document.{bin,idx}``; prints the blend
-prefix. With ``--parts K`` the documents are dealt in turn into K corpora instead,
-``DIR/python-1_text_document`` .. ``python-K``: a blend of K datasets, none of which repeats before the whole does. The bundled demo corpus cannot serve here: it is a few MB, which a small model learns by heart within
-a few hundred steps, and the FP8 penalty then measures the precision of memorisation (docs/precision.md).
+prefix. With ``--parts K`` the documents are dealt in turn into K corpora instead, ``DIR/python-1_text_document``
+.. ``python-K``: a blend of K datasets, none of which repeats before the whole does. The bundled demo corpus
+cannot serve here: it is a few MB, which a small model learns by heart within a few hundred steps, and the FP8
+penalty then measures the precision of memorisation (docs/precision.md).
 Not shipped: it only runs where the evidence is gathered (run P of docs/precision.md).
 """
 
@@ -85,6 +86,8 @@ def main(argv=None) -> None:
     p.add_argument("--row-group-mb", type=float, default=8.0)
     p.add_argument("--parts", type=int, default=1, help="deal the documents into this many corpora")
     a = p.parse_args(argv)
+    if a.parts < 1:
+        p.error(f"--parts {a.parts}: give 1 or more corpora to deal the documents into")
     out = Path(a.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     docs, size = write_jsonl(out / "sources.jsonl", int(a.megabytes * 2**20))

@@ -263,10 +263,8 @@ def report(setup: Setup, calls: list[dict[str, Path]], out: Path) -> str:
         meets = ratio <= 1.5 and abs(g["final_rel"]) <= 0.003  # the targets
         rows.append(f"| {what} | {g['mean_abs']:.4f} | {s['mean_abs']:.4f} | {ratio:.2f} | "
                     f"{100 * g['final_rel']:+.3f} % | {100 * s['final_rel']:+.3f} % | {'yes' if meets else 'NO'} |")
-        # the spread's run beside, where its difference from the reference is the spread: from the initial weights
-        # any call's; from A's checkpoint only the reference's call's
-        other = at[spread] if not from_checkpoint else at[ref] if spread in calls[at[ref]] else None
-        beside = [calls[at[ref]][ref]] + ([calls[other][spread]] if other is not None else [])
+        # the spread's run beside where its difference from the reference drawn is the spread reported
+        beside = [calls[at[ref]][ref]] + ([calls[at[spread]][spread]] if spread_ref == at[ref] else [])
         plot_run(calls[at[ours]][ours], out / png, beside)
     steps = (1, 2, setup.flip + 1, setup.flip + 2)
     firsts = [f"| {name}{f' (call {i + 1})' if len(c) > 1 else ''} | "

@@ -76,7 +76,8 @@ def hf_peer(cfg, trainer):
     import transformers
 
     from llmjp_ds.model.torch_layers import attention_backends
-    from llmjp_ds.optim import build_optimizer, schedule_lr, set_lr
+    from llmjp_ds.lr_schedule import schedule_lr
+    from llmjp_ds.optim import build_optimizer, set_lr
     from llmjp_ds.parallel.context import ParallelContext
     from llmjp_ds.parallel.ds_config import build_ds_config
     from llmjp_ds.parallel.runners import EngineRunner
@@ -135,6 +136,25 @@ MCORE_SWITCHES = ("fused_residual_rmsnorm", "use_transformer_engine_op_fuser", "
                   "gradient_accumulation_fusion")
 
 
+def mcore_layer_shape(config) -> dict:
+    """The fields of Megatron-Core's ``TransformerConfig`` that give a model config's layer shape: GQA as query
+    groups, the head width as KV channels, RMSNorm's eps."""
+    return dict(num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
+                num_attention_heads=config.num_attention_heads, num_query_groups=config.num_key_value_heads,
+                ffn_hidden_size=config.intermediate_size, kv_channels=config.head_dim,
+                layernorm_epsilon=config.rms_norm_eps, init_method_std=config.initializer_range)
+
+
+def mcore_model_args(config, seq: int) -> dict:
+    """``GPTModel``'s arguments for a model config: RoPE's base, the head untied, and the vocabulary as it is.
+    Megatron-LM's training pads the vocabulary to a multiple of 128 x TP before GPTModel sees it; our shapes hold
+    it padded already, so both models have the same rows."""
+    from llmjp_ds.model.shapes import rope_theta
+
+    return dict(vocab_size=config.vocab_size, max_sequence_length=seq, position_embedding_type="rope",
+                rotary_base=int(rope_theta(config)), share_embeddings_and_output_weights=False)
+
+
 def _mcore_config(config, variant: str, switches: dict | None = None):
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -143,11 +163,8 @@ def _mcore_config(config, variant: str, switches: dict | None = None):
     fp8 = dict(fp8="hybrid", fp8_recipe=recipe, fp8_amax_history_len=1, fp8_amax_compute_algo="most_recent",
                fp8_param=fp8_param) if recipe else {}
     return TransformerConfig(
-        num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
-        num_attention_heads=config.num_attention_heads, num_query_groups=config.num_key_value_heads,
-        ffn_hidden_size=config.intermediate_size, kv_channels=config.head_dim, normalization="RMSNorm",
-        layernorm_epsilon=config.rms_norm_eps, gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=config.initializer_range,
+        **mcore_layer_shape(config), normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
         bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, gradient_accumulation_fusion=True,
         **{"apply_rope_fusion": True, "fused_single_qkv_rope": True, "bias_activation_fusion": True,
            "cross_entropy_loss_fusion": True, "cross_entropy_fusion_impl": "te",
@@ -173,8 +190,8 @@ def mcore_peer(cfg, trainer, variant: str, switches: dict | None = None):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from llmjp_ds.model.shapes import rope_theta
-    from llmjp_ds.optim import schedule_lr, set_lr
+    from llmjp_ds.lr_schedule import schedule_lr
+    from llmjp_ds.optim import set_lr
     from llmjp_ds.parallel.context import ParallelContext
 
     ParallelContext.start(trainer.layout)
@@ -183,9 +200,7 @@ def mcore_peer(cfg, trainer, variant: str, switches: dict | None = None):
     config, seq = trainer.model_config, cfg.data.seq_len or trainer.model_config.max_position_embeddings
     tcfg = _mcore_config(config, variant, switches)
     spec = get_gpt_layer_with_transformer_engine_spec(use_te_op_fuser=tcfg.use_transformer_engine_op_fuser)
-    gpt = GPTModel(tcfg, spec, vocab_size=config.vocab_size,
-                   max_sequence_length=seq, position_embedding_type="rope", rotary_base=int(rope_theta(config)),
-                   share_embeddings_and_output_weights=False).cuda()
+    gpt = GPTModel(tcfg, spec, **mcore_model_args(config, seq)).cuda()
     ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
     model = DistributedDataParallel(config=tcfg, ddp_config=ddp, module=gpt)
     tcfg.no_sync_func, tcfg.finalize_model_grads_func = model.no_sync, finalize_model_grads

@@ -152,6 +152,18 @@ KERNEL_CHOICES = {"fused_qkv_rope": (True, False, "te", "triton"), "attention_co
 
 
 DATA_ORDERS = ("llmjp", "megatron")
+PHASE_COUNTS = ("run", "phase")
+
+
+@dataclass
+class DataPhase:
+    """From ``start_step`` on, the run reads ``blend``. ``count: run``: the new blend's samples at the run's
+    consumed-sample count, sized to the whole run (Megatron-LM restarted with another --data-path); ``phase``: from
+    the new blend's first sample, sized to the phase (Megatron-LM's --phase-transition-iterations)."""
+
+    start_step: int = field(default=1, metadata=at_least(1, "the first step of the phase; step 0 is data.blend's"))
+    blend: list[float | str] = field(default_factory=list, metadata=at_least(0, "a corpus weight"))
+    count: str = field(default="run", metadata=one_of(*PHASE_COUNTS, why="where the new blend's samples start"))
 
 
 @dataclass
@@ -170,41 +182,85 @@ class DataConfig:
     # megatron (megatron-core's BlendedMegatronDatasetBuilder + GPTDataset, as Megatron-LM's pretrain_gpt.py: the
     # same blend, seq_len, seed, split and run length give Megatron's windows; needs llmjp-ds[megatron])
     order: str = field(default="llmjp", metadata=one_of(*DATA_ORDERS, why="the sample order"))
+    # the blend changes at given steps (a decay branch with another mix, a mid-training phase): data/phases.py
+    phases: list[DataPhase] = field(default_factory=list)
 
 
 @dataclass
 class OptimConfig:
     lr: float = field(default=3e-4, metadata=above(0, message=LR_MESSAGE))
-    # cosine decays to lr * min_lr_ratio
+    # the decay ends at lr * min_lr_ratio (Megatron-LM's --min-lr = lr * min_lr_ratio)
     min_lr_ratio: float = field(default=0.1, metadata=within(0, 1, message=LR_MESSAGE))
-    warmup_steps: int = field(default=2000, metadata=at_least(0))
-    decay_steps: int | None = field(default=None, metadata=at_least(1))  # default: train.steps
+    warmup_steps: int = field(default=2000, metadata=at_least(0))  # --lr-warmup-iters
+    decay_steps: int | None = field(default=None, metadata=at_least(1))  # --lr-decay-iters; default: train.steps
     # the warmup's formula: llmjp = lr * (step + 1) / warmup (the first step already learns); megatron = Megatron-LM's
     # OptimizerParamScheduler, lr * step / warmup (its first step at LR 0): a run that continues a Megatron run
     # (import-megatron) keeps its schedule
     schedule: str = "llmjp"
+    # the decay after the warmup (--lr-decay-style): constant | linear | cosine | inverse-square-root | WSD (warmup,
+    # stable at lr, then a decay of wsd_decay_steps that ends at decay_steps)
+    decay_style: str = "cosine"
+    # WSD's decay: its shape (--lr-wsd-decay-style: exponential | linear | cosine | minus_sqrt) and its length in
+    # steps (--lr-wsd-decay-iters)
+    wsd_decay_style: str = "exponential"
+    wsd_decay_steps: int | None = field(default=None, metadata=at_least(1))
+    warmup_init_lr: float = field(default=0.0, metadata=at_least(0))  # the warmup's first LR (--lr-warmup-init)
     beta1: float = field(default=0.9, metadata=within(0, 1, "AdamW's moment decay", hi_open=True))
     beta2: float = field(default=0.95, metadata=within(0, 1, "AdamW's moment decay", hi_open=True))
     eps: float = field(default=1e-8, metadata=above(0, "AdamW's denominator term"))
-    weight_decay: float = field(default=0.1, metadata=at_least(0))  # not on norm weights
+    weight_decay: float = field(default=0.1, metadata=at_least(0))  # not on norm weights; --start-weight-decay
+    # the weight decay at train.steps (--end-weight-decay), reached by weight_decay_incr_style (constant | linear |
+    # cosine, --weight-decay-incr-style); None: constant at weight_decay
+    end_weight_decay: float | None = field(default=None, metadata=at_least(0))
+    weight_decay_incr_style: str = "constant"
     clip_grad: float = field(default=1.0, metadata=at_least(0, "the gradient-norm clip; 0 = off"))
     # on CUDA with DeepSpeed's BF16 optimizer: the clip, AdamW and the bf16 copy of the weights in one Triton
     # pass (llmjp_ds.model.kernels.adamw); elsewhere, and when false, DeepSpeed's step
     fused_step: bool = True
+    # a resumed checkpoint's schedule (Megatron's opt_param_scheduler) against this one: check = every value must
+    # agree (Megatron's default); override = this config's schedule from here on (--override-opt_param-scheduler);
+    # checkpoint = the checkpoint's (--use-checkpoint-opt_param-scheduler)
+    resume_schedule: str = "check"
 
     def __post_init__(self):
-        if self.schedule not in LR_SCHEDULES:
-            fail(f"optim.schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.schedule!r}"
-                 f"{did_you_mean(str(self.schedule), LR_SCHEDULES)}")
+        for key, choices in OPTIM_CHOICES.items():
+            value = getattr(self, key)
+            if value not in choices:
+                fail(f"optim.{key} must be one of {', '.join(choices)}, got {value!r}"
+                     f"{did_you_mean(str(value), choices)}")
 
 
-LR_SCHEDULES = ("llmjp", "megatron")  # optim.schedule: the formulas of llmjp_ds.optim.SCHEDULES
+LR_SCHEDULES = ("llmjp", "megatron")  # optim.schedule: the conventions of llmjp_ds.lr_schedule.LRSchedule
+# megatron-core's OptimizerParamScheduler's styles, by its names
+DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+WEIGHT_DECAY_INCR_STYLES = ("constant", "linear", "cosine")
+RESUME_SCHEDULES = ("check", "override", "checkpoint")
+# the optim fields that name a choice, and what each may be
+OPTIM_CHOICES = {"schedule": LR_SCHEDULES, "decay_style": DECAY_STYLES, "wsd_decay_style": WSD_DECAY_STYLES,
+                 "weight_decay_incr_style": WEIGHT_DECAY_INCR_STYLES, "resume_schedule": RESUME_SCHEDULES}
+
+
+@dataclass
+class BatchChange:
+    """From ``start_step`` on, the global batch is ``global_batch_size`` (a step 0 change sets the first batch)."""
+
+    start_step: int = field(default=0, metadata=at_least(0))
+    global_batch_size: int = field(default=1, metadata=at_least(1, says="positive"))
 
 
 @dataclass
 class TrainConfig:
     steps: int = field(default=1000, metadata=at_least(1, says="positive"))
+    # Megatron-LM's --global-batch-size: the batch after any ramp and before any change, and the unit that turns the
+    # LR schedule's step counts into samples (Megatron's scheduler counts samples)
     global_batch_size: int = field(default=1024, metadata=at_least(1, says="positive"))
+    # Megatron-LM's --rampup-batch-size START INCREMENT SAMPLES: from START up to global_batch_size in steps of
+    # INCREMENT over the first SAMPLES consumed samples (batching.BatchSchedule)
+    batch_rampup: list[int] | None = field(default=None, metadata=at_least(1, says="positive"))
+    # step changes of the global batch, e.g. [{start_step: 1000000, global_batch_size: 2048}]: a run restarted there
+    # with another --global-batch-size, or Megatron-Core 0.19's --step-batch-size-schedule
+    batch_changes: list[BatchChange] = field(default_factory=list)
     micro_batch_size: int = field(default=1, metadata=at_least(1, says="positive"))
     seed: int = field(default=42, metadata=SEED)
     eval_interval: int = field(default=0, metadata=at_least(0, "0 = no validation"))
@@ -295,9 +351,23 @@ class LoggingConfig:
 
 
 @dataclass
+class KeepRule:
+    """One rule of ``checkpoint.keep``: below step ``below`` (every step from here on when None), every
+    ``every``-th step is a kept save."""
+
+    every: int = field(metadata=at_least(1, says="positive"))
+    below: int | None = field(default=None, metadata=at_least(1, says="positive"))
+
+
+@dataclass
 class CheckpointConfig:
     interval: int = field(default=1000, metadata=at_least(0, "steps; 0 = only on signal and at the end"))
-    keep_last: int = field(default=3, metadata=at_least(1))
+    keep_last: int = field(default=3, metadata=at_least(1))  # rotates the saves that no keep rule keeps
+    # log-spaced saves that rotation never deletes (kept_step): a step is kept when the first rule whose below
+    # it is under divides it. LLM-jp's Megatron schedule, every step below 10, every 10 below 100, every 100
+    # below 10,000, then every 1000: [{every: 1, below: 10}, {every: 10, below: 100}, {every: 100, below: 10000},
+    # {every: 1000}]. Their markers say kept, so a resume with other rules deletes none of them
+    keep: list[KeepRule] = field(default_factory=list)
     grace_seconds: float = field(default=600.0, metadata=above(0, "time allowed for the save after SIGTERM"))
     save_at_end: bool = True  # false for throughput experiments that need no final checkpoint
     # the loop stops only to copy the state into host memory; a thread per rank writes it (checkpoint/async_save.py)
@@ -364,12 +434,40 @@ def _preset_172b() -> RunConfig:
     return cfg
 
 
+# LLM-jp's log-spaced saves: every step below 10, every 10 below 100, every 100 below 10k, then every 1000
+LLMJP_LOG_SPACED = [KeepRule(every=1, below=10), KeepRule(every=10, below=100), KeepRule(every=100, below=10_000),
+                    KeepRule(every=1000)]
+
+
+def _preset_llmjp4(size: str) -> RunConfig:
+    """LLM-jp-4's stable run (llm-jp/scripts pretrain/scripts/v4-8b-phase1/base/params.sh): AdamW (0.9, 0.95, 1e-8),
+    weight decay 0.1, clip 1.0, LR 3e-4 with min 3e-5, 2000 warm-up steps, then WSD with the decay left out
+    (--lr-wsd-decay-iters 1 at 12M iterations: decay branches add it, llmjp-ds branch), global batch 512 of
+    micro-batches of 1, seq 4096, BF16 throughout, no z-loss (the v4 arguments pass none), no validation (--split
+    1,0,0), distributed optimizer (ZeRO-1), log-spaced saves. The tokenizer (v4, 196,608 pieces) and the corpora
+    are the user's: data.tokenizer and data.blend. The 32B's published settings are its shape and TP4; its
+    schedule here is the 8B's."""
+    return RunConfig(
+        run_dir=f"runs/llmjp4-{size}",
+        model=ModelConfig(shape=f"llmjp4-{size}", z_loss=0.0),
+        data=DataConfig(order="megatron", split=[1.0, 0.0, 0.0]),
+        optim=OptimConfig(lr=3e-4, min_lr_ratio=0.1, warmup_steps=2000, decay_steps=None, schedule="megatron",
+                          decay_style="WSD", wsd_decay_steps=1, wsd_decay_style="linear", beta1=0.9, beta2=0.95,
+                          eps=1e-8, weight_decay=0.1, clip_grad=1.0),
+        train=TrainConfig(steps=12_000_000, global_batch_size=512, micro_batch_size=1, eval_interval=0),
+        parallel=ParallelConfig(zero_stage=1, tensor_parallel=4 if size == "32b" else 1),
+        precision=PrecisionConfig(dtype="bf16"),
+        checkpoint=CheckpointConfig(interval=0, keep=list(LLMJP_LOG_SPACED)))
+
+
 RUN_PRESETS: dict[str, Callable[[], RunConfig]] = {
     "demo": _preset_demo,
     "llmjp3-1.8b": lambda: _preset_llmjp3("1.8b", 3e-4, 512),
     "llmjp3-3.7b": lambda: _preset_llmjp3("3.7b", 3e-4, 1024),
     "llmjp3-13b": lambda: _preset_llmjp3("13b", 2e-4, 1024),
     "llmjp3-172b": _preset_172b,
+    "llmjp4-8b": lambda: _preset_llmjp4("8b"),
+    "llmjp4-32b": lambda: _preset_llmjp4("32b"),
 }
 
 
@@ -427,15 +525,16 @@ def _renamed(where: str) -> None:
              f"config key {where!r} was removed (fault drills are set by LLMJP_DS_DRILL_*, see docs/errors.md)")
 
 
-def _build_value(value: Any, annotation, where: str):
-    """``value`` as ``annotation``: a dataclass from a mapping, a list of dataclasses from a list of mappings."""
+def _build_value(value: Any, annotation, where: str, may_be_empty: bool = False):
+    """``value`` as ``annotation``: a dataclass from a mapping, a list of dataclasses from a list of mappings
+    (``may_be_empty``: an empty list too)."""
     if dataclasses.is_dataclass(annotation):
         return build(annotation, value, where)
     if typing.get_origin(annotation) is list:
         (item,) = typing.get_args(annotation)
         if dataclasses.is_dataclass(item):
-            if not isinstance(value, list) or not value:
-                fail(f"{where} must be a non-empty list of {item.__name__} mappings")
+            if not isinstance(value, list) or not (value or may_be_empty):
+                fail(f"{where} must be a {'' if may_be_empty else 'non-empty '}list of {item.__name__} mappings")
             return [build(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
         if isinstance(value, list):  # name the item that is wrong
             for i, v in enumerate(value):
@@ -452,7 +551,8 @@ def build(cls, data: dict, path: str = ""):
     if not isinstance(data, dict):
         fail(f"config section {path or '<root>'} must be a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    by_name = {f.name: f for f in dataclasses.fields(cls)}
+    names = set(by_name)
     kwargs = {}
     for key, value in data.items():
         if not isinstance(key, str):  # a YAML key such as 1, true or null
@@ -462,7 +562,14 @@ def build(cls, data: dict, path: str = ""):
         if key not in names:
             _renamed(where)
             fail(f"unknown config key {where!r}{did_you_mean(key, names)}")
-        kwargs[key] = _build_value(value, hints[key], where)
+        # a list whose default is empty (checkpoint.keep) may be empty; one with a default item (phases) not
+        empty_default = by_name[key].default_factory is list
+        kwargs[key] = _build_value(value, hints[key], where, may_be_empty=empty_default)
+    required = [name for name, f in by_name.items() if f.default is dataclasses.MISSING
+                and f.default_factory is dataclasses.MISSING and name not in kwargs]
+    if required:
+        fail(f"config section {path or '<root>'} lacks {', '.join(required)}: set "
+             f"{' and '.join(f'{name}: <value>' for name in required)} there")
     return cls(**kwargs)
 
 
@@ -646,19 +753,35 @@ def sample_counts(cfg: RunConfig) -> tuple[int, int]:
     t = cfg.train
     if cfg.data.order == "megatron":
         return megatron_sample_counts(cfg)[:2]
-    return t.steps * t.global_batch_size, (max(1, t.eval_batches) * t.global_batch_size if t.eval_interval else 0)
+    return train_samples(cfg), (max(1, t.eval_batches) * t.global_batch_size if t.eval_interval else 0)
+
+
+def train_samples(cfg: RunConfig) -> int:
+    """The samples the run's ``train.steps`` read: ``steps * global_batch_size`` (Megatron's ``train_iters * gbs``)
+    when the batch is constant, the sum of the batch schedule's batches when it ramps or changes."""
+    from llmjp_ds.batch_schedule import BatchSchedule
+
+    return BatchSchedule.of(cfg.train).consumed_at(cfg.train.steps)
 
 
 def megatron_sample_counts(cfg: RunConfig) -> tuple[int, int, int]:
     """(train, valid, test) sizes Megatron-LM asks its dataset builder for (``get_train_valid_test_num_samples``
-    in megatron/training/training.py): ``train_iters * gbs``, ``(train_iters // eval_interval + 1) * eval_iters
+    in megatron/training/training.py): ``train_iters * gbs`` (:func:`train_samples`), ``(train_iters // eval_interval + 1) * eval_iters
     * gbs`` (its evaluations never restart the validation iterator, and one more follows the last step) and
     ``eval_iters * gbs``, with train_iters = ``train.steps`` and eval_iters = ``train.eval_batches`` (at least 1,
     as our validation reads); no validation (``eval_interval`` 0) is eval_iters 0."""
     t = cfg.train
     eval_iters = max(1, t.eval_batches) if t.eval_interval else 0
     valid = (t.steps // t.eval_interval + 1) * eval_iters if t.eval_interval else 0
-    return t.steps * t.global_batch_size, valid * t.global_batch_size, eval_iters * t.global_batch_size
+    return train_samples(cfg), valid * t.global_batch_size, eval_iters * t.global_batch_size
+
+
+def blend_history(cfg: RunConfig, until_step: int) -> list[list]:
+    """``[start_step, blend, count]`` of each data phase that governs a step before ``until_step`` (data.blend's
+    as step 0's): two configs with the same history gave those steps the same samples' blends."""
+    phases = [[0, [str(x) for x in cfg.data.blend], "run"]]
+    phases += [[p.start_step, [str(x) for x in p.blend], p.count] for p in cfg.data.phases if p.start_step < until_step]
+    return phases
 
 
 def model_config_of(cfg: RunConfig):
@@ -711,3 +834,32 @@ def stop_signals_of(cfg: RunConfig) -> tuple:
         if signal.Signals[full] not in out:
             out.append(signal.Signals[full])
     return tuple(out)
+
+
+# --- which steps are saved: checkpoint.interval and the keep rules ----------------------------------------
+
+def kept_step(step: int, rules: list[KeepRule]) -> bool:
+    """Whether completed step ``step`` is a kept save: the first rule whose ``below`` is above it (or None)
+    divides it; no rule applies above the last ``below``."""
+    rule = next((r for r in rules if r.below is None or step < r.below), None)
+    return rule is not None and step % rule.every == 0
+
+
+def save_due(step: int, checkpoint: CheckpointConfig) -> bool:
+    """Whether completed step ``step`` is saved: a multiple of ``checkpoint.interval`` (when not 0) or kept."""
+    return bool(checkpoint.interval and step % checkpoint.interval == 0) or kept_step(step, checkpoint.keep)
+
+
+def check_keep_rules(rules: list[KeepRule]) -> None:
+    """One line for the first rule of ``checkpoint.keep`` that cannot be meant: ``every`` below 1, a rule after
+    one without ``below`` (it could never apply), a ``below`` not above the one before (nothing would reach it)."""
+    for i, rule in enumerate(rules):
+        where = f"checkpoint.keep[{i}]"
+        if rule.every < 1:
+            fail(f"{where}.every must be positive, got {rule.every}: save every N steps with N >= 1")
+        if i and rules[i - 1].below is None:
+            fail(f"{where} follows checkpoint.keep[{i - 1}], which has no below and so covers every later step: "
+                 f"remove {where}, or give checkpoint.keep[{i - 1}] a below")
+        if i and rule.below is not None and rule.below <= rules[i - 1].below:
+            fail(f"{where}.below must be above checkpoint.keep[{i - 1}].below ({rules[i - 1].below}), got "
+                 f"{rule.below}: list the rules by increasing below, the last one without below")

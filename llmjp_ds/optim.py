@@ -1,55 +1,21 @@
-"""AdamW with the LLM-jp parameter groups, and the learning-rate schedule as a pure function."""
+"""AdamW with the LLM-jp parameter groups (weight decay on matrices, ``wd_mult`` as megatron-core's groups), the
+optimizer that skips a non-finite step where no DeepSpeed wrapper does, and setting a step's LR and weight decay
+(the schedule itself: :mod:`llmjp_ds.lr_schedule`)."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 
 
-def lr_at(step: int, *, lr: float, warmup_steps: int, decay_steps: int, min_lr_ratio: float) -> float:
-    """Linear warmup over ``warmup_steps`` to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at
-    ``decay_steps``, flat after (Megatron-LM's ``cosine`` style, as LLM-jp-3 used). ``step`` counts from 0."""
-    min_lr = lr * min_lr_ratio
-    if warmup_steps and step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    if step >= decay_steps:
-        return min_lr
-    progress = (step - warmup_steps) / max(1, decay_steps - warmup_steps)
-    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
-
-
-def megatron_lr_at(step: int, *, lr: float, warmup_steps: int, decay_steps: int, min_lr_ratio: float) -> float:
-    """Megatron-LM's schedule (megatron-core's ``OptimizerParamScheduler``, cosine): the LR of the step after
-    ``step`` completed ones. Megatron sets the LR of an iteration from the count of iterations before it, so its
-    warmup runs ``lr * step / warmup_steps`` (its first step at LR 0, ``warmup_steps`` itself at ``lr``); the
-    cosine then reaches ``lr * min_lr_ratio`` at ``decay_steps``, flat after. Megatron counts in samples: these
-    are its counts divided by the global batch."""
-    min_lr = lr * min_lr_ratio
-    if warmup_steps > 0 and step <= warmup_steps:
-        return lr * step / warmup_steps
-    if step > decay_steps:
-        return min_lr
-    progress = (step - warmup_steps) / (decay_steps - warmup_steps)
-    return min_lr + 0.5 * (math.cos(math.pi * progress) + 1.0) * (lr - min_lr)
-
-
-SCHEDULES = {"llmjp": lr_at, "megatron": megatron_lr_at}  # optim.schedule
-
-
-def schedule_lr(step: int, optim_cfg, total_steps: int) -> float:
-    return SCHEDULES[optim_cfg.schedule](step, lr=optim_cfg.lr, warmup_steps=optim_cfg.warmup_steps,
-                                        decay_steps=optim_cfg.decay_steps or total_steps,
-                                        min_lr_ratio=optim_cfg.min_lr_ratio)
-
-
-def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices (and embeddings), not on norm weights (1-D)."""
+def parameter_groups(model, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices (and embeddings), not on norm weights (1-D). ``wd_mult`` scales the scheduled
+    weight decay per group (:func:`set_lr`), as megatron-core's param groups carry it."""
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.dim() >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay, "wd_mult": 1.0},
+              {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}]
     return [g for g in groups if g["params"]]
 
 
@@ -71,7 +37,7 @@ class SkipNonFiniteAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
-def build_optimizer(model: torch.nn.Module, optim_cfg, skip_nonfinite: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(model, optim_cfg, skip_nonfinite: bool = False):
     """AdamW with the LLM-jp groups; ``skip_nonfinite`` where no DeepSpeed wrapper checks gradients (see above)."""
     on_cuda = next(model.parameters()).is_cuda
     cls = SkipNonFiniteAdamW if skip_nonfinite else torch.optim.AdamW
@@ -80,6 +46,13 @@ def build_optimizer(model: torch.nn.Module, optim_cfg, skip_nonfinite: bool = Fa
                **({"fused": True} if on_cuda else {"foreach": True}))
 
 
-def set_lr(optimizer, lr: float) -> None:
+def set_lr(optimizer, lr: float, weight_decay: float | None = None) -> None:
+    """The LR of every param group and, if given, the weight decay of each scaled by its ``wd_mult``, as
+    megatron-core's scheduler sets them. A group without ``wd_mult`` keeps decaying if it decays now: loading a
+    checkpoint of an earlier release puts back its groups, which had none (torch's and DeepSpeed's
+    ``load_state_dict`` replace the groups' settings with the saved ones)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
+        if weight_decay is not None:
+            group.setdefault("wd_mult", 1.0 if group.get("weight_decay") else 0.0)
+            group["weight_decay"] = weight_decay * group["wd_mult"]

@@ -10,8 +10,10 @@ import os
 import typing
 from pathlib import Path
 
-from llmjp_ds.config import RECOMPUTE_MODES, RunConfig, sequence_parallel_of, stop_signals_of
+from llmjp_ds.batch_schedule import check_batches
+from llmjp_ds.config import RECOMPUTE_MODES, RunConfig, check_keep_rules, sequence_parallel_of, stop_signals_of
 from llmjp_ds.errors import did_you_mean, fail
+from llmjp_ds.lr_schedule import check_schedule
 from llmjp_ds.parallel.layout import Layout
 
 
@@ -28,8 +30,10 @@ def validate_run(cfg: RunConfig, world_size: int | None = None, gpus_per_node: i
     _check_tensor_parallel(cfg, shape, gpus_per_node or gpus_per_node_from_env())
     _check_parallel(cfg, layout, shape.num_layers)
     _check_data(cfg)
+    check_schedule(cfg.optim, cfg.train.steps)
     _check_logging(cfg)
     stop_signals_of(cfg)  # names that are signals a handler may catch
+    check_keep_rules(cfg.checkpoint.keep)  # log-spaced saves: rules in order of increasing below
     from llmjp_ds.precision.recipes import AUTO, validate_phases
 
     validate_phases(cfg.precision, shape.num_layers)
@@ -195,6 +199,7 @@ def _check_parallel(cfg: RunConfig, layout: Layout, num_layers: int) -> None:
     if t.global_batch_size % (t.micro_batch_size * layout.data):
         fail(f"train.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size x data parallel "
              f"= {t.micro_batch_size} x {layout.data}: make it a multiple of {t.micro_batch_size * layout.data}")
+    check_batches(t, layout.data)
 
 
 def gpus_per_node_from_env() -> int | None:
@@ -248,6 +253,24 @@ def _check_data(cfg: RunConfig) -> None:
     if d.tokenizer is not None and not d.blend:
         fail(f"data.tokenizer {d.tokenizer} is set but data.blend is empty: the bundled demo corpus is read with "
              "its own tokenizer; set data.blend to corpora preprocessed with this tokenizer, or unset data.tokenizer")
+    _check_phases(cfg)
+
+
+def _check_phases(cfg: RunConfig) -> None:
+    """``data.phases`` start after step 0, each once and in order, before the run ends, each with a blend."""
+    starts = [p.start_step for p in cfg.data.phases]
+    if starts != sorted(set(starts)):
+        fail(f"data.phases start at steps {starts}: list each step once, in increasing order")
+    if starts and starts[-1] >= cfg.train.steps:
+        fail(f"data.phases changes the blend at step {starts[-1]}, but the run ends after train.steps="
+             f"{cfg.train.steps}: start it earlier or lengthen the run")
+    for i, phase in enumerate(cfg.data.phases):
+        if not phase.blend:
+            fail(f"data.phases[{i}] (from step {phase.start_step}) has no blend: give it corpora as data.blend takes "
+                 "them, e.g. [0.7, /data/ja_text_document, 0.3, /data/en_text_document]")
+    if cfg.data.phases and not cfg.data.blend:
+        fail("data.phases changes the blend of a run on the bundled demo corpus (data.blend is empty): give "
+             "data.blend the corpora of the first phase")
 
 
 def _check_logging(cfg: RunConfig) -> None:

@@ -81,34 +81,66 @@ def _check_tokenizer(ckpt: MegatronCheckpoint, cfg) -> None:
              f"{rows}: pass the tokenizer the Megatron run trained with (data.tokenizer)")
 
 
-def optim_settings(ckpt: MegatronCheckpoint) -> dict:
-    """The ``optim`` section that continues Megatron's schedule and AdamW: its counts in samples as steps."""
+def consumed_samples(ckpt: MegatronCheckpoint) -> int:
+    """The samples the Megatron run consumed (its argument; iterations x global batch in checkpoints without it)."""
+    return int(ckpt.arg("consumed_train_samples") or ckpt.iteration * int(ckpt.arg("global_batch_size")))
+
+
+def optim_settings(ckpt: MegatronCheckpoint, train_steps: int | None = None) -> dict:
+    """The ``optim`` section that continues Megatron's schedule and AdamW: its counts in samples as steps, its
+    decay style (WSD with the length and style of its decay from the run's arguments, which the scheduler does not
+    store), the warmup's first LR and the weight decay's increment (over ``train_steps``, the run's
+    ``train.steps``, as Megatron's over ``--train-iters``)."""
+    from llmjp_ds.config import DECAY_STYLES, WEIGHT_DECAY_INCR_STYLES, WSD_DECAY_STYLES
+
     sched, gbs = ckpt.scheduler, int(ckpt.arg("global_batch_size"))
     where = f"{ckpt.directory}'s opt_param_scheduler"
     if not sched:
         fail(f"{ckpt.directory} holds no opt_param_scheduler: the LR schedule cannot be continued")
     style = sched.get("lr_decay_style", ckpt.arg("lr_decay_style"))
-    if style != "cosine":
-        fail(f"{where} decays the LR by {style!r}: llmjp-ds continues cosine schedules only")
-    if float(ckpt.arg("lr_warmup_init", 0.0) or 0.0) != 0.0:
-        fail(f"the Megatron run warms up from lr_warmup_init={ckpt.arg('lr_warmup_init')}: llmjp-ds warms up from 0")
-    if sched.get("start_wd", 0.0) != sched.get("end_wd", 0.0):
-        fail(f"{where} changes the weight decay over the run ({sched.get('start_wd')} -> {sched.get('end_wd')}): "
-             "llmjp-ds keeps it constant")
+    if style not in DECAY_STYLES:
+        fail(f"{where} decays the LR by {style!r}, not one of megatron-core's {', '.join(DECAY_STYLES)}: the "
+             "checkpoint is not Megatron-LM's")
     counts = {k: int(sched[k]) for k in ("lr_warmup_steps", "lr_decay_steps", "num_steps")}
+    if style == "WSD":  # Megatron-LM's get_optimizer_param_scheduler: iterations x global batch, or samples
+        wsd_iters, wsd_samples = ckpt.arg("lr_wsd_decay_iters"), ckpt.arg("lr_wsd_decay_samples")
+        if wsd_iters is None and wsd_samples is None:
+            fail(f"{where} decays the LR by WSD, but the run's arguments hold neither lr_wsd_decay_iters nor "
+                 "lr_wsd_decay_samples: the checkpoint is incomplete; import one that Megatron-LM wrote whole")
+        counts["wsd_decay_steps"] = int(wsd_samples if wsd_iters is None else wsd_iters * gbs)
+    start_wd, end_wd = float(sched.get("start_wd", 0.0)), float(sched.get("end_wd", 0.0))
+    wd_style = sched.get("wd_incr_style", "constant")
+    if wd_style not in WEIGHT_DECAY_INCR_STYLES:
+        fail(f"{where} increments the weight decay by {wd_style!r}, not one of megatron-core's "
+             f"{', '.join(WEIGHT_DECAY_INCR_STYLES)}: the checkpoint is not Megatron-LM's")
+    if wd_style != "constant":
+        counts["wd_incr_steps"] = int(sched["wd_incr_steps"])
     for key, value in counts.items():
         if value % gbs:
             fail(f"{where} has {key}={value} samples, not a whole number of steps of the global batch {gbs}: "
                  "llmjp-ds schedules in steps")
-    if counts["num_steps"] != ckpt.iteration * gbs:
-        fail(f"{where} is at {counts['num_steps']} samples, but iteration {ckpt.iteration} x global batch {gbs} is "
-             f"{ckpt.iteration * gbs}: the schedule was overridden; it cannot be continued step for step")
+    if counts["num_steps"] != consumed_samples(ckpt):
+        fail(f"{where} is at {counts['num_steps']} samples, but the run consumed {consumed_samples(ckpt)}: the "
+             "schedule was overridden; it cannot be continued step for step")
+    if wd_style != "constant" and train_steps is not None and counts["wd_incr_steps"] != train_steps * gbs:
+        fail(f"{where} raises the weight decay over {counts['wd_incr_steps'] // gbs} iterations (Megatron's "
+             f"--train-iters), the run config over train.steps={train_steps}: set train.steps="
+             f"{counts['wd_incr_steps'] // gbs}")
     max_lr, min_lr = float(sched["max_lr"]), float(sched["min_lr"])
-    return {"schedule": "megatron", "lr": max_lr, "min_lr_ratio": min_lr / max_lr,
-            "warmup_steps": counts["lr_warmup_steps"] // gbs, "decay_steps": counts["lr_decay_steps"] // gbs,
-            "beta1": float(ckpt.arg("adam_beta1", 0.9)), "beta2": float(ckpt.arg("adam_beta2", 0.999)),
-            "eps": float(ckpt.arg("adam_eps", 1e-8)), "weight_decay": float(sched.get("end_wd", 0.0)),
-            "clip_grad": float(ckpt.arg("clip_grad", 1.0))}
+    out = {"schedule": "megatron", "lr": max_lr, "min_lr_ratio": min_lr / max_lr,
+           "warmup_steps": counts["lr_warmup_steps"] // gbs, "decay_steps": counts["lr_decay_steps"] // gbs,
+           "decay_style": style, "warmup_init_lr": float(ckpt.arg("lr_warmup_init", 0.0) or 0.0),
+           "beta1": float(ckpt.arg("adam_beta1", 0.9)), "beta2": float(ckpt.arg("adam_beta2", 0.999)),
+           "eps": float(ckpt.arg("adam_eps", 1e-8)), "weight_decay": start_wd,
+           "end_weight_decay": None if end_wd == start_wd else end_wd, "weight_decay_incr_style": wd_style,
+           "clip_grad": float(ckpt.arg("clip_grad", 1.0))}
+    if style == "WSD":
+        wsd_style = ckpt.arg("lr_wsd_decay_style") or "exponential"  # Megatron-LM's default
+        if wsd_style not in WSD_DECAY_STYLES:
+            fail(f"the Megatron run's lr_wsd_decay_style {wsd_style!r} is not one of megatron-core's "
+                 f"{', '.join(WSD_DECAY_STYLES)}: the checkpoint is not Megatron-LM's")
+        out.update(wsd_decay_steps=counts["wsd_decay_steps"] // gbs, wsd_decay_style=wsd_style)
+    return out
 
 
 def layout_free_states(ckpt: MegatronCheckpoint, model_config) -> dict[str, dict]:
@@ -169,7 +201,7 @@ def import_megatron(load, run, iteration: int | None = None, config=None, preset
     model_config = model_config_of(cfg)
     ckpt = megatron_reader.read(load, iteration)
     check_config(ckpt, cfg, model_config)
-    optim = optim_settings(ckpt)
+    optim = optim_settings(ckpt, cfg.train.steps)
     states = layout_free_states(ckpt, model_config)
     data = cfg.to_dict()
     data["optim"].update(optim)

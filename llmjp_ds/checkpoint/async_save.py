@@ -110,11 +110,13 @@ def nbytes(obj) -> int:
 
 class AsyncSaver:
     """This rank's background writer: :meth:`add` snapshots a file's state, :meth:`start` writes them all in a
-    thread; :meth:`done`, :meth:`wait`, and :attr:`error` (the first failure, with its path) for the commit."""
+    thread; :meth:`done`, :meth:`wait`, :attr:`meta` (the tag's marker) and :attr:`error` (the first failure, with
+    its path) for the commit."""
 
     def __init__(self):
         self.tag: str | None = None
         self.step = 0
+        self.meta = None  # the CheckpointMeta the commit writes as the tag's marker (kept or not)
         self.jobs: list[tuple[str, object]] = []
         self.written: dict[str, dict] = {}
         self.error: tuple[BaseException, str] | None = None
@@ -134,8 +136,9 @@ class AsyncSaver:
     def in_flight(self) -> bool:
         return self.tag is not None
 
-    def begin(self, tag: str, step: int, tag_dir: Path) -> None:
+    def begin(self, tag: str, step: int, tag_dir: Path, meta) -> None:
         self.tag, self.step, self._root, self.jobs, self.written, self.error = tag, step, tag_dir.resolve(), [], {}, None
+        self.meta = meta
         self.snapshot_bytes = 0
         if self.arena is not None:
             self.arena.reset()  # the previous snapshot is committed (or failed): its bytes are free
@@ -185,10 +188,11 @@ class AsyncSaver:
         self.tag, self._thread, self.jobs = None, None, []
 
 
-def commit_when_done(saver: AsyncSaver, ctx, run_dir, meta, keep_last: int, block: bool) -> bool:
-    """Commit ``saver``'s checkpoint once every rank's writer is done (``block``: wait for this rank's first);
-    True when no save is left in flight. A rank whose write failed ends with the one line of a failed save
-    (the path, the free space, what ``latest`` still names); the others end quietly at the same point."""
+def commit_when_done(saver: AsyncSaver, ctx, run_dir, keep_last: int, block: bool) -> bool:
+    """Commit ``saver``'s checkpoint, with the marker it was begun with, once every rank's writer is done
+    (``block``: wait for this rank's first); True when no save is left in flight. A rank whose write failed ends
+    with the one line of a failed save (the path, the free space, what ``latest`` still names); the others end
+    quietly at the same point."""
     from llmjp_ds.checkpoint.store import report_failed_save, commit
     from llmjp_ds.parallel.failure import PeerFailure
 
@@ -202,7 +206,7 @@ def commit_when_done(saver: AsyncSaver, ctx, run_dir, meta, keep_last: int, bloc
         if saver.error is not None:
             report_failed_save(run_dir, saver.tag, *saver.error)
         raise PeerFailure(f"another rank's background write of checkpoint {saver.tag} failed")
-    commit(run_dir, saver.tag, saver.step, meta, saver.written, keep_last)
+    commit(run_dir, saver.tag, saver.step, saver.meta, saver.written, keep_last)
     saver.finish()
     return True
 

@@ -11,9 +11,10 @@ Layout of a run directory::
 
 A save writes DeepSpeed's files (each rank hashes and fsyncs what it writes), waits for every rank, then rank 0
 writes the ``llmjp_ds.json`` marker, whose ``files`` manifest gives every file's size and xxh3 checksum, and
-replaces ``latest`` atomically, then deletes checkpoints beyond ``keep_last``. A kill at any moment leaves
-``latest`` naming a complete checkpoint; a resume verifies the tag against its manifest first and falls back to
-the newest tag that verifies (``checkpoint/resume.py``).
+replaces ``latest`` atomically, then deletes checkpoints beyond ``keep_last`` (never one whose marker says
+``kept``: a log-spaced save of ``checkpoint.keep``). A kill at any moment leaves ``latest`` naming a complete
+checkpoint; a resume verifies the tag against its manifest first and falls back to the newest tag that verifies
+(``checkpoint/resume.py``).
 
 Every path the store touches is resolved inside the run's ``checkpoints/``: a tag is a name of the form
 ``stepNNNNNNNN[-rN]`` (never a path), a tag that is a symbolic link is neither read nor followed when deleting.
@@ -124,6 +125,15 @@ class CheckpointMeta:
     # the tag holds only the layout-free form (parallel/reshape.py; import-megatron writes such a tag): every
     # resume reads its parameters from there, whatever the layout
     layout_free: bool = False
+    # saved for a rule of checkpoint.keep: rotation (prune) never deletes it, whatever the rules are now
+    kept: bool = False
+    # the samples consumed before step ``step``, and the resolved run config that trained up to it (RunConfig's
+    # dict): a resume checks that the steps behind it keep their blend and batches, a branch starts from it
+    consumed_samples: int | None = None
+    run_config: dict | None = None
+    # the LR schedule at this checkpoint (megatron-core's opt_param_scheduler state_dict; lr_schedule.LRSchedule):
+    # a resume reconciles the config's with it under optim.resume_schedule before anything else runs
+    lr_schedule: dict | None = None
 
     @classmethod
     def for_run(cls, cfg, model_config, data_parallel: int) -> "CheckpointMeta":
@@ -152,8 +162,15 @@ class CheckpointMeta:
             value = getattr(meta, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-        if not isinstance(meta.layout_free, bool):
-            raise ValueError(f"layout_free must be true or false, got {meta.layout_free!r}")
+        for name in ("layout_free", "kept"):
+            if not isinstance(getattr(meta, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(meta, name)!r}")
+        if meta.consumed_samples is not None and (not isinstance(meta.consumed_samples, int) or isinstance(
+                meta.consumed_samples, bool) or meta.consumed_samples < 0):
+            raise ValueError(f"consumed_samples must be a non-negative integer, got {meta.consumed_samples!r}")
+        for name in ("run_config", "lr_schedule"):
+            if getattr(meta, name) is not None and not isinstance(getattr(meta, name), dict):
+                raise ValueError(f"{name} must be an object, got {type(getattr(meta, name)).__name__}")
         if meta.files is not None and not (isinstance(meta.files, dict) and all(
                 isinstance(k, str) and isinstance(v, dict) and isinstance(v.get("size"), int)
                 and isinstance(v.get("xxh3"), str) for k, v in meta.files.items())):
@@ -320,10 +337,22 @@ def remove_tag(run_dir, tag: str) -> None:
 
 
 def prune(run_dir, keep_last: int) -> None:
-    """Delete complete checkpoints beyond the newest ``keep_last`` and any incomplete ones left by a kill."""
-    root = checkpoint_dir(run_dir)
+    """Delete complete checkpoints beyond the newest ``keep_last`` and any incomplete ones left by a kill. A tag
+    whose marker says ``kept`` (a save of ``checkpoint.keep``) is never deleted and not counted in ``keep_last``,
+    nor is the one ``latest`` names."""
     latest = _read_latest(run_dir)
-    _delete_all_but(run_dir, {t for _, t in complete_tags(run_dir)[-keep_last:]} | {latest})
+    tags = [t for _, t in complete_tags(run_dir)]
+    kept = {t for t in tags if _marked_kept(run_dir, t)}
+    rotated = [t for t in tags if t not in kept]
+    _delete_all_but(run_dir, kept | set(rotated[-keep_last:]) | {latest})
+
+
+def _marked_kept(run_dir, tag: str) -> bool:
+    """Whether the marker of complete ``tag`` says kept; a marker that does not parse rotates like any tag."""
+    try:
+        return parse_marker(checkpoint_dir(run_dir) / tag / MARKER).kept
+    except ValueError:
+        return False
 
 
 def prune_incomplete(run_dir) -> None:
@@ -343,7 +372,8 @@ def _delete_all_but(run_dir, keep: set) -> None:
 
 def discard_after(run_dir, step: int) -> None:
     """Delete the checkpoints of an abandoned timeline (steps after ``step``), e.g. after an FP8 rollback, so
-    that pruning by step number and a later rollback only ever see the timeline that continues."""
+    that pruning by step number and a later rollback only ever see the timeline that continues. Kept saves
+    (``checkpoint.keep``) of that timeline go too: their weights are those of the run that diverged."""
     for tag_step, tag in complete_tags(run_dir):
         if tag_step > step:
             remove_tag(run_dir, tag)

@@ -40,10 +40,13 @@ class Checkpointer:
         """Checkpoint ``state`` (the trainer's ``TrainState``). Under ``checkpoint.async_save`` the loop waits only
         for a save still in flight and for the snapshot, and the files are written in the background (``wait``:
         commit before returning, as a stop or the end of the run needs). The stall goes to the next step's
-        metrics."""
+        metrics. A step of ``checkpoint.keep``'s rules is marked kept in its marker: rotation never deletes it."""
+        import dataclasses
+
         import torch
 
         from llmjp_ds import checkpoint
+        from llmjp_ds.config import kept_step
 
         t0 = time.perf_counter()
         self.watchdog.beat("checkpoint")
@@ -56,7 +59,8 @@ class Checkpointer:
         self._last_save = (t0, state.step)
         client = {"train_state": dict(state.__dict__), **self.controller.state_dict(),
                   "wandb_run_id": self.logger.run_id, "rng": torch.get_rng_state()}
-        tag = checkpoint.save(self.engine, self.run_dir, state.step, client, self.meta,
+        meta = dataclasses.replace(self.meta, kept=kept_step(state.step, self.cfg.checkpoint.keep))
+        tag = checkpoint.save(self.engine, self.run_dir, state.step, client, meta,
                               self.cfg.checkpoint.keep_last, rollbacks=self.controller.rollbacks, saver=self.saver)
         self.save_metrics.update(save_stall_s=time.perf_counter() - t0, save_wait_s=waited)
         if wait:
@@ -92,8 +96,7 @@ class Checkpointer:
             return
         self.watchdog.beat("checkpoint")
         tag, gib = saver.tag, saver.snapshot_bytes / 2**30
-        if checkpoint.commit_when_done(saver, self.ctx, self.run_dir, self.meta, self.cfg.checkpoint.keep_last,
-                                       block):
+        if checkpoint.commit_when_done(saver, self.ctx, self.run_dir, self.cfg.checkpoint.keep_last, block):
             self.save_metrics["checkpoint_write_s"] = saver.write_s
             self.logger.event(step, "checkpoint_committed", tag=tag, write_s=saver.write_s,
                               snapshot_gib=gib, write_gib_per_s=gib / max(saver.write_s, 1e-9))

@@ -271,6 +271,7 @@ class Trainer:
     def _after_step(self, metrics: dict) -> bool:
         """Validation, logging and checkpointing after a step; True when a stop request ends the run."""
         from llmjp_ds import checkpoint
+        from llmjp_ds.config import save_due
         from llmjp_ds.metrics import format_log_line
 
         cfg, step = self.cfg, self.state.step
@@ -281,7 +282,7 @@ class Trainer:
             if self.ctx.rank == 0 and cfg.logging.progress:
                 print(format_log_line(step, cfg.train.steps, metrics), flush=True)
         stopping = any_rank_stopping(self.stop, self.ctx)
-        if stopping or (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0):
+        if stopping or save_due(step, cfg.checkpoint):
             self.save(wait=stopping)
         else:
             self.commit_save(block=False)

@@ -54,6 +54,10 @@ CASES: list[Case] = [
          ("checkpoint.stop_signals[1] 'KILL': SIGKILL cannot be caught", "use SIGTERM, SIGINT, SIGUSR1 or SIGUSR2")),
     Case("stop-signals-empty", T("checkpoint.stop_signals=[]"),
          ("checkpoint.stop_signals is empty", "list at least SIGTERM")),
+    # --- keep rules (log-spaced checkpoints): in order of increasing below ---------------------------------
+    Case("keep-rules-below-not-increasing", T("checkpoint.keep=[{below: 100, every: 10}, {below: 10, every: 1}]"),
+         ("checkpoint.keep[1].below must be above checkpoint.keep[0].below (100), got 10",
+          "list the rules by increasing below")),
     Case("wait-for-run-dir-negative", lambda c: [*T()(c), "--wait-for-run-dir", "-5"],
          ("--wait-for-run-dir -5.0: give the seconds to wait for the run directory, 0 or more",)),
     # --- run_dir: a directory of its own -----------------------------------------------------------------

@@ -93,10 +93,12 @@ class Throughput:
         self.world_size = int(world_size)
         self.peak_flops = peak_flops_for_device() if peak_flops is Throughput._AUTO else peak_flops
 
-    def update(self, step_seconds: float) -> dict[str, float]:
+    def update(self, step_seconds: float, tokens: int | None = None) -> dict[str, float]:
+        """The rates of a step of ``step_seconds`` that read ``tokens`` (default ``tokens_per_step``; a ramped
+        batch reads fewer)."""
         if step_seconds <= 0:
             raise ValueError(f"step_seconds must be positive, got {step_seconds}")
-        tokens_per_s = self.tokens_per_step / step_seconds
+        tokens_per_s = (self.tokens_per_step if tokens is None else tokens) / step_seconds
         flops_per_gpu = self.flops_per_token * tokens_per_s / self.world_size
         out = {"tokens_per_s": tokens_per_s, "tflops_per_gpu": flops_per_gpu / 1e12}
         if self.peak_flops:

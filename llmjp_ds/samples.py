@@ -1,13 +1,14 @@
 """``llmjp-ds samples``: the token windows a run's trainer would read, written to a ``.npy``, without training.
 
-The run's datasets are built as the trainer builds them (the config, :func:`llmjp_ds.trainer.data_plan`,
-``DataPlan.build`` with the run's sample counts), and global samples ``K .. K+N-1`` of the train or valid split
+The run's datasets are built as the trainer builds them (the config, :func:`llmjp_ds.trainer.run_data`: each
+data phase's blend with the run's sample counts), and global samples ``K .. K+N-1`` of the train or valid split
 are written as an int64 array of shape ``(N, seq_len + 1)`` (inputs ``[:, :-1]``, labels ``[:, 1:]``), atomically.
 No DeepSpeed engine, no process group beyond the one-process group megatron-core's builder asks for, no run
 directory lock, nothing written into the run directory; the index caches are built or reused as a run would. Under
 ``data.order: megatron`` these are megatron-core's windows: a Megatron-LM run with the same blend, seq_len, seed,
 split and length can be compared with it window by window. Step ``s`` of a run reads train samples
-``[s * gbs, (s + 1) * gbs)``; which valid samples a validation reads: :func:`llmjp_ds.batching.validation_starts`.
+``[s * gbs, (s + 1) * gbs)`` (with a ramped or changed batch, from ``BatchSchedule.consumed_at(s)``); which valid
+samples a validation reads: :func:`llmjp_ds.batching.validation_starts` (of ``data.blend``'s valid split).
 """
 
 from __future__ import annotations
@@ -50,15 +51,15 @@ def parse_args(argv: list[str], verb: str):
     return args
 
 
-def read_windows(dataset, start: int, count: int) -> np.ndarray:
-    """Samples ``start .. start+count-1`` of a dataset (``ds[i]`` -> ``seq_len + 1`` token ids) as one array."""
-    return np.stack([np.asarray(dataset[i], dtype=np.int64) for i in range(start, start + count)])
+def read_windows(sample, start: int, count: int) -> np.ndarray:
+    """Samples ``start .. start+count-1`` (``sample(i)`` -> ``seq_len + 1`` token ids) as one array."""
+    return np.stack([np.asarray(sample(i), dtype=np.int64) for i in range(start, start + count)])
 
 
 def cli_main(argv: list[str], verb: str = "samples") -> int:
     from llmjp_ds.config import load_config, model_config_of, sample_counts, seq_len_of
     from llmjp_ds.io_utils import atomic_file
-    from llmjp_ds.trainer import data_plan
+    from llmjp_ds.trainer import run_data
     from llmjp_ds.validate import validate_data
 
     args = parse_args(argv, verb)
@@ -75,8 +76,10 @@ def cli_main(argv: list[str], verb: str = "samples") -> int:
     model_config = model_config_of(cfg)
     seq_len = seq_len_of(cfg, model_config)
     t0 = time.perf_counter()
-    datasets = dict(zip(SPLITS, data_plan(cfg, model_config).build(seq_len, *counts.values())))
-    windows = read_windows(datasets[args.split], args.start, args.count)
+    data = run_data(cfg, model_config, seq_len)
+    # a train sample from the data phase of the step that reads it; valid samples of data.blend's valid split
+    windows = read_windows(data.train_sample if args.split == "train" else data.valid_at(0).__getitem__,
+                           args.start, args.count)
     with atomic_file(args.output) as f:
         np.save(f, windows)
     print(f"wrote {args.output}: {args.split} samples {args.start}..{end - 1} ({windows.shape[0]} x {windows.shape[1]} "

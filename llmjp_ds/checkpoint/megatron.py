@@ -45,15 +45,32 @@ def _shape_pairs(ckpt: MegatronCheckpoint, cfg, model_config) -> list[tuple[str,
             ("norm_epsilon", float(a("layernorm_epsilon", 1e-5)), "model.overrides.rms_norm_eps",
              float(model_config.rms_norm_eps)),
             ("seq_length", a("seq_length"), "data.seq_len", seq_len_of(cfg, model_config)),
-            ("global_batch_size", a("global_batch_size"), "train.global_batch_size", cfg.train.global_batch_size)]
+            ("global_batch_size", a("global_batch_size"), "train.global_batch_size", cfg.train.global_batch_size),
+            ("rampup_batch_size", [int(x) for x in a("rampup_batch_size") or []] or None, "train.batch_rampup",
+             cfg.train.batch_rampup),
+            ("step_batch_size_schedule", megatron_batch_changes(ckpt), "train.batch_changes",
+             [[c.start_step, c.global_batch_size] for c in cfg.train.batch_changes])]
+
+
+def megatron_batch_changes(ckpt: MegatronCheckpoint) -> list[list[int]]:
+    """Megatron-Core 0.19's ``--step-batch-size-schedule`` of the run as ``train.batch_changes`` (``[start_step,
+    batch]`` each; none without one)."""
+    from llmjp_ds.batch_schedule import changes_at_thresholds, megatron_step_schedule
+
+    text = ckpt.arg("step_batch_size_schedule")
+    if not text:
+        return []
+    return [list(c) for c in changes_at_thresholds(megatron_step_schedule(text, ckpt.arg("seq_length")))]
 
 
 def check_config(ckpt: MegatronCheckpoint, cfg, model_config) -> None:
     """Refuse, in one line naming both values, a config that disagrees with the checkpoint."""
     for arg, theirs, key, ours in _shape_pairs(ckpt, cfg, model_config):
         if theirs != ours:
+            shown = ("[" + ", ".join(f"{{start_step: {s}, global_batch_size: {b}}}" for s, b in theirs) + "]"
+                     if key == "train.batch_changes" else theirs)
             fail(f"the Megatron checkpoint has {arg}={theirs}, the run config {key}={ours}: pass the config of the "
-                 f"run that wrote it (--config / --preset / --set {key}={theirs})")
+                 f"run that wrote it (--config / --preset / --set {key}={shown})")
     if cfg.parallel.zero_stage != 1:
         fail(f"parallel.zero_stage={cfg.parallel.zero_stage}: an imported run resumes from the layout-free form, "
              "which ZeRO-1 reads; set parallel.zero_stage=1")
@@ -208,7 +225,7 @@ def import_megatron(load, run, iteration: int | None = None, config=None, preset
     data["model"]["overrides"] = {k: v for k, v in data["model"]["overrides"].items() if v is not None}
     build(RunConfig, data)  # the config.yaml written below loads: a mistake here is refused before any write
     a = ckpt.arg
-    consumed = int(a("consumed_train_samples") or ckpt.iteration * cfg.train.global_batch_size)
+    consumed = consumed_samples(ckpt)
     tp, pp, dp = (int(a(k, 1) or 1) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                                                "data_parallel_size"))
     source = {"load": str(Path(load).resolve()), "iteration": ckpt.iteration, "format": ckpt.fmt,
@@ -216,13 +233,13 @@ def import_megatron(load, run, iteration: int | None = None, config=None, preset
               "optimizer_step": ckpt.step}
     client = {"train_state": {"step": ckpt.iteration, "consumed_samples": consumed, "skipped_in_a_row": 0,
                               "skipped_total": 0}, "imported_from": source}
-    tag = _write_run(run_dir, data, cfg, model_config, states, client, ckpt.step, (pp, dp, tp))
+    tag = _write_run(run_dir, data, cfg, model_config, states, client, ckpt.step, (pp, dp, tp), ckpt.scheduler)
     return {"run_dir": str(run_dir), "tag": tag, "step": ckpt.iteration, "consumed_samples": consumed, **source,
             "optim": optim}
 
 
 def _write_run(run_dir: Path, data: dict, cfg, model_config, states: dict, client: dict, optimizer_step: int,
-               megatron_layout: tuple[int, int, int]) -> str:
+               megatron_layout: tuple[int, int, int], scheduler: dict) -> str:
     """The run directory, built beside its place and renamed into it: config.yaml, the checkpoint (its marker
     last), ``latest``. Returns the checkpoint's tag."""
     import json
@@ -237,6 +254,8 @@ def _write_run(run_dir: Path, data: dict, cfg, model_config, states: dict, clien
     pp, dp, tp = megatron_layout
     meta = CheckpointMeta.for_run(cfg, model_config, dp)
     meta.pipeline_stages, meta.tensor_parallel, meta.layout_free = pp, tp, True  # Megatron's layout, for the log
+    meta.run_config, meta.consumed_samples = data, client["train_state"]["consumed_samples"]
+    meta.lr_schedule = dict(scheduler)  # Megatron's own: a resume in check mode holds the config to it
     with atomic_directory(run_dir) as tmp:
         with open(tmp / "config.yaml", "w") as f:
             yaml.safe_dump(data, f, sort_keys=False)
@@ -263,6 +282,7 @@ def cli_main(argv: list[str], verb: str = "import-megatron") -> int:
     state = "with its optimizer state" if out["optimizer_state"] else "without optimizer state (AdamW starts afresh)"
     print(f"imported iteration {out['iteration']} ({out['format']}, {out['layout']}) {state} as {out['tag']} of "
           f"{out['run_dir']} ({out['consumed_samples']} samples consumed; LR {out['optim']['lr']:g}, warmup "
-          f"{out['optim']['warmup_steps']}, decay to step {out['optim']['decay_steps']}, Megatron's schedule); "
+          f"{out['optim']['warmup_steps']}, {out['optim']['decay_style']} decay to step {out['optim']['decay_steps']}, "
+          "Megatron's schedule); "
           f"continue with: llmjp-ds train --config {Path(out['run_dir']) / 'config.yaml'}")
     return 0

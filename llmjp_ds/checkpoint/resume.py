@@ -48,6 +48,8 @@ def check_resume(run_dir, model_config: dict, cfg=None, layout=None) -> str | No
         fail(f"{where} was saved with " + ", ".join(f"{k}={json.dumps(then[k])}" for k in changed) +
              f" (now {', '.join(json.dumps(now[k]) for k in changed)}): resume with the run's own settings, or "
              "set a new run_dir to start afresh")
+    check_same_past(marker, cfg, f"{where} (step {marker.step})", "resume from an earlier checkpoint, or branch one "
+                    "(llmjp-ds branch)")
     zero = cfg.parallel.zero_stage
     if layout is not None:
         before = saved_layout(run_dir, tag, marker)
@@ -57,6 +59,49 @@ def check_resume(run_dir, model_config: dict, cfg=None, layout=None) -> str | No
                  f"(ZeRO-{zero}) works with ZeRO-1 on both sides only: relaunch on {before.name} with "
                  f"parallel.zero_stage={marker.zero_stage}")
     return tag
+
+
+def resumed_schedule(marker: CheckpointMeta, cfg):
+    """The LR schedule a resume from ``marker``'s checkpoint continues with: the config's, reconciled with the one
+    the checkpoint stored under ``optim.resume_schedule`` (a disagreement under ``check`` fails in one line)."""
+    from llmjp_ds.lr_schedule import lr_schedule, resumed
+
+    configured = lr_schedule(cfg.optim, cfg.train.steps, cfg.train.global_batch_size)
+    return resumed(configured, marker.lr_schedule if marker is not None else None, cfg.optim.resume_schedule)
+
+
+def check_same_past(marker: CheckpointMeta, cfg, where: str, fix: str) -> None:
+    """The config ``cfg`` gives the steps before the checkpoint of ``marker`` the blends and global batches that
+    trained them (its ``run_config``): a blend or batch change at a step already passed would change which samples
+    those steps read, and so what the consumed-sample count means. ``where`` names the checkpoint, ``fix`` the way
+    out. Checkpoints without a run config (earlier releases, or one this release cannot read) are not checked."""
+    from llmjp_ds.batch_schedule import BatchSchedule
+    from llmjp_ds.config import RunConfig, blend_history, build
+    from llmjp_ds.errors import UserError
+
+    if not marker.run_config or not marker.step:
+        return
+    try:
+        then = build(RunConfig, marker.run_config)
+    except UserError:
+        return
+    step = marker.step
+    before, now = blend_history(then, step), blend_history(cfg, step)
+    if before != now:
+        changed = next(i for i in range(max(len(before), len(now)))
+                       if i >= len(before) or i >= len(now) or before[i] != now[i])
+        at = (now if changed < len(now) else before)[changed][0]
+        fail(f"the config changes the blend of step {at}, which {where} already trained: give a new blend from "
+             f"step {step} on (data.phases with start_step >= {step}), or {fix}")
+    ours, theirs = BatchSchedule.of(cfg.train), BatchSchedule.of(then.train)
+    if ours.pieces(step) != theirs.pieces(step):
+        at = next(s for (s, b), other in zip(ours.pieces(step) + [(step, 0)], theirs.pieces(step) + [(step, 0)])
+                  if (s, b) != other)
+        fail(f"the config changes the global batch of step {at}, which {where} already trained with another: change "
+             f"it from step {step} on (train.batch_changes with start_step >= {step}), or {fix}")
+    if marker.consumed_samples is not None and ours.consumed_at(step) != marker.consumed_samples:
+        fail(f"{where} consumed {marker.consumed_samples} samples, but the config's batches give "
+             f"{ours.consumed_at(step)} for its {step} steps: resume with the batch settings that trained it, or {fix}")
 
 
 def choose_intact(run_dir, ctx) -> tuple[str | None, list[tuple[str, str]]]:

@@ -142,7 +142,8 @@ class CheckpointMeta:
         return cls(model_config=model_config.to_dict(), zero_stage=cfg.parallel.zero_stage,
                    pipeline_stages=cfg.parallel.pipeline_stages, dtype=cfg.precision.dtype,
                    seq_len=seq_len_of(cfg, model_config), fp8_lm_head=cfg.precision.fp8_lm_head,
-                   data_parallel=data_parallel, tensor_parallel=cfg.parallel.tensor_parallel)
+                   data_parallel=data_parallel, tensor_parallel=cfg.parallel.tensor_parallel,
+                   run_config=cfg.to_dict())
 
     @classmethod
     def from_dict(cls, data: dict) -> "CheckpointMeta":
@@ -222,9 +223,9 @@ def saved_layout(run_dir, tag: str, marker: CheckpointMeta) -> Layout:
 
 def save(engine, run_dir, step: int, client_state: dict, meta: CheckpointMeta, keep_last: int,
          rollbacks: int = 0, saver=None) -> str:
-    """Save checkpoint ``step``: DeepSpeed's files, then (:func:`commit`) the marker and ``latest``. With an
-    :class:`~llmjp_ds.checkpoint.async_save.AsyncSaver` the files are only snapshotted here and written in the
-    background; the caller commits once every rank's writer is done."""
+    """Save checkpoint ``step``: DeepSpeed's files, then (:func:`commit`) the marker ``meta`` and ``latest``. With
+    an :class:`~llmjp_ds.checkpoint.async_save.AsyncSaver` the files are only snapshotted here and written in the
+    background; the caller commits (with the ``meta`` the saver holds) once every rank's writer is done."""
     from llmjp_ds.checkpoint.manifest import save_hashed
     from llmjp_ds.checkpoint.safe_load import load_checkpoint_file
     from llmjp_ds.parallel.deepspeed_internals import route_checkpoint_io
@@ -239,7 +240,7 @@ def save(engine, run_dir, step: int, client_state: dict, meta: CheckpointMeta, k
     written: dict[str, dict] = {}
     writing: list[Path] = []  # the file this rank writes now: the one a failed write cut
     if saver is not None:
-        saver.begin(tag, step, target)
+        saver.begin(tag, step, target, meta)
         write = saver.add
     else:
         def write(state, path):

@@ -257,6 +257,16 @@ def set_progress(engine, steps: int, samples: int) -> None:
     engine.global_steps, engine.global_samples = steps, samples  # DeepSpeed 0.19.8: runtime/engine.py
 
 
+def set_global_batch(engine, batch: int) -> None:
+    """A new global batch from the next step on (a ramp or a change): ``set_train_batch_size`` sets the gradient
+    accumulation (and the pipeline's micro-batches), and the engine's micro-step count restarts, since its optimizer
+    step comes when ``(micro_steps + 1) % gradient_accumulation_steps() == 0`` (DeepSpeed 0.19.8:
+    runtime/engine.py ``is_gradient_accumulation_boundary``), a count the old accumulation left at a multiple of
+    the old one."""
+    engine.set_train_batch_size(batch)
+    engine.micro_steps = 0
+
+
 # --- checkpoint file names --------------------------------------------------------------------------------------
 
 # DeepSpeed 0.19.8: runtime/engine.py _get_ckpt_name (model states, per model-parallel rank) and

@@ -51,13 +51,16 @@ def fp8_hardware_available() -> bool:
 class PrecisionSchedule:
     """Phases resolved to start steps (token thresholds become steps: every rank computes the same)."""
 
-    def __init__(self, cfg, backend: str, tokens_per_step: int):
+    def __init__(self, cfg, backend: str, tokens_per_step):
+        """``tokens_per_step``: the global batch in tokens, or (a batch that ramps or changes) a function giving the
+        first step that starts after a count of tokens."""
         self.cfg = cfg
         self.backend = backend
         self.amax_reduction_group = None  # set by attach(): the stage's data-parallel group under pipelines
+        step_at = tokens_per_step if callable(tokens_per_step) else lambda n: math.ceil(n / tokens_per_step)
         phases = []
         for i, ph in enumerate(cfg.phases):
-            start = ph.start_step if ph.start_tokens is None else math.ceil(ph.start_tokens / tokens_per_step)
+            start = ph.start_step if ph.start_tokens is None else step_at(ph.start_tokens)
             fields = {k: tuple(v) if isinstance(v, list) else v for k, v in asdict(ph).items()
                       if k in Phase.__dataclass_fields__}
             phases.append(Phase(**{**fields, "index": i, "start_step": start}))

@@ -3,6 +3,6 @@ a file each: validation (``evaluation.py``), saves (``saving.py``), resume and r
 stopping early (``stopping.py``)."""
 
 from llmjp_ds.trainer.stopping import StopRequest
-from llmjp_ds.trainer.trainer import Trainer, TrainState, data_plan
+from llmjp_ds.trainer.trainer import Trainer, TrainState, data_plan, run_data
 
-__all__ = ["StopRequest", "Trainer", "TrainState", "data_plan"]
+__all__ = ["StopRequest", "Trainer", "TrainState", "data_plan", "run_data"]

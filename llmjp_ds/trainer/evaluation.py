@@ -5,12 +5,13 @@ from __future__ import annotations
 
 
 class Evaluator:
-    """The validation loss on ``valid_ds`` (this rank's share as ``micro_batches(dataset, consumed)`` reads it, from
-    each global sample ``batching.validation_starts`` gives for the run config ``cfg``'s sample order), measured
-    through the step ``runner`` and handed to the precision ``controller``."""
+    """The validation loss on the valid split of the step's data phase (``valid_at(step)``; this rank's share as
+    ``micro_batches(dataset, consumed, global_batch)`` reads it, from each global sample
+    ``batching.validation_starts`` gives for the run config ``cfg``'s sample order), measured through the step
+    ``runner`` and handed to the precision ``controller``."""
 
-    def __init__(self, valid_ds, micro_batches, cfg, runner, controller, watchdog):
-        self.valid_ds, self.micro_batches, self.order, self.train = valid_ds, micro_batches, cfg.data.order, cfg.train
+    def __init__(self, valid_at, micro_batches, cfg, runner, controller, watchdog):
+        self.valid_at, self.micro_batches, self.order, self.train = valid_at, micro_batches, cfg.data.order, cfg.train
         self.runner, self.controller, self.watchdog = runner, controller, watchdog
 
     def evaluate(self, step: int) -> dict:
@@ -26,5 +27,6 @@ class Evaluator:
         self.watchdog.beat("evaluation", step)
         t = self.train
         starts = validation_starts(self.order, step, t.eval_interval, t.eval_batches, t.global_batch_size)
-        batches = [b for start in starts for b in self.micro_batches(self.valid_ds, start)]
+        valid = self.valid_at(step)
+        batches = [b for start in starts for b in self.micro_batches(valid, start, t.global_batch_size)]
         return lambda: self.runner.eval_loss(batches).item()

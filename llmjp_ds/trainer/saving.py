@@ -12,11 +12,11 @@ class Checkpointer:
     the trainer's ``TrainState``, the precision ``controller``'s state and the logger's wandb run id; what a save
     stalls the loop for goes to the next step's record (:meth:`take_metrics`)."""
 
-    def __init__(self, cfg, engine, ctx, run_dir, meta, controller, logger, watchdog, step: int):
+    def __init__(self, cfg, engine, ctx, run_dir, meta, controller, logger, watchdog, step: int, schedule):
         from llmjp_ds import checkpoint
 
         self.cfg, self.engine, self.ctx, self.run_dir, self.meta = cfg, engine, ctx, run_dir, meta
-        self.controller, self.logger, self.watchdog = controller, logger, watchdog
+        self.controller, self.logger, self.watchdog, self.schedule = controller, logger, watchdog, schedule
         self.saver = checkpoint.AsyncSaver() if cfg.checkpoint.async_save else None
         if self.saver is not None:
             from llmjp_ds.checkpoint.async_save import arena_bytes, check_host_memory
@@ -59,7 +59,9 @@ class Checkpointer:
         self._last_save = (t0, state.step)
         client = {"train_state": dict(state.__dict__), **self.controller.state_dict(),
                   "wandb_run_id": self.logger.run_id, "rng": torch.get_rng_state()}
-        meta = dataclasses.replace(self.meta, kept=kept_step(state.step, self.cfg.checkpoint.keep))
+        meta = dataclasses.replace(self.meta, kept=kept_step(state.step, self.cfg.checkpoint.keep),
+                                   consumed_samples=state.consumed_samples,
+                                   lr_schedule=self.schedule.state_dict(state.consumed_samples))
         tag = checkpoint.save(self.engine, self.run_dir, state.step, client, meta,
                               self.cfg.checkpoint.keep_last, rollbacks=self.controller.rollbacks, saver=self.saver)
         self.save_metrics.update(save_stall_s=time.perf_counter() - t0, save_wait_s=waited)

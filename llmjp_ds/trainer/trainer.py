@@ -9,9 +9,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmjp_ds.config import (RunConfig, model_config_of, sample_counts, seq_len_of, sequence_parallel_of,
-                             stop_signals_of)
+from llmjp_ds.batch_schedule import BatchSchedule
+from llmjp_ds.config import RunConfig, model_config_of, seq_len_of, sequence_parallel_of, stop_signals_of
 from llmjp_ds.errors import fail
+from llmjp_ds.lr_schedule import lr_schedule
 from llmjp_ds.trainer.evaluation import Evaluator
 from llmjp_ds.trainer.resuming import Resume
 from llmjp_ds.trainer.saving import Checkpointer
@@ -19,15 +20,28 @@ from llmjp_ds.trainer.stopping import StopRequest, any_rank_stopping
 from llmjp_ds.validate import validate_run
 
 
-def data_plan(cfg, model_config):
-    """The run's data (``data/prepare.resolve_data``) from its config: the blend, tokenizer, split, seed and sample
-    order (under megatron also the test split's size, which Megatron-LM asks its builder for)."""
+def data_plan(cfg, model_config, blend=None):
+    """The data of ``blend`` (default ``data.blend``; ``data/prepare.resolve_data``) under the run's tokenizer,
+    split, seed and sample order (under megatron also the test split's size, which Megatron-LM asks its builder
+    for)."""
     from llmjp_ds.config import megatron_sample_counts
     from llmjp_ds.data.prepare import resolve_data
 
     test = megatron_sample_counts(cfg)[2] if cfg.data.order == "megatron" else 0
-    return resolve_data(cfg.data.blend, cfg.data.tokenizer, model_config.vocab_size, cfg.data.split, cfg.data.seed,
-                        cfg.data.cache_dir, cfg.data.order, test)
+    d = cfg.data
+    return resolve_data(d.blend if blend is None else blend, d.tokenizer, model_config.vocab_size, d.split, d.seed,
+                        d.cache_dir, d.order, test)
+
+
+def run_data(cfg, model_config, seq_len: int, barrier=None):
+    """The run's samples phase by phase (``data/phases.RunData``): data.blend from step 0, each of data.phases
+    from its start; every blend is opened and checked now, before any process group."""
+    from llmjp_ds.config import sample_counts, train_samples
+    from llmjp_ds.data.phases import RunData
+
+    plans = [(0, data_plan(cfg, model_config), "run")]
+    plans += [(p.start_step, data_plan(cfg, model_config, p.blend), p.count) for p in cfg.data.phases]
+    return RunData(plans, BatchSchedule.of(cfg.train), train_samples(cfg), sample_counts(cfg)[1], seq_len, barrier)
 
 
 @dataclass
@@ -57,9 +71,12 @@ class Trainer:
         self.backend = resolve_backend(cfg.model.backend)
         self.model_config = model_config_of(cfg)
         self.seq_len = seq_len_of(cfg, self.model_config)
-        self.tokens_per_step = cfg.train.global_batch_size * self.seq_len
-        # validates FP8 availability before any process group exists
-        self.precision = PrecisionSchedule(cfg.precision, self.backend, self.tokens_per_step)
+        self.batches = BatchSchedule.of(cfg.train)
+        self.schedule = lr_schedule(cfg.optim, cfg.train.steps, cfg.train.global_batch_size)  # until a resume
+        # validates FP8 availability before any process group exists; a phase given in tokens starts at the first
+        # step after them
+        self.precision = PrecisionSchedule(cfg.precision, self.backend,
+                                           lambda tokens: self.batches.step_at(math.ceil(tokens / self.seq_len)))
         self.controller = PrecisionController(self.precision, cfg.precision, event=self._event, say=self._say)
         self.state = TrainState()
         self.ctx = None  # the ParallelContext, once start() ran
@@ -93,7 +110,6 @@ class Trainer:
                                                self.ctx.tp, self.layout)
         self.engine = initialize(self.cfg, model, self.layout, self.ctx.mpu)
         self.ctx.bind(self.engine)
-        self.gas = self.engine.gradient_accumulation_steps()
         layers = [m for m in self.engine.module.modules() if isinstance(m, DecoderLayer)]
         for layer in layers:
             layer.self_attention.fused_qkv_rope = self.cfg.model.fused_qkv_rope
@@ -119,7 +135,7 @@ class Trainer:
         # sequence length or ZeRO stage fail here, before any process group exists (not in DeepSpeed's load); a run
         # directory we cannot write failed in validate_run
         checkpoint.check_resume(self.run_dir, self.model_config.to_dict(), cfg, self.layout)
-        data = data_plan(cfg, self.model_config)
+        self.data = data = run_data(cfg, self.model_config, self.seq_len, barrier=lambda: self.ctx.barrier())
         # one owner per run directory, before anything is written there: rank 0 takes the lock, the other ranks
         # refuse a directory that another job holds (or wait for it to end)
         self.lock = checkpoint.RunDirLock(self.run_dir)
@@ -135,40 +151,53 @@ class Trainer:
             checkpoint.prune_incomplete(self.run_dir)  # what a kill or a failed save left: its disk space back
             data.install_tokenizer(self.run_dir)
         self.build_engine()
-        self.train_ds, self.valid_ds = data.build(self.seq_len, *sample_counts(cfg), barrier=self.ctx.barrier)
         self.resume = Resume(self.run_dir, self.layout, self.model_config.num_hidden_layers, self.ctx, self.engine,
                              self.precision, self.controller, self.watchdog)
         client = self.resume.latest()
         self.state = TrainState(**client.get("train_state", {}))
+        if self.resume.tag:
+            self.schedule = checkpoint.resumed_schedule(checkpoint.read_marker(self.run_dir, self.resume.tag), cfg)
         self.logger = MetricsLogger(self.run_dir, wandb_mode=cfg.logging.wandb, project=cfg.logging.project,
                                     run_name=cfg.logging.run_name, run_id=client.get("wandb_run_id"),
                                     config=cfg.to_dict(), resume_step=self.state.step if self.resume.tag else None,
                                     rank=self.ctx.rank)
-        self.resume.report(self.logger, self.state.step, self.gas)
-        self.evaluator = Evaluator(self.valid_ds, self.micro_batches, cfg, self.runner, self.controller,
+        self.resume.report(self.logger, self.state.step, self.gas_at(self.state.step, self.state.consumed_samples))
+        self.evaluator = Evaluator(data.valid_at, self.micro_batches, cfg, self.runner, self.controller,
                                    self.watchdog)
         self.stop = StopRequest(cfg.checkpoint.grace_seconds, self.ctx.rank, self.ctx.launchers, stop_signals_of(cfg),
                                 lambda reason: self.lock.mark_stopping(reason, cfg.checkpoint.grace_seconds))
-        self.throughput = Throughput(flops_per_token_for(self.model_config, self.seq_len), self.tokens_per_step,
-                                     self.layout.world)
+        self.throughput = Throughput(flops_per_token_for(self.model_config, self.seq_len),
+                                     cfg.train.global_batch_size * self.seq_len, self.layout.world)
         self.checkpointer = Checkpointer(cfg, self.engine, self.ctx, self.run_dir, checkpoint.CheckpointMeta.for_run(
-            cfg, self.model_config, self.layout.data), self.controller, self.logger, self.watchdog, self.state.step)
+            cfg, self.model_config, self.layout.data), self.controller, self.logger, self.watchdog, self.state.step,
+            self.schedule)
 
     # --- one step -------------------------------------------------------------------------------------------
-    def micro_batches(self, dataset, consumed: int):
+    def gas_at(self, step: int, consumed: int) -> int:
+        """The micro-batches per rank of ``step``, which starts after ``consumed`` samples."""
+        return self.batches.batch(step, consumed) // (self.cfg.train.micro_batch_size * self.layout.data)
+
+    def micro_batches(self, dataset, consumed: int, batch: int):
+        """This rank's micro-batches of the global batch of ``batch`` samples from global sample ``consumed``."""
         from llmjp_ds.batching import step_micro_batches
 
-        return step_micro_batches(dataset, consumed, self.gas, self.cfg.train.micro_batch_size, self.ctx.dp_rank,
+        gas = batch // (self.cfg.train.micro_batch_size * self.ctx.dp_size)
+        return step_micro_batches(dataset, consumed, gas, self.cfg.train.micro_batch_size, self.ctx.dp_rank,
                                   self.ctx.dp_size, self.ctx.device)
 
-    def train_step(self, step: int, batches):
-        """One optimizer step at ``step`` on this rank's ``batches``: the LR, the precision of the step, forward
-        and backward of every micro-batch, the update. Returns (mean [lm_loss, z_loss] over all ranks as a
-        device tensor, the LR)."""
-        from llmjp_ds.optim import schedule_lr, set_lr
+    def train_step(self, step: int, batches, consumed: int | None = None):
+        """One optimizer step at ``step`` (after ``consumed`` samples; default: ``step`` global batches) on this
+        rank's ``batches``: the LR and weight decay, the precision of the step, forward and backward of every
+        micro-batch, the update. Returns (mean [lm_loss, z_loss] over all ranks as a device tensor, the LR)."""
+        from llmjp_ds.optim import set_lr
+        from llmjp_ds.parallel.deepspeed_internals import set_global_batch
 
-        lr = schedule_lr(step, self.cfg.optim, self.cfg.train.steps)
-        set_lr(self.engine.optimizer, lr)
+        consumed = step * self.cfg.train.global_batch_size if consumed is None else consumed
+        lr = self.schedule.lr(step, consumed)
+        set_lr(self.engine.optimizer, lr, self.schedule.weight_decay(step, consumed))
+        batch = sum(len(ids) for ids, _ in batches) * self.ctx.dp_size
+        if self.engine.train_batch_size() != batch:  # a ramp or a change: DeepSpeed's accumulation follows
+            set_global_batch(self.engine, batch)
         self.precision.begin_step(step)
         parts = self.runner.train_step(batches)
         self.precision.end_step()
@@ -229,7 +258,9 @@ class Trainer:
         phase = self.controller.before_step(step, lambda: self.evaluator.measure(step))
         t0 = time.perf_counter()
         self.watchdog.beat("data", step)
-        parts, lr = self.train_step(step, self.micro_batches(self.train_ds, self.state.consumed_samples))
+        consumed = self.state.consumed_samples
+        batch = self.batches.batch(step, consumed)
+        parts, lr = self.train_step(step, self.micro_batches(self.data.train_at(step), consumed, batch), consumed)
         lm_loss, z_loss = parts.tolist()
         applied = self.runner.step_applied() and math.isfinite(lm_loss)
         if torch.cuda.is_available():
@@ -240,11 +271,12 @@ class Trainer:
             self.rollback(diverged)
             return False
         self.state.step += 1
-        self.state.consumed_samples += self.cfg.train.global_batch_size
+        self.state.consumed_samples += batch
         self._count_skipped(step, applied)
         self.last_loss = lm_loss
         metrics = {"loss": lm_loss, "z_loss": z_loss, "lr": lr, "grad_norm": self.runner.grad_norm(),
-                   "step_time_s": step_time, **self._step_metrics(phase, step_time),
+                   "step_time_s": step_time, "global_batch_size": batch,
+                   **self._step_metrics(phase, step_time, batch * self.seq_len),
                    **self.checkpointer.take_metrics()}
         return self._after_step(metrics)
 
@@ -261,12 +293,12 @@ class Trainer:
             fail(f"{self.state.skipped_in_a_row} consecutive steps had non-finite loss or gradients (last: step "
                  f"{step}); a checkpoint was saved. Lower optim.lr or check the data, then resume")
 
-    def _step_metrics(self, phase: dict, step_time: float) -> dict:
+    def _step_metrics(self, phase: dict, step_time: float, tokens: int) -> dict:
         from llmjp_ds.metrics import peak_memory_gib
 
         return {"peak_memory_gib": peak_memory_gib(), "consumed_samples": self.state.consumed_samples,
                 **self.controller.step_metrics(phase), "skipped_steps": self.state.skipped_total,
-                **self.throughput.update(step_time), **self.controller.amax_metrics(self.engine.module)}
+                **self.throughput.update(step_time, tokens), **self.controller.amax_metrics(self.engine.module)}
 
     def _after_step(self, metrics: dict) -> bool:
         """Validation, logging and checkpointing after a step; True when a stop request ends the run."""

@@ -51,12 +51,13 @@ class Llama2TokenizerLike:
         self.unique_identifiers = {"class": "_Llama2Tokenizer", "tokenizer_path": ["/models/llm-jp-v3.model"]}
 
 
-def megatron_lm_datasets(megatron, data_path: list[str], split: str, cache) -> tuple:
+def megatron_lm_datasets(megatron, data_path: list[str], split: str, cache, train_samples: int | None = None) -> tuple:
     """(train, valid) as Megatron-LM's pretrain_gpt.py builds them for ``--data-path data_path --split split``,
-    ``--train-iters STEPS --global-batch-size GBS --eval-interval EVAL_INTERVAL --eval-iters EVAL_ITERS``."""
+    ``--train-iters STEPS --global-batch-size GBS --eval-interval EVAL_INTERVAL --eval-iters EVAL_ITERS``
+    (``train_samples``: a train split of that size, as ``--train-samples`` or a phase's share asks for)."""
     import torch.distributed as dist
 
-    sizes = [STEPS * GBS, (STEPS // EVAL_INTERVAL + 1) * EVAL_ITERS * GBS, EVAL_ITERS * GBS]
+    sizes = [train_samples or STEPS * GBS, (STEPS // EVAL_INTERVAL + 1) * EVAL_ITERS * GBS, EVAL_ITERS * GBS]
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         config = megatron.gpt.GPTDatasetConfig(

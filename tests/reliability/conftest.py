@@ -34,6 +34,9 @@ TINY = [
     "ffn_hidden_size: 128}",
     "data.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2", "precision.dtype=fp32",
     "train.eval_interval=0", "logging.wandb=disabled", "logging.progress=true", "optim.warmup_steps=2",
+    # the LR decay over 30 steps whatever train.steps: a run resumed to more steps keeps its schedule, which the
+    # resume checks (optim.resume_schedule)
+    "optim.decay_steps=30",
 ]
 # the run the kill drill and the preemption test compare against (uninterrupted, same steps => same LR schedule)
 DRILL_STEPS = 30

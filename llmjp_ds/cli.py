@@ -16,6 +16,8 @@ VERBS: dict[str, tuple[str, str]] = {
     "samples": ("llmjp_ds.samples", "write the token windows a run would read (global samples K..K+N-1) to .npy"),
     "export": ("llmjp_ds.checkpoint", "export a training checkpoint as a Hugging Face Llama model"),
     "import-hf": ("llmjp_ds.checkpoint", "start a run from a Hugging Face Llama checkpoint"),
+    "branch": ("llmjp_ds.checkpoint.branch", "start a new run from a checkpoint of another with its own schedule "
+               "(a decay branch), blend or batch; the source run is left as it is"),
     "import-megatron": ("llmjp_ds.checkpoint.megatron", "continue a Megatron-LM run (weights, optimizer, LR schedule, "
                         "data position) as a new run"),
     "preflight": ("llmjp_ds.preflight", "check a DeepSpeed hostfile and a run config for it, starting nothing"),

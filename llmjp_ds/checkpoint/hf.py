@@ -78,15 +78,20 @@ def export(run_dir, output, tag: str | None = None, dtype: str = "bf16", force: 
     # transformers' modeling code loads only now (it takes seconds): the checks above answer a mistake at once
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    from llmjp_ds.checkpoint.branch import read_origin
     from llmjp_ds.model import LlamaForCausalLM
     from llmjp_ds.model.hf_io import save_hf_checkpoint
 
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     config = LlamaConfig.from_dict(marker.model_config)
+    origin = read_origin(run_dir)
+    if origin is not None:  # a branch: where it came from, in config.json (transformers keeps unknown fields)
+        config.llmjp_ds_branch = origin
     state = {k: v for k, v in read_model_state(run_dir, tag, marker).items() if not k.endswith("_extra_state")}
     model = LlamaForCausalLM(config, backend="torch", params_dtype=torch_dtype).eval()
     model.load_state_dict({k: v.to(torch_dtype) for k, v in state.items()}, strict=False)
-    made_from = {"run_dir": str(run_dir.resolve()), "tag": tag, "step": marker.step, "dtype": dtype}
+    made_from = {"run_dir": str(run_dir.resolve()), "tag": tag, "step": marker.step, "dtype": dtype,
+                 **({"branch": origin} if origin else {})}
     save_hf_checkpoint(model, output, dtype=torch_dtype, force=True, tokenizer_dir=tokenizer if has_tokenizer else None,
                        extra_files={EXPORT_MARKER: json.dumps(made_from, indent=1).encode()})
     # parity: the export, loaded by transformers alone, must compute what the trained weights compute

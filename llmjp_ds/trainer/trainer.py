@@ -127,6 +127,7 @@ class Trainer:
         """Everything a training run needs, resumed from ``latest`` when the run directory has one
         (``wait_for_run_dir``: seconds to wait for another job that still holds the run directory)."""
         from llmjp_ds import checkpoint
+        from llmjp_ds.checkpoint.branch import read_origin
         from llmjp_ds.metrics import MetricsLogger, Throughput
         from llmjp_ds.model.flops import flops_per_token_for
 
@@ -157,10 +158,18 @@ class Trainer:
         self.state = TrainState(**client.get("train_state", {}))
         if self.resume.tag:
             self.schedule = checkpoint.resumed_schedule(checkpoint.read_marker(self.run_dir, self.resume.tag), cfg)
+        # a branch's first start: its own wandb run (the checkpoint's id is the source run's), which says where the
+        # branch came from
+        origin = read_origin(self.run_dir)
+        starts_branch = origin is not None and self.resume.tag == origin["tag"]
         self.logger = MetricsLogger(self.run_dir, wandb_mode=cfg.logging.wandb, project=cfg.logging.project,
-                                    run_name=cfg.logging.run_name, run_id=client.get("wandb_run_id"),
-                                    config=cfg.to_dict(), resume_step=self.state.step if self.resume.tag else None,
+                                    run_name=cfg.logging.run_name,
+                                    run_id=None if starts_branch else client.get("wandb_run_id"),
+                                    config={**cfg.to_dict(), **({"branch": origin} if origin else {})},
+                                    resume_step=self.state.step if self.resume.tag else None,
                                     rank=self.ctx.rank)
+        if starts_branch:
+            self.logger.event(self.state.step, "branch", **{f"from_{k}": v for k, v in origin.items()})
         self.resume.report(self.logger, self.state.step, self.gas_at(self.state.step, self.state.consumed_samples))
         self.evaluator = Evaluator(data.valid_at, self.micro_batches, cfg, self.runner, self.controller,
                                    self.watchdog)

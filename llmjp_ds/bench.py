@@ -14,13 +14,14 @@ Variants: ``ours-bf16``, ``ours-fp8-delayed`` (DelayedScaling, HYBRID), ``ours-f
 (``172b-tp4-stage``: one GPU's share of a 172B TP4 x PP16 middle stage) ``ref-te-layer-*`` (plain
 ``te.TransformerLayer`` forward + backward). "vs peer" names the best peer of the row's precision at its shape
 (BF16: ``peer-mcore-bf16`` or ``ref-te-layer-bf16``; FP8 delayed: the better of ``peer-mcore-fp8-delayed`` and
-``-fp8-param``, or ``ref-te-layer-fp8-delayed``). The table's last column is each variant's loss before its first
-update: every whole-model variant starts from a random init on the same token ids, so all of them show about
-ln(vocab), the check that a peer computes the loss ours does. ``--set`` changes the run config of the ``ours``
-variants (ablations: e.g. ``--set model.fused_loss=false``). With ``--set parallel.tensor_parallel=N`` each
-``ours`` variant runs as N processes on N GPUs (torchrun), one tensor-parallel group: its TFLOP/s per GPU against
-one GPU running 1/N of the work is the TP efficiency (e.g. ``--set "model.overrides={num_layers: 4}"`` at TP2
-against the default 2-layer ``172b-slice`` at TP1).
+``-fp8-param``, or ``ref-te-layer-fp8-delayed``). ``--shape-variants SHAPE=VARIANT,...`` gives one shape its own
+variants in the same call (``llmjp4-8b-slice`` in BF16 alone: LLM-jp-4 trains in BF16). The table's last column
+is each variant's loss before its first update: every whole-model variant starts from a random init on the same
+token ids, so all of them show about ln(vocab), the check that a peer computes the loss ours does. ``--set``
+changes the run config of the ``ours`` variants (ablations: e.g. ``--set model.fused_loss=false``). With ``--set
+parallel.tensor_parallel=N`` each ``ours`` variant runs as N processes on N GPUs (torchrun), one tensor-parallel
+group: its TFLOP/s per GPU against one GPU running 1/N of the work is the TP efficiency (e.g. ``--set
+"model.overrides={num_layers: 4}"`` at TP2 against the default 2-layer ``172b-slice`` at TP1).
 TFLOP/s are model FLOPs (:func:`llmjp_ds.model.flops.model_flops_per_token`: Megatron-LM's formula with GQA,
 SwiGLU, the logits layer and the causal attention term halved; no recompute counted) per GPU; MFU is against
 the device's dense BF16 peak (:data:`llmjp_ds.metrics.PEAK_TFLOPS`). ``--profile`` adds profiled steps per
@@ -52,6 +53,13 @@ SHAPES = {
                                        "ffn_hidden_size": 9616, "head_dim": 128}, 1),
     "llmjp3-1.8b": ("llmjp3-1.8b", {}, 2),
     "llmjp3-3.7b": ("llmjp3-3.7b", {}, 1),
+    # 4 of the LLM-jp-4 8B's 32 layers with its whole 196,608-row embedding and head. The head is a tenth of the 8B's
+    # FLOPs (4.8 of 49.9 GFLOP a token) and 46 % of this shape's: the row measures the head and loss at that
+    # vocabulary as much as the layers, and 2.48B parameters fit one H200 where the whole 8B's optimizer state
+    # (8.6B x 18 bytes) does not. Micro-batch 1, as the v4 recipe trains: ~47 GiB estimated for ours and Megatron-Core
+    # (41.6 GiB of bf16 weights, fp32 grads, master weights and moments; 2 GiB of layer activations; 1.5 GiB of
+    # bf16 logits, whose gradient both write in place). The llmjp4-8b recipe has no z-loss, as Megatron-Core's.
+    "llmjp4-8b-slice": ("llmjp4-8b", {"num_layers": 4}, 1),
 }
 TEST_SHAPES = {"tiny": ("demo", {}, 2), "tiny-stage": ("demo", {"head_dim": 16}, 2)}  # CPU tests (test_bench.py)
 STAGE_SHAPES = {"172b-tp4-stage", "tiny-stage"}  # no embedding, no head: FLOPs of the decoder layers only
@@ -76,7 +84,7 @@ def bench_config(shape: str, variant: str, gas: int, sets: list[str] = ()):
     else:
         phases = [{"precision": "bf16"}]
     data = merge(preset_dict(preset), {
-        "data": {"order": "llmjp"},  # the bench reads no corpus: no megatron-core needed for the llmjp3 presets
+        "data": {"order": "llmjp"},  # the bench reads no corpus: no megatron-core needed for the llmjp presets
         "model": {"overrides": overrides, "recompute": "none"},
         "train": {"micro_batch_size": micro, "global_batch_size": micro * gas, "steps": 1 << 20},
         "parallel": {"zero_stage": 1, "pipeline_stages": 1, "tensor_parallel": 1},
@@ -245,13 +253,15 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def cli_main(argv: list[str], verb: str = "bench") -> int:
-    from llmjp_ds.errors import fail
-
+def parser(verb: str = "bench") -> argparse.ArgumentParser:
+    """The command line of ``llmjp-ds bench`` (tests read benchmarks/device/checks/bench.sh's call with it)."""
     p = argparse.ArgumentParser(prog=f"llmjp-ds {verb}", description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="172b-slice,llmjp3-1.8b", help=f"comma list of {', '.join(SHAPES)}")
     p.add_argument("--variants", help=f"comma list of {', '.join(VARIANTS)} (default: {', '.join(DEFAULT_VARIANTS)}; "
                    f"at a decoder-only shape {', '.join(STAGE_VARIANTS)})")
+    p.add_argument("--shape-variants", action="append", default=[], metavar="SHAPE=VARIANT,...",
+                   help="the variants at one shape in place of --variants (e.g. llmjp4-8b-slice=ours-bf16,"
+                   "peer-mcore-bf16); unused when --shapes leaves that shape out")
     p.add_argument("--steps", type=int, default=4, help="timed steps per variant (median reported)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--gas", type=int, default=8, help="gradient accumulation steps")
@@ -262,7 +272,13 @@ def cli_main(argv: list[str], verb: str = "bench") -> int:
     p.add_argument("--profile", action="store_true", help="also profile one step per variant (kernel time table)")
     p.add_argument("--json", help="write the raw results here")
     p.add_argument("--one", nargs=2, metavar=("SHAPE", "VARIANT"), help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
+    return p
+
+
+def cli_main(argv: list[str], verb: str = "bench") -> int:
+    from llmjp_ds.errors import fail
+
+    a = parser(verb).parse_args(argv)
     if a.one:
         result = run_one(*a.one, a.steps, a.warmup, a.gas, a.sets, a.profile, a.peer_sets)
         if int(os.environ.get("RANK", "0")) == 0:
@@ -272,7 +288,7 @@ def cli_main(argv: list[str], verb: str = "bench") -> int:
     for s in shapes:
         if s not in SHAPES:
             fail(f"unknown shape {s!r}: choose from {', '.join(SHAPES)}")
-    runs = [(s, v) for s in shapes for v in variants_for(s, a.variants)]
+    runs = planned_runs(shapes, a.variants, a.shape_variants)
     if a.steps < 1 or a.warmup < 0 or a.gas < 1:
         fail("--steps and --gas must be at least 1 and --warmup at least 0")
     from llmjp_ds.validate import validate_run
@@ -299,6 +315,21 @@ def cli_main(argv: list[str], verb: str = "bench") -> int:
 
         write_bytes_atomic(a.json, json.dumps(results, indent=2).encode())
     return 0
+
+
+def planned_runs(shapes: list[str], asked: str | None, per_shape: list[str] = ()) -> list[tuple[str, str]]:
+    """(shape, variant) in the order they run: at a shape its ``--shape-variants`` entry (the last one for it),
+    else ``--variants``. An entry for a shape not in ``shapes`` is unused, so that a later ``--shapes`` (ARGS of
+    benchmarks/device/checks/bench.sh) narrows the list without failing."""
+    from llmjp_ds.errors import fail
+
+    own = {}
+    for item in per_shape:
+        shape, sep, variants = item.partition("=")
+        if not sep or shape not in SHAPES:
+            fail(f"--shape-variants takes SHAPE=VARIANT,... with SHAPE one of {', '.join(SHAPES)}, got {item!r}")
+        own[shape] = variants
+    return [(s, v) for s in shapes for v in variants_for(s, own.get(s, asked))]
 
 
 def variants_for(shape: str, asked: str | None) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -240,13 +241,16 @@ def test_bf16_variants_have_one_bf16_phase(variant):
     assert cfg.precision.dtype == "bf16"
 
 
-@pytest.mark.parametrize("shape,gas", [("172b-slice", 8), ("llmjp3-1.8b", 4), ("llmjp3-3.7b", 3), ("tiny", 2)])
+@pytest.mark.parametrize("shape,gas", [("172b-slice", 8), ("llmjp3-1.8b", 4), ("llmjp3-3.7b", 3), ("tiny", 2),
+                                       ("llmjp4-8b-slice", 8)])
 def test_one_device_layout_and_batch(shape, gas):
+    from llmjp_ds.config import preset_dict
     from llmjp_ds.model.shapes import overrides_dict
     from llmjp_ds.validate import validate_run
 
     preset, overrides, micro = {**bench.SHAPES, **bench.TEST_SHAPES}[shape]
     cfg = bench.bench_config(shape, "ours-bf16", gas)
+    assert cfg.model.shape == preset_dict(preset)["model"]["shape"]
     assert cfg.train.micro_batch_size == micro
     assert cfg.train.global_batch_size == micro * gas
     layout = validate_run(cfg, 1)  # a valid single-device run (run_one validates the same way)
@@ -501,6 +505,117 @@ def test_variants_of_a_shape_and_their_errors(capsys):
         with pytest.raises((UserError, SystemExit)):
             bench.variants_for(shape, variant)
     assert bench.precision_of("peer-mcore-fp8-param") == "fp8-delayed"
+
+
+def test_llmjp4_slice_is_four_layers_of_the_8b_with_its_whole_head():
+    """The LLM-jp-4 8B's layer shape, 4 layers, the 196,608-row embedding and head; ours and the peers get the
+    same model config, and its FLOPs are the layers' and the head's by hand (the head 46 % of them)."""
+    from llmjp_ds.config import model_config_of
+    from llmjp_ds.model.shapes import model_config
+
+    cfg = bench.bench_config("llmjp4-8b-slice", "ours-bf16", 8)
+    assert (cfg.train.micro_batch_size, cfg.train.global_batch_size, cfg.precision.dtype) == (1, 8, "bf16")
+    got = model_config_of(cfg)
+    assert got.to_dict() == model_config("llmjp4-8b", num_layers=4).to_dict()
+    assert (got.num_hidden_layers, got.vocab_size, got.num_key_value_heads, got.head_dim) == (4, 196608, 8, 128)
+    for variant in ("peer-mcore-bf16", "peer-bf16"):
+        assert model_config_of(bench.bench_config("llmjp4-8b-slice", variant, 8)).to_dict() == got.to_dict()
+    layer, head = 3 * 469_762_048, 3 * 2 * 4096 * 196608  # tests/model/test_presets.py works the layer out
+    flops = bench.flops_per_token("llmjp4-8b-slice", got, 4096)
+    assert flops == 4 * layer + head == 10_468_982_784
+    assert head / flops == pytest.approx(0.4615, abs=1e-4)
+
+
+def test_the_megatron_peer_gets_the_llmjp4_shape():
+    """GPTModel's arguments at llmjp4-8b-slice: 8 query groups, RMSNorm eps 1e-6, RoPE base 500000, the
+    vocabulary unpadded (196,608 is a multiple of 128 x TP already), the head untied."""
+    from llmjp_ds.bench_peers import mcore_layer_shape, mcore_model_args
+    from llmjp_ds.config import model_config_of
+
+    config = model_config_of(bench.bench_config("llmjp4-8b-slice", "peer-mcore-bf16", 8))
+    assert mcore_layer_shape(config) == dict(
+        num_layers=4, hidden_size=4096, num_attention_heads=32, num_query_groups=8, ffn_hidden_size=14336,
+        kv_channels=128, layernorm_epsilon=1e-6, init_method_std=0.02)
+    assert mcore_model_args(config, 4096) == dict(
+        vocab_size=196608, max_sequence_length=4096, position_embedding_type="rope", rotary_base=500000,
+        share_embeddings_and_output_weights=False)
+
+
+@pytest.mark.timeout(300)
+def test_megatron_core_builds_the_llmjp4_shape_as_ours():
+    """Megatron-Core's GPTModel (its local layer spec, on the CPU) from the peer's arguments at the LLM-jp-4 8B's
+    vocabulary, RoPE base, eps and GQA ratio, narrowed to one layer of hidden 256: as many parameters as ours, the
+    head a tensor of its own."""
+    pytest.importorskip("megatron.core")
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from llmjp_ds.bench_peers import mcore_layer_shape, mcore_model_args
+    from llmjp_ds.model import LlamaForCausalLM
+    from llmjp_ds.model.shapes import model_config
+
+    config = model_config("llmjp4-8b", num_layers=1, hidden_size=256, num_attention_heads=8, num_key_value_heads=2,
+                          ffn_hidden_size=896)
+    d = config.head_dim
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel(1, 1)
+        tcfg = TransformerConfig(**mcore_layer_shape(config), normalization="RMSNorm", gated_linear_unit=True,
+                                 activation_func=F.silu, add_bias_linear=False, use_cpu_initialization=True,
+                                 perform_initialization=False)
+        gpt = GPTModel(tcfg, get_gpt_layer_local_spec(normalization="RMSNorm"), **mcore_model_args(config, 4096))
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+    shapes = {name: tuple(p.shape) for name, p in gpt.named_parameters()}
+    assert shapes["embedding.word_embeddings.weight"] == shapes["output_layer.weight"] == (196608, 256)
+    assert gpt.output_layer.weight is not gpt.embedding.word_embeddings.weight
+    assert shapes["decoder.layers.0.self_attention.linear_qkv.weight"] == ((8 + 2 * 2) * d, 256)  # GQA, 2 groups
+    assert shapes["decoder.layers.0.mlp.linear_fc1.weight"] == (2 * 896, 256)  # gate and up
+    assert gpt.rotary_pos_emb.inv_freq[1].item() == pytest.approx(500000.0 ** (-2 / d), rel=1e-6)
+    assert gpt.decoder.final_layernorm.eps == 1e-6
+    with torch.device("meta"):
+        ours = LlamaForCausalLM(config, backend="torch")
+    assert sum(p.numel() for p in gpt.parameters()) == sum(p.numel() for p in ours.parameters())
+
+
+def test_shape_variants_give_one_shape_its_own_variants():
+    from llmjp_ds.errors import UserError
+
+    own = ["llmjp4-8b-slice=ours-bf16,peer-mcore-bf16"]
+    runs = bench.planned_runs(["172b-slice", "llmjp4-8b-slice"], "ours-bf16,ours-fp8-delayed", own)
+    assert runs == [("172b-slice", "ours-bf16"), ("172b-slice", "ours-fp8-delayed"), ("llmjp4-8b-slice", "ours-bf16"),
+                    ("llmjp4-8b-slice", "peer-mcore-bf16")]
+    assert bench.planned_runs(["172b-slice"], "ours-bf16", own) == [("172b-slice", "ours-bf16")]  # unused there
+    last = bench.planned_runs(["llmjp4-8b-slice"], None, own + ["llmjp4-8b-slice=ours-bf16"])
+    assert last == [("llmjp4-8b-slice", "ours-bf16")]
+    assert bench.planned_runs(["llmjp4-8b-slice"], None) == [("llmjp4-8b-slice", v) for v in bench.DEFAULT_VARIANTS]
+    for bad in ("llmjp4-8b-slice", "llmjp4-8b=ours-bf16", "llmjp4-8b-slice=ref-te-layer-bf16"):
+        with pytest.raises((UserError, SystemExit)):
+            bench.planned_runs(["llmjp4-8b-slice"], None, [bad])
+
+
+def _device_check_runs(*args: str) -> tuple:
+    """The (shape, variant) list of ``run.sh --dry-run bench ARGS``, read with the bench's own parser."""
+    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "device" / "run.sh"), "--dry-run", "bench", *args],
+                          capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "NGPU": "0"})
+    assert proc.returncode == 0, proc.stderr
+    words = shlex.split(next(line for line in proc.stdout.splitlines() if "llmjp_ds.cli bench" in line))
+    a = bench.parser().parse_args(words[words.index("bench") + 1:])
+    return bench.planned_runs(a.shapes.split(","), a.variants, a.shape_variants), a
+
+
+def test_the_device_check_measures_llmjp4_in_bf16_beside_the_other_shapes():
+    runs, a = _device_check_runs()
+    both = ["ours-bf16", "peer-mcore-bf16", "ours-fp8-delayed", "peer-mcore-fp8-param"]
+    assert runs == [(s, v) for s in ("172b-slice", "llmjp3-1.8b") for v in both] + [
+        ("llmjp4-8b-slice", "ours-bf16"), ("llmjp4-8b-slice", "peer-mcore-bf16")]
+    assert (a.gas, a.steps, a.warmup, a.sets) == (8, 3, 2, [])  # every shape's settings
+    assert _device_check_runs("--shapes", "llmjp3-1.8b")[0] == [("llmjp3-1.8b", v) for v in both]
 
 
 def test_stage_shape_is_one_gpus_share_of_the_172b_tp4_middle_stage():

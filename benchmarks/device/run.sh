@@ -10,7 +10,7 @@
 CHECKS=(
   # name    minutes on one H200, GPUs it needs, what it checks
   "gpu-tests 2 1 every GPU test of this build (pytest -m gpu tests)"
-  "bench     6 1 ours against Megatron-Core at 172b-slice and llmjp3-1.8b, BF16 and FP8, one llmjp-ds bench call"
+  "bench     7 1 ours against Megatron-Core at 172b-slice, llmjp3-1.8b (BF16, FP8), llmjp4-8b-slice (BF16), one call"
   "flow      4 1 the design card's launcher: train, flip to FP8, SIGTERM, resume as if uninterrupted, export, generate"
   "kernels   5 1 the fused kernels: their GPU tests, their bandwidth, the 1.8B step with them and without"
   "async     6 1 background checkpoints of the whole 1.8B: each save's stall, a kill -9 mid-write, the resume"

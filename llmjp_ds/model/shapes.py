@@ -1,4 +1,4 @@
-"""Model shapes as data: the LLM-jp-3 family and a tiny model for CPU tests and the demo.
+"""Model shapes as data: the LLM-jp-3 and LLM-jp-4 families and a tiny model for CPU tests and the demo.
 
 A run preset (``llmjp_ds/presets.py``) names one of these shapes in ``model.shape``; ``model.overrides``
 (:class:`ShapeOverrides`) replaces single fields of it.
@@ -34,6 +34,12 @@ MODEL_SHAPES: dict[str, ModelShape] = {
     "llmjp3-3.7b": ModelShape(3072, 28, 24, 24, 8192, 99584),
     "llmjp3-13b": ModelShape(5120, 40, 40, 40, 13824, 99584),
     "llmjp3-172b": ModelShape(12288, 96, 96, 16, 38464, 99840),
+    # LLM-jp-4 (tokenizer v4: 196,608 pieces = 1536 x 128, a multiple of 128 x TP at TP1-8, so Megatron pads no
+    # rows). The 8B is Llama-3-8B's shape: GQA with 8 KV groups, RoPE base 500000, RMSNorm eps 1e-6.
+    "llmjp4-8b": ModelShape(4096, 32, 32, 8, 14336, 196608, rope_theta=500000.0, rms_norm_eps=1e-6),
+    # Published: 64 layers, hidden 5120, FFN 27648 (TP4). The heads are not: 40 heads of 128 with 8 KV groups is an
+    # assumption (Qwen2.5-32B's at this width, and Llama-3's GQA); RoPE, eps and vocabulary as the 8B's v4 recipe.
+    "llmjp4-32b": ModelShape(5120, 64, 40, 8, 27648, 196608, rope_theta=500000.0, rms_norm_eps=1e-6),
 }
 
 # ``model.overrides``: every field of ModelShape, optional (None keeps the shape's value)

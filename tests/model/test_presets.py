@@ -1,12 +1,16 @@
-"""Presets as data: shapes and parameter counts of the LLM-jp-3 family, built on the meta device."""
+"""Presets as data: shapes and parameter counts of the LLM-jp-3 and LLM-jp-4 families, built on the meta device."""
 
 from __future__ import annotations
+
+from fractions import Fraction
 
 import pytest
 import torch
 
 from llmjp_ds.errors import UserError
 from llmjp_ds.model import MODEL_SHAPES, LlamaForCausalLM, model_config, pad_vocab_size
+from llmjp_ds.model.flops import flops_per_token_for, parameter_count_for
+from llmjp_ds.model.shapes import check_supported, rope_theta
 
 
 def count(name):
@@ -42,6 +46,75 @@ def test_1_8b_parameter_count_is_llmjp_1_8b():
     total, embedding = count("llmjp3-1.8b")
     assert 1.8e9 < total < 1.9e9 and total - embedding == 24 * (
         (3 * 2048) * 2048 + 2048 * 2048 + 3 * 2048 * 7168 + 2 * 2048) + 2048
+
+
+def test_llmjp4_8b_parameter_count_is_llama3_8b_at_the_v4_vocabulary():
+    per_layer = (
+        4096 * 4096  # q_proj: 32 heads x 128
+        + 2 * 4096 * 1024  # k, v: 8 KV groups x 128 (GQA)
+        + 4096 * 4096  # o_proj
+        + 3 * 4096 * 14336  # gate, up, down
+        + 2 * 4096  # two RMSNorm weights
+    )
+    assert per_layer == 218_112_000
+    non_embedding = 32 * per_layer + 4096  # + final RMSNorm
+    assert non_embedding == 6_979_588_096
+    assert non_embedding + 2 * 128256 * 4096 == 8_030_261_248  # Meta's Llama-3-8B, 128,256-piece vocabulary
+    total, embedding = count("llmjp4-8b")
+    assert embedding == 2 * 196608 * 4096 == 1_610_612_736  # tokenizer v4, embedding and head untied
+    assert total - embedding == non_embedding and total == 8_590_200_832
+    assert parameter_count_for(model_config("llmjp4-8b"))["total"] == total
+
+
+def test_llmjp4_32b_parameter_count_from_its_sizes():
+    per_layer = 2 * 5120 * 5120 + 2 * 5120 * 1024 + 3 * 5120 * 27648 + 2 * 5120  # 40 heads, 8 KV groups of 128
+    assert per_layer == 487_598_080
+    total, embedding = count("llmjp4-32b")
+    assert total - embedding == 64 * per_layer + 5120 == 31_206_282_240
+    assert embedding == 2 * 196608 * 5120 == 2_013_265_920 and total == 33_219_548_160
+    assert parameter_count_for(model_config("llmjp4-32b"))["total"] == total
+
+
+@pytest.mark.parametrize("name, hidden, layers, heads, ffn", [
+    ("llmjp4-8b", 4096, 32, 32, 14336),
+    ("llmjp4-32b", 5120, 64, 40, 27648),  # 40 heads and 8 KV groups assumed (docs/model.md)
+])
+def test_llmjp4_config_is_transformers_llama_config_of_its_sizes(name, hidden, layers, heads, ffn):
+    """What the shape hands transformers (and the export writes as config.json) is the LlamaConfig built from
+    LLMJP.md's sizes: GQA with 8 KV groups, RoPE base 500000, eps 1e-6, untied, no biases, seq 4096."""
+    from transformers import LlamaConfig
+
+    c = model_config(name)
+    want = LlamaConfig(vocab_size=196608, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
+                       rms_norm_eps=1e-6, rope_theta=500000.0, tie_word_embeddings=False, attention_bias=False,
+                       mlp_bias=False, hidden_act="silu")
+    assert c.to_dict() == want.to_dict()
+    assert (c.num_key_value_heads, rope_theta(c), c.rms_norm_eps, c.tie_word_embeddings) == (8, 500000.0, 1e-6, False)
+    check_supported(c)
+    # Megatron-LM pads the vocabulary to a multiple of 128 x TP: 196,608 gains no rows at TP1-8 (the 32B ran TP4)
+    assert all(pad_vocab_size(c.vocab_size, 128 * tp) == 196608 for tp in (1, 2, 4, 8))
+
+
+def test_llmjp4_8b_flops_per_token_worked_by_hand():
+    """Megatron-LM's count with GQA: K and V at 8 of 32 heads' width, the causal score term halved, the head at the
+    whole vocabulary; the head is a tenth of the 8B's FLOPs."""
+    q_proj = o_proj = 2 * 4096 * 4096
+    kv_proj = 2 * (2 * 4096 * 1024)  # K and V: 8 KV groups x 128
+    scores = (2 * 2 * 4096 * 4096) // 2  # QK^T and AV against 4096 keys, causal: half
+    mlp = 3 * (2 * 4096 * 14336)
+    layer = q_proj + kv_proj + o_proj + scores + mlp
+    assert (q_proj, kv_proj, scores, mlp, layer) == (33_554_432, 16_777_216, 33_554_432, 352_321_536, 469_762_048)
+    logits = 2 * 4096 * 196608
+    training = 3 * (32 * layer + logits)
+    assert training == 49_928_994_816
+    # Megatron-LM's closed form: 12 L h^2 [(1 + g/n + s/2h) nd/h + 3/2 ffn/h] + 6 h V
+    h, n, g, s = 4096, 32, 8, 4096
+    closed = 12 * 32 * h * h * ((1 + Fraction(g, n) + Fraction(s, 2 * h)) * Fraction(n * 128, h)
+                                + Fraction(3, 2) * Fraction(14336, h)) + 6 * h * 196608
+    assert closed == training
+    assert flops_per_token_for(model_config("llmjp4-8b"), 4096) == training
+    assert 3 * logits / training == pytest.approx(0.0968, abs=1e-4)
 
 
 def test_vocab_padding():

@@ -17,9 +17,25 @@ import  ``llmjp-ds import-megatron`` of A's checkpoint, then ``ours-bf16`` (the 
         A, beside A3) and ``ours-fp8`` (flipping to FP8 at the same step, against F1, beside F2) continue it here
 ======  =========================================================================================
 
+``--recipe`` trains LLM-jp-4's recipe instead (spec.Recipe: a stable WSD run whose global batch grows from one
+sequence to four by Megatron's step batch-size schedule, counted in samples, and a decay branch from its checkpoint
+on another blend):
+
+==========  =====================================================================================
+W-A1, W-A2  Megatron-LM, the stable run to the branch step, saved; then resumed from it to the end
+W-B         Megatron-LM, the stable run uninterrupted: ``ours-wsd``'s reference; W-A against it is the spread
+ours-wsd    llmjp-ds, the stable run uninterrupted (``train.batch_changes``, ``optim.decay_style: WSD``)
+D1, D2      Megatron-LM restarted twice from W-A1's checkpoint as LLM-jp's decay runs are
+            (``--override-opt_param-scheduler --min-lr 0 --lr-wsd-decay-style minus_sqrt``, the decay over
+            the rest of the run, another ``--data-path``): D2 - D1 is the spread of a decay branch
+import-w    ``llmjp-ds import-megatron`` of W-A1's checkpoint; ``branch``: ``llmjp-ds branch`` of it with D1's
+            decay and blend (a data phase from the branch step); ``ours-decay`` trains the branch to the end
+==========  =====================================================================================
+
 ``--report-from DIR ...`` trains nothing and reports on earlier calls' curves. Writes to ``--out``:
 ``summary-parity.md`` (the gaps, each against its spread, and the first steps),
-``parity-bf16.png``, ``parity-fp8.png``, ``parity-roundtrip.png`` (``llmjp-ds plot --beside``),
+``parity-bf16.png``, ``parity-fp8.png``, ``parity-roundtrip.png``, ``parity-wsd.png``, ``parity-decay.png``
+(``llmjp-ds plot --beside``),
 ``parity-curves.tgz`` (each run's per-step loss, grad norm, lr and validation loss as JSONL, Megatron's log lines
 they come from, and the tail of every log), and ``megatron-fixtures.tgz`` (benchmarks/parity/fixtures.py's tiny
 checkpoints, written by Megatron-LM beside the runs).
@@ -40,7 +56,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.parity.spec import Setup, megatron_args, megatron_env, ours_sets
+from benchmarks.parity.spec import Recipe, Setup, branch_sets, megatron_args, megatron_env, ours_sets
 
 ROOT = Path(__file__).resolve().parents[2]
 # a line that ends a run at once: Megatron-LM loads non-strictly (and prints this) when a name did not match, and
@@ -84,9 +100,7 @@ def jobs(setup: Setup, work: Path, runs: Path, mlm: Path, blend, tokenizer: str)
     ckpt = str(work / "megatron-a")
 
     def megatron(name, **kw):
-        args = megatron_args(setup, config, blend, tokenizer, str(work / "cache" / name), **kw)
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-                str(mlm / "pretrain_gpt.py"), *args]
+        return _pretrain(mlm, megatron_args(setup, config, blend, tokenizer, str(work / "cache" / name), **kw))
 
     def ours(name, run_dir, init_hf=None, fp8_from=None):
         return [sys.executable, "-m", "llmjp_ds.train", "--preset", "llmjp3-1.8b", "--set", f"run_dir={run_dir}",
@@ -122,6 +136,55 @@ def jobs(setup: Setup, work: Path, runs: Path, mlm: Path, blend, tokenizer: str)
             estimate_s=start + rest * third),
         Job("F2", megatron("F2", load=ckpt, fp8=True), after=("A1",), gib=48, estimate_s=start + rest * third),
         Job("A3", megatron("A3", load=ckpt), after=("A1",), estimate_s=start + rest * third),
+    ]
+
+
+def _pretrain(mlm: Path, args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+            str(mlm / "pretrain_gpt.py"), *args]
+
+
+def recipe_jobs(setup: Setup, recipe: Recipe, work: Path, runs: Path, mlm: Path, blend, tokenizer: str) -> list[Job]:
+    """LLM-jp-4's recipe (``--recipe``): the stable run (W-A1 and W-A2, W-B, ours-wsd) and the decay branch from
+    W-A1's checkpoint (D1, D2, import-w, branch, ours-decay)."""
+    from llmjp_ds.model.shapes import model_config
+
+    config = model_config("llmjp3-1.8b")
+    ckpt, init, imported, branched = str(work / "megatron-wa"), str(work / "init-megatron"), runs / "imported-w", \
+        runs / "ours-decay"
+    other = [(weight, path) for weight, (_, path) in zip(recipe.decay_weights, blend)]
+
+    def megatron(name, run_blend=blend, **kw):
+        return _pretrain(mlm, megatron_args(setup, config, run_blend, tokenizer, str(work / "cache" / name),
+                                            recipe=recipe, **kw))
+
+    def stable(name, init_hf=None):
+        return ours_sets(setup, blend, tokenizer, str(work / "cache" / name), init_hf, recipe=recipe)
+
+    def seconds(sequences):  # the start, then ~0.33 s a sequence with the GPU shared (run AF)
+        return 45 + 0.33 * sequences
+
+    whole = recipe.train_samples(setup.seq_len)
+    first = recipe.consumed(recipe.branch, setup.seq_len)
+    return [
+        # a checkpoint an earlier call left in --work is not this call's: the runs after W-A1 read the one it saves
+        Job("W-A1", megatron("W-A1", load=init, finetune=True, save=ckpt, exit_at=recipe.branch),
+            before=[["rm", "-rf", ckpt]], estimate_s=seconds(first) + 30),
+        Job("W-B", megatron("W-B", load=init, finetune=True), estimate_s=seconds(whole)),
+        Job("ours-wsd", [sys.executable, "-m", "llmjp_ds.train", "--preset", "llmjp3-1.8b", "--set",
+                         f"run_dir={runs / 'ours-wsd'}", *stable("ours-wsd", str(work / "init-hf"))],
+            estimate_s=seconds(whole)),
+        Job("W-A2", megatron("W-A2", load=ckpt), after=("W-A1",), estimate_s=seconds(whole - first)),
+        Job("D1", megatron("D1", other, load=ckpt, decay=True), after=("W-A1",), estimate_s=seconds(whole - first)),
+        Job("import-w", [sys.executable, "-m", "llmjp_ds.cli", "import-megatron", "--load", ckpt, "--run",
+                         str(imported), "--preset", "llmjp3-1.8b", *stable("import-w")], after=("W-A1",), gib=0,
+            estimate_s=100),
+        Job("branch", [sys.executable, "-m", "llmjp_ds.cli", "branch", "--from", str(imported), "--run",
+                       str(branched), *branch_sets(setup, recipe, other)], after=("import-w",), gib=0, estimate_s=30),
+        Job("ours-decay", [sys.executable, "-m", "llmjp_ds.train", "--config", str(branched / "config.yaml"),
+                           "--set", f"run_dir={branched}", "--set", f"data.cache_dir={work / 'cache' / 'ours-decay'}"],
+            after=("branch",), estimate_s=seconds(whole - first)),
+        Job("D2", megatron("D2", other, load=ckpt, decay=True), after=("W-A1",), estimate_s=seconds(whole - first)),
     ]
 
 
@@ -186,9 +249,15 @@ def schedule(all_jobs: list[Job], logs: Path, deadline: float, gib: float) -> No
 
 
 MEGATRON_RUNS = (("megatron-a", ("A1", "A2")), ("megatron-a3", ("A1", "A3")), ("megatron-b", ("B",)),
-                 ("megatron-f1", ("F1",)), ("megatron-f2", ("F2",)))
-FROM_INIT = ("A1", "B")  # the processes that start at step 1; the others start at the flip, from A1's checkpoint
-OURS_RUNS = ("ours", "ours-bf16", "ours-fp8")
+                 ("megatron-f1", ("F1",)), ("megatron-f2", ("F2",)),
+                 ("megatron-wa", ("W-A1", "W-A2")), ("megatron-wb", ("W-B",)), ("megatron-d1", ("D1",)),
+                 ("megatron-d2", ("D2",)))
+# the processes that start at step 1; the others start after the flip from A1's checkpoint, or after the recipe's
+# branch step from W-A1's
+FROM_INIT = ("A1", "B", "W-A1", "W-B")
+RECIPE_PROCESSES = ("W-A1", "W-A2", "W-B", "D1", "D2")
+OURS_RUNS = ("ours", "ours-bf16", "ours-fp8", "ours-wsd", "ours-decay")
+RECIPE_CURVES = ("megatron-wa", "megatron-wb", "megatron-d1", "megatron-d2", "ours-wsd", "ours-decay")
 # (row, ours, the Megatron run it is compared with, the Megatron run that gives the spread, figure, whether the
 # runs start from A's checkpoint: then each pair must come from one call, whose A wrote it)
 COMPARISONS = (("BF16, 1..end (against B, uninterrupted like ours)", "ours", "megatron-b", "megatron-a",
@@ -196,7 +265,11 @@ COMPARISONS = (("BF16, 1..end (against B, uninterrupted like ours)", "ours", "me
                ("FP8 from the flip (both from A's checkpoint)", "ours-fp8", "megatron-f1", "megatron-f2",
                 "parity-fp8.png", True),
                ("round trip: A imported at the flip, BF16", "ours-bf16", "megatron-a", "megatron-a3",
-                "parity-roundtrip.png", True))
+                "parity-roundtrip.png", True),
+               ("recipe: stable WSD, batch 1 to 4, 1..end (against W-B)", "ours-wsd", "megatron-wb", "megatron-wa",
+                "parity-wsd.png", False),
+               ("recipe: decay branch of W-A's checkpoint, another blend (against D1)", "ours-decay", "megatron-d1",
+                "megatron-d2", "parity-decay.png", True))
 
 
 def curves(runs: Path, logs: Path, ran: set[str]) -> dict[str, Path]:
@@ -228,17 +301,25 @@ def sources_in(directory: Path) -> dict[str, Path]:
     return found
 
 
-def report(setup: Setup, calls: list[dict[str, Path]], out: Path) -> str:
+def report(setup: Setup, calls: list[dict[str, Path]], out: Path, recipe: Recipe | None = None) -> str:
     """The gaps (mean |loss difference| over the last 100 steps both logged, and at the last step), each beside
     the spread it is judged against, and the figures. ``calls``: the sources of one call or of several. Runs from
     the initial weights may come from any call (every call writes the same ones); a call's checkpoint does not
-    outlive it, so a run from A's checkpoint is compared with a Megatron run of its own call, and the spread is
-    taken within one call too. Megatron's second line after each start is taken apart
-    (:func:`~llmjp_ds.curves.megatron_unmixed`): A, A3 and B start at step 1, A2, A3 and F at the flip."""
+    outlive it, so a run from A's (or W-A1's) checkpoint is compared with a Megatron run of its own call, and the
+    spread is taken within one call too. Megatron's second line after each start is taken apart
+    (:func:`~llmjp_ds.curves.megatron_unmixed`): A, A3, B, W-A1 and W-B start at step 1, A2, A3 and F after the
+    flip, W-A2, D1 and D2 after the recipe's branch step."""
     from llmjp_ds.curves import gap, megatron_unmixed, read_curve
     from llmjp_ds.plot import plot_run
 
-    starts = {name: [1 if part in FROM_INIT else setup.flip + 1 for part in parts] for name, parts in MEGATRON_RUNS}
+    recipe = recipe or Recipe()
+
+    def first_step(part):
+        if part in FROM_INIT:
+            return 1
+        return (recipe.branch if part in RECIPE_PROCESSES else setup.flip) + 1
+
+    starts = {name: [first_step(part) for part in parts] for name, parts in MEGATRON_RUNS}
     c = [{name: megatron_unmixed(read_curve(src), starts.get(name, ())) for name, src in call.items()}
          for call in calls]
 
@@ -266,19 +347,24 @@ def report(setup: Setup, calls: list[dict[str, Path]], out: Path) -> str:
         # the spread's run beside where its difference from the reference drawn is the spread reported
         beside = [calls[at[ref]][ref]] + ([calls[at[spread]][spread]] if spread_ref == at[ref] else [])
         plot_run(calls[at[ours]][ours], out / png, beside)
-    steps = (1, 2, setup.flip + 1, setup.flip + 2)
-    firsts = [f"| {name}{f' (call {i + 1})' if len(c) > 1 else ''} | "
-              + " | ".join(f"{curve[s]['loss']:.5f} / {curve[s].get('grad_norm', float('nan')):.3f}"
-                           if s in curve else "" for s in steps) + " |"
-              for i, call in enumerate(c) for name, curve in call.items()]
+    def firsts(steps, recipe_runs):
+        return [f"| {name}{f' (call {i + 1})' if len(c) > 1 else ''} | "
+                + " | ".join(f"{curve[s]['loss']:.5f} / {curve[s].get('grad_norm', float('nan')):.3f}"
+                             if s in curve else "" for s in steps) + " |"
+                for i, call in enumerate(c) for name, curve in call.items() if (name in RECIPE_CURVES) == recipe_runs]
+
+    def first_steps(steps, recipe_runs):
+        return [f"| run | loss / grad norm at step {steps[0]} | {steps[1]} | {steps[2]} | {steps[3]} |",
+                "| --- | ---: | ---: | ---: | ---: |", *firsts(steps, recipe_runs), ""]
+
+    restarts = (1, 2, recipe.branch + 1, recipe.branch + 2)
+    recipe_part = [f"Recipe: {recipe}", "", *first_steps(restarts, True)] if firsts(restarts, True) else []
     return "\n".join([
         f"Setup: {setup}", "",
         "| comparison | ours vs Megatron: mean abs loss diff, last 100 steps | Megatron vs Megatron (spread) | "
         "ratio | ours at the last step | spread at the last step | ratio <= 1.5 and last step within 0.3 % |",
         "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
-        *rows, "", f"| run | loss / grad norm at step 1 | 2 | {setup.flip + 1} | {setup.flip + 2} |",
-        "| --- | ---: | ---: | ---: | ---: |",
-        *firsts, ""])
+        *rows, "", *first_steps((1, 2, setup.flip + 1, setup.flip + 2), False), *recipe_part])
 
 
 def main(argv=None) -> int:
@@ -295,7 +381,10 @@ def main(argv=None) -> int:
                    "a token: 48 MB are 15M tokens, 3.6 times what 500 steps of 2 sequences read)")
     p.add_argument("--no-fixtures", dest="fixtures", action="store_false",
                    help="leave out benchmarks/parity/fixtures.py's tiny checkpoints")
-    p.add_argument("--only", help="these runs alone, comma-separated (e.g. B,ours)")
+    p.add_argument("--only", help="these runs alone, comma-separated (e.g. B,ours), each with the runs it follows")
+    p.add_argument("--recipe", action="store_true", help="LLM-jp-4's recipe's runs (W-A1, W-A2, W-B, ours-wsd, D1, "
+                   "D2, import-w, branch, ours-decay) instead of the BF16 and FP8 ones; --lr applies to them, --steps, "
+                   "--flip and --global-batch do not (spec.Recipe sizes them)")
     p.add_argument("--lr", type=float, default=Setup.lr, help="peak LR; 1e-12 leaves the weights as they start, "
                    "so each step's loss compares the two stacks' batches and forward passes alone")
     p.add_argument("--steps", type=int, default=Setup.steps)
@@ -306,9 +395,10 @@ def main(argv=None) -> int:
                    help="train nothing: the report of earlier calls, each DIR an unpacked parity-curves.tgz")
     a = p.parse_args(argv)
     setup = Setup(steps=a.steps, flip=a.flip, lr=a.lr, min_lr=a.lr / 10, global_batch=a.global_batch)
+    recipe = Recipe()
     a.out.mkdir(parents=True, exist_ok=True)
     if a.report_from:
-        return _summarize(a.out, report(setup, [sources_in(d) for d in a.report_from], a.out), [])
+        return _summarize(a.out, report(setup, [sources_in(d) for d in a.report_from], a.out, recipe), [])
     if not (a.megatron_lm and a.tokenizer):
         p.error("--megatron-lm and --tokenizer are needed to train (or --report-from DIR to report on earlier calls)")
     a.runs = a.runs or a.work / "runs"
@@ -319,8 +409,20 @@ def main(argv=None) -> int:
     if not (a.work / "init-megatron" / "latest_checkpointed_iteration.txt").exists():
         subprocess.run([sys.executable, "-m", "benchmarks.parity.init", "--hf", str(a.work / "init-hf"),
                         "--megatron", str(a.work / "init-megatron")], check=True, cwd=ROOT)
-    all_jobs = [j for j in jobs(setup, a.work, a.runs, a.megatron_lm.resolve(), blend, a.tokenizer)
-                if (a.fixtures or j.name != "fixtures") and (not a.only or j.name in a.only.split(","))]
+    if a.recipe:
+        pool = recipe_jobs(setup, recipe, a.work, a.runs, a.megatron_lm.resolve(), blend, a.tokenizer)
+    else:
+        pool = jobs(setup, a.work, a.runs, a.megatron_lm.resolve(), blend, a.tokenizer)
+    only = a.only.split(",") if a.only else [j.name for j in pool]
+    unknown = [name for name in only if name not in {j.name for j in pool}]
+    if unknown:
+        p.error(f"--only names {', '.join(unknown)}, not among the runs{' of --recipe' if a.recipe else ''}: "
+                f"{', '.join(j.name for j in pool)}" + ("" if a.recipe else " (the recipe's runs need --recipe)"))
+    all_jobs = [j for j in pool if (a.fixtures or j.name != "fixtures") and j.name in only]
+    for job in all_jobs:  # a run whose predecessor is not run has nothing to start from
+        missing = [d for d in job.after if d not in {j.name for j in all_jobs}]
+        if missing:
+            p.error(f"--only names {job.name}, which starts after {', '.join(missing)}: name {', '.join(missing)} too")
     try:
         schedule(all_jobs, logs, deadline, a.gpu_gib)
     finally:
@@ -330,7 +432,7 @@ def main(argv=None) -> int:
                     os.killpg(job.proc.pid, signal.SIGKILL)
         sources = curves(a.runs, logs, {j.name for j in all_jobs if j.started})
         pack(a, all_jobs, sources, logs)
-    summary = report(setup, [sources], a.out)  # reads our run directories: before they go
+    summary = report(setup, [sources], a.out, recipe)  # reads our run directories: before they go
     shutil.rmtree(a.runs, ignore_errors=True)
     return _summarize(a.out, summary, all_jobs)
 

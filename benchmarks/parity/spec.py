@@ -4,6 +4,9 @@ Both stacks get the same model shape, the same initial weights (one Megatron rel
 directory written from the same tensors), the same blend, split, seed and sample counts (``data.order: megatron``
 reads the windows through megatron-core's own builder), the same AdamW, clipping and LR schedule
 (``optim.schedule: megatron``: Megatron's warm-up from 0) and no z-loss, which Megatron-Core does not have.
+
+:class:`Recipe` is LLM-jp-4's recipe (docs/llmjp4-recipe.md) at the same scale: a stable WSD run whose global batch
+grows by Megatron-Core 0.19's ``--step-batch-size-schedule``, and a decay branch from its checkpoint on another blend.
 """
 
 from __future__ import annotations
@@ -32,6 +35,57 @@ class Setup:
     init_seed: int = 42
 
 
+@dataclass(frozen=True)
+class Recipe:
+    """LLM-jp-4's recipe at the parity check's scale, on :class:`Setup`'s model, data, LR and evaluation.
+
+    Megatron-LM core_v0.19 ignores ``--rampup-batch-size`` (megatron/core/num_microbatches_calculator.py: it only
+    warns) and refuses ``--global-batch-size`` beside ``--step-batch-size-schedule`` (megatron/training/arguments.py,
+    validate_args), whose global batch is then micro-batch x DP, one sequence here. Megatron-LM converts
+    ``--*-iters`` to samples by that one sequence (training.py, get_optimizer_param_scheduler), so the runs count
+    samples: ``--train-samples``, ``--lr-warmup-samples``, ``--lr-decay-samples``, ``--lr-wsd-decay-samples``. Ours
+    says the same with ``train.global_batch_size: 1`` (steps of one sample count the schedule),
+    ``train.batch_changes`` from the step schedule, and ``train.steps``: the iterations Megatron-LM's
+    ``update_train_iters`` takes to consume ``--train-samples``, whose count is the batches' sum at the last step.
+    """
+
+    steps: int = 140
+    branch: int = 40  # W-A1 saves here and exits; W-A2 and the decay branches start from this checkpoint
+    # thresholds in tokens, as LLM-jp writes them ("0:512 T:2048"); Megatron-LM divides them by --seq-length:
+    # 64,000 tokens are 15 samples, 192,000 are 46, so the batch is 1 for steps 1-15, 2 for 16-31, then 4
+    batch_schedule: str = "0:1 64K:2 192K:4"
+    warmup_samples: int = 32  # the warm-up ends within the batch of 2
+    wsd_decay_style: str = "linear"  # the stable run's (v4-8b-phase1/base/params.sh), over its last step alone
+    decay_style: str = "minus_sqrt"  # the branch's decay, over the rest of the run, to an LR of 0
+    # the branch's blend: the same three corpora at other weights. Each corpus's samples start from its first
+    # again in a new blend, as in a Megatron-LM restart with another --data-path: both stacks reread the same ones
+    decay_weights: tuple[float, ...] = (0.2, 0.3, 0.5)
+
+    def batch_changes(self, seq_len: int) -> tuple[tuple[int, int], ...]:
+        """``(start_step, batch)`` of the step schedule, as ``llmjp-ds import-megatron`` reads it."""
+        from llmjp_ds.batch_schedule import changes_at_thresholds, megatron_step_schedule
+
+        return changes_at_thresholds(megatron_step_schedule(self.batch_schedule, seq_len))
+
+    def consumed(self, step: int, seq_len: int) -> int:
+        """The samples steps ``1 .. step`` read."""
+        from llmjp_ds.batch_schedule import BatchSchedule
+
+        return BatchSchedule(1, None, self.batch_changes(seq_len)).consumed_at(step)
+
+    def train_samples(self, seq_len: int) -> int:
+        return self.consumed(self.steps, seq_len)
+
+    def stable_wsd_samples(self, seq_len: int) -> int:
+        """The stable run's WSD decay: its last step's samples (LLM-jp's ``--lr-wsd-decay-iters 1``), so its LR
+        stays at the peak through the last step."""
+        return self.train_samples(seq_len) - self.consumed(self.steps - 1, seq_len)
+
+    def decay_samples(self, seq_len: int) -> int:
+        """The branch's WSD decay: every sample after the branch point."""
+        return self.train_samples(seq_len) - self.consumed(self.branch, seq_len)
+
+
 def megatron_env(env=None) -> dict:
     """The environment ``pretrain_gpt.py`` runs in: apex's weight-gradient kernel stood in for, and one CUDA
     connection (Megatron-LM's requirement for ordering its communication before its GEMMs)."""
@@ -55,19 +109,39 @@ def _shape_args(config) -> list[str]:
             "--attention-dropout", "0", "--hidden-dropout", "0", "--init-method-std", "0.02"]
 
 
+def _schedule_args(setup: Setup, recipe: Recipe | None, decay: bool) -> list[str]:
+    """The global batch, the run's length and the LR schedule: :class:`Setup`'s in iterations, or the recipe's in
+    samples (its stable run; ``decay``: its branch, which overrides the checkpoint's schedule as LLM-jp's decay
+    restarts do)."""
+    s = setup
+    if recipe is None:
+        return ["--global-batch-size", str(s.global_batch), "--train-iters", str(s.steps), "--lr", str(s.lr),
+                "--min-lr", str(s.min_lr), "--lr-decay-style", "cosine", "--lr-warmup-iters", str(s.warmup),
+                "--lr-decay-iters", str(s.steps)]
+    samples = recipe.train_samples(s.seq_len)
+    if decay:
+        wsd = ["--override-opt_param-scheduler", "--min-lr", "0", "--lr-wsd-decay-style", recipe.decay_style,
+               "--lr-wsd-decay-samples", str(recipe.decay_samples(s.seq_len))]
+    else:
+        wsd = ["--min-lr", str(s.min_lr), "--lr-wsd-decay-style", recipe.wsd_decay_style,
+               "--lr-wsd-decay-samples", str(recipe.stable_wsd_samples(s.seq_len))]
+    return ["--step-batch-size-schedule", recipe.batch_schedule, "--train-samples", str(samples), "--lr", str(s.lr),
+            "--lr-decay-style", "WSD", "--lr-warmup-samples", str(recipe.warmup_samples),
+            "--lr-decay-samples", str(samples), *wsd]
+
+
 def megatron_args(setup: Setup, config, blend: list[tuple[float, str]], tokenizer: str, cache: str,
                   load: str, finetune: bool = False, save: str | None = None, exit_at: int | None = None,
-                  fp8: bool = False) -> list[str]:
+                  fp8: bool = False, recipe: Recipe | None = None, decay: bool = False) -> list[str]:
     """``pretrain_gpt.py`` arguments (Megatron-LM core_v0.19). ``load`` with ``finetune``: the initial weights
     only (iteration 0, no optimizer); without: a resume. ``save`` with ``exit_at``: save there and stop. The
     weight gradients accumulate in fp32 inside the GEMMs (Megatron's default), as ours do: its own linear layer
-    (the head) needs apex's kernel, which benchmarks/parity/apex/ stands in for."""
+    (the head) needs apex's kernel, which benchmarks/parity/apex/ stands in for. ``recipe``: its batches and
+    schedule in samples, ``decay`` its branch's (``blend``: the branch's own)."""
     s = setup
     args = [*_shape_args(config),
             "--seq-length", str(s.seq_len), "--max-position-embeddings", str(s.seq_len),
-            "--micro-batch-size", str(s.micro_batch), "--global-batch-size", str(s.global_batch),
-            "--train-iters", str(s.steps), "--lr", str(s.lr), "--min-lr", str(s.min_lr), "--lr-decay-style", "cosine",
-            "--lr-warmup-iters", str(s.warmup), "--lr-decay-iters", str(s.steps), "--weight-decay", "0.1",
+            "--micro-batch-size", str(s.micro_batch), *_schedule_args(s, recipe, decay), "--weight-decay", "0.1",
             "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--adam-eps", "1e-8", "--clip-grad", "1.0",
             "--bf16", "--use-distributed-optimizer", "--transformer-impl", "transformer_engine",
             "--attention-softmax-in-fp32",
@@ -88,12 +162,17 @@ def megatron_args(setup: Setup, config, blend: list[tuple[float, str]], tokenize
     return args
 
 
+def _blend_value(blend: list[tuple[float, str]]) -> str:
+    return "[" + ", ".join(f"{w}, {p}" for w, p in blend) + "]"
+
+
 def ours_sets(setup: Setup, blend: list[tuple[float, str]], tokenizer: str, cache: str, init_hf: str | None,
-              fp8_from: int | None = None) -> list[str]:
+              fp8_from: int | None = None, recipe: Recipe | None = None) -> list[str]:
     """``llmjp-ds train --preset llmjp3-1.8b`` overrides for the same setup; ``fp8_from``: the FP8 phase's first
-    step (delayed scaling, hybrid, LLM-jp's amax settings, no calibration: Megatron's restart has none either)."""
+    step (delayed scaling, hybrid, LLM-jp's amax settings, no calibration: Megatron's restart has none either);
+    ``recipe``: its stable run, counted in samples as Megatron's (steps of one sample count the LR schedule)."""
     s = setup
-    sets = {"data.blend": "[" + ", ".join(f"{w}, {p}" for w, p in blend) + "]", "data.tokenizer": tokenizer,
+    sets = {"data.blend": _blend_value(blend), "data.tokenizer": tokenizer,
             "data.order": "megatron", "data.split": "[" + s.split + "]", "data.seed": s.seed,
             "data.seq_len": s.seq_len, "data.cache_dir": cache, "model.z_loss": 0,
             "train.steps": s.steps, "train.global_batch_size": s.global_batch,
@@ -102,10 +181,27 @@ def ours_sets(setup: Setup, blend: list[tuple[float, str]], tokenizer: str, cach
             "optim.warmup_steps": s.warmup, "optim.decay_steps": s.steps, "optim.schedule": "megatron",
             "checkpoint.interval": 0, "checkpoint.save_at_end": "false", "checkpoint.async_save": "false",
             "logging.wandb": "disabled"}
+    if recipe is not None:
+        samples = recipe.train_samples(s.seq_len)
+        changes = ", ".join(f"{{start_step: {step}, global_batch_size: {batch}}}"
+                            for step, batch in recipe.batch_changes(s.seq_len))
+        sets.update({"train.steps": recipe.steps, "train.global_batch_size": 1, "train.batch_changes": f"[{changes}]",
+                     "optim.warmup_steps": recipe.warmup_samples, "optim.decay_steps": samples,
+                     "optim.decay_style": "WSD", "optim.wsd_decay_style": recipe.wsd_decay_style,
+                     "optim.wsd_decay_steps": recipe.stable_wsd_samples(s.seq_len)})
     if init_hf:
         sets["model.init_from_hf"] = init_hf
     if fp8_from is not None:
         sets["precision.phases"] = (
             f"[{{precision: bf16}}, {{precision: fp8, start_step: {fp8_from}, recipe: delayed, fp8_format: hybrid, "
             "amax_history_len: 1, amax_compute_algo: most_recent, calibration_steps: 0}]")
+    return [x for key, value in sets.items() for x in ("--set", f"{key}={value}")]
+
+
+def branch_sets(setup: Setup, recipe: Recipe, blend: list[tuple[float, str]]) -> list[str]:
+    """``llmjp-ds branch`` overrides of the recipe's decay branch, as D1's arguments change W-A1's: the WSD decay
+    over the rest of the run, to an LR of 0, and the other blend (a data phase from the branch's step). The branch
+    follows its own schedule from its first step (``optim.resume_schedule: override``, the branch's default)."""
+    sets = {"optim.min_lr_ratio": 0, "optim.wsd_decay_style": recipe.decay_style,
+            "optim.wsd_decay_steps": recipe.decay_samples(setup.seq_len), "data.blend": _blend_value(blend)}
     return [x for key, value in sets.items() for x in ("--set", f"{key}={value}")]

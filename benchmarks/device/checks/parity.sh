@@ -6,6 +6,11 @@
 # .cache/tokenizer-v3.model). ARGS: more `python -m benchmarks.parity` arguments (--steps, --flip, --only ...).
 # All of it takes ~24 minutes (two runs share the GPU at a time): BUDGET_S=1500; within 10-minute calls, several
 # calls with --only (docs/device-checks.md).
+# --recipe: LLM-jp-4's recipe instead, 140 steps of a batch growing from 1 to 4 sequences (Megatron's
+# --step-batch-size-schedule, counted in samples): a stable WSD run (W-A1 to step 40 and W-A2 on, W-B, ours-wsd)
+# and a decay branch from W-A1's checkpoint on another blend (D1, D2; import-w, branch, ours-decay). Two calls:
+#   --recipe --only W-A1,W-B,ours-wsd,W-A2                  ~7 minutes
+#   --recipe --only W-A1,D1,import-w,branch,ours-decay,D2   ~8 minutes
 # the device kit's megatron-core wheel ships its compiled dataset helpers but not the Makefile pretrain_gpt.py runs
 # make with on rank 0: an empty one there (a Megatron-LM checkout has its own)
 site=$(python -c 'import megatron.core.datasets as d, os; print(os.path.dirname(d.__file__))' 2>/dev/null)
@@ -16,4 +21,5 @@ logged parity "$(left)" python -m benchmarks.parity --megatron-lm "${MEGATRON_LM
   --tokenizer "${TOKENIZER:-.cache/tokenizer-v3.model}" --out "$OUT" --budget-s $(( $(left) - 30 )) "$@"
 rc=$?
 dry || sed -n '/^| comparison/,/^$/p' "$OUT/summary-parity.md" 2>/dev/null | note
-verdict parity "$rc" "(the gaps and the figures in \$OUT/summary-parity.md, bf16.png, fp8.png, roundtrip.png)"
+verdict parity "$rc" "(the gaps and the figures in \$OUT/summary-parity.md, parity-bf16.png, -fp8.png, \
+-roundtrip.png; with --recipe parity-wsd.png, -decay.png)"

@@ -213,15 +213,15 @@ def check_hosts(path, hosts: dict[str, int], env=None, ssh_timeout_s: float = 10
             fail(f"{path}: {host} has slots={n} but the Slurm job runs {per_node} tasks per node "
                  f"(SLURM_NTASKS_PER_NODE, its --ntasks-per-node): make the two agree (preflight --write-hostfile "
                  "writes the allocation's hostfile)")
-    if len(hosts) > 1 and shutil.which("pdsh", path=env.get("PATH")) is None:
-        fail(f"pdsh is not installed: the deepspeed launcher starts the other {len(hosts) - 1} hosts of {path} with it; "
-             f"install it ({PDSH_INSTALL}), or launch with srun or mpirun (hostfiles/slurm.sbatch)")
-    for host in hosts:
+    for host in hosts:  # the hostfile's own mistake first: it stays one whatever this machine has installed
         try:
             socket.getaddrinfo(host, 22, type=socket.SOCK_STREAM)
         except OSError as exc:
             fail(f"{path}: host {host} does not resolve here ({exc.strerror or exc}): fix the name, or add it to DNS "
                  "or /etc/hosts on every host")
+    if len(hosts) > 1 and shutil.which("pdsh", path=env.get("PATH")) is None:
+        fail(f"pdsh is not installed: the deepspeed launcher starts the other {len(hosts) - 1} hosts of {path} with it; "
+             f"install it ({PDSH_INSTALL}), or launch with srun or mpirun (hostfiles/slurm.sbatch)")
     if len(hosts) == 1 and next(iter(hosts)) in ("localhost", "127.0.0.1", socket.gethostname()):
         return "hosts OK (this host)"
     ssh = shutil.which("ssh", path=env.get("PATH"))

@@ -43,7 +43,7 @@ CASES: list[Case] = [
     Case("hostfile-slots-disagree-with-ntasks-per-node", L(*CHECK, "{tmp}/cluster/two_nodes"),
          ("cluster/two_nodes: node01 has slots=8 but the Slurm job runs 4 tasks per node",),
          env={**NO_ALLOCATION, "SLURM_NTASKS_PER_NODE": "4"}),
-    Case("hostfile-without-pdsh", L(*CHECK, "{tmp}/cluster/two_nodes"),
+    Case("hostfile-without-pdsh", L(*CHECK, "{tmp}/cluster/two_local"),
          ("pdsh is not installed: the deepspeed launcher starts the other 1 hosts of", "install it (apt install pdsh"),
          env={**NO_ALLOCATION, "PATH": "{tmp}/cluster/empty_bin"}),
 ]
@@ -55,3 +55,5 @@ def prepare(ctx) -> None:
     (ctx.tmp / "cluster" / "empty_bin").mkdir()
     (ctx.tmp / "cluster" / "unresolvable").write_text("localhost slots=1\nno-such-node.invalid slots=1\n")
     (ctx.tmp / "cluster" / "two_nodes").write_text("node01 slots=8\nnode02 slots=8\n")
+    # two names that resolve on any machine: the launcher's check of pdsh comes after the names'
+    (ctx.tmp / "cluster" / "two_local").write_text("localhost slots=1\n127.0.0.1 slots=1\n")

@@ -49,3 +49,4 @@ def validation_starts(order: str, step: int, eval_interval: int, eval_batches: i
     batches = max(1, eval_batches)
     k = max(step // eval_interval, 1) - 1 if eval_interval else 0
     return [(k * batches + b) * global_batch for b in range(batches)]
+

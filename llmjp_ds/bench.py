@@ -35,6 +35,7 @@ runs well below its maximum clock, so rows of one call can differ in clock as we
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -43,6 +44,7 @@ import sys
 
 from llmjp_ds.bench_peers import MCORE_SWITCHES, MCORE_VARIANTS, TE_LAYER_VARIANTS
 from llmjp_ds.bench_profile import clock_log, host_profiled_step, profile_table, profiled_step, synced_step, timed
+from llmjp_ds.validate import validate_run
 
 SHAPES = {
     # name: (run preset, model overrides, micro batch)
@@ -112,30 +114,45 @@ def peer_switches(sets) -> dict:
 
 
 def _engine_for(cfg, variant: str, shape: str, peer_sets=()):
-    """(the step function ``step(i, batches) -> [lm_loss, z_loss]``, the model config) of one variant: ours
-    through the Trainer (at a decoder-only shape on :func:`~llmjp_ds.bench_peers.stage_model`), a peer from
-    :mod:`llmjp_ds.bench_peers`."""
+    """(the step function ``step(i, batches) -> [lm_loss, z_loss, ...]``, the model config) of one variant: ours
+    through the trainer's :class:`~llmjp_ds.trainer.StepEngine` (at a decoder-only shape on
+    :func:`~llmjp_ds.bench_peers.stage_model`), a peer from :mod:`llmjp_ds.bench_peers`."""
     from llmjp_ds import bench_peers
-    from llmjp_ds.trainer import Trainer
+    from llmjp_ds.config import model_config_of, sequence_parallel_of
+    from llmjp_ds.health import HealthMonitor
+    from llmjp_ds.lr_schedule import lr_schedule
+    from llmjp_ds.model.backend import resolve_backend
+    from llmjp_ds.parallel.context import ParallelContext
+    from llmjp_ds.trainer import StepEngine, precision_schedule
 
-    trainer = Trainer(cfg, cfg.parallel.tensor_parallel)
+    layout = validate_run(cfg, cfg.parallel.tensor_parallel)
     if variant in MCORE_VARIANTS:
-        return bench_peers.mcore_peer(cfg, trainer, variant, peer_switches(peer_sets))
+        return bench_peers.mcore_peer(cfg, layout, variant, peer_switches(peer_sets))
     if variant in TE_LAYER_VARIANTS:
-        return bench_peers.te_layer_reference(cfg, trainer, variant)
+        return bench_peers.te_layer_reference(cfg, variant)
     if not variant.startswith("ours"):
-        return bench_peers.hf_peer(cfg, trainer)
+        return bench_peers.hf_peer(cfg, layout)
+    backend, config = resolve_backend(cfg.model.backend), model_config_of(cfg)
+    precision = precision_schedule(cfg, backend)
+    ctx = ParallelContext.start(layout, sequence_parallel_of(cfg), cfg.parallel)
     model = None
     if shape in STAGE_SHAPES:
         import torch
 
-        trainer.start()
-        seq = cfg.data.seq_len or trainer.model_config.max_position_embeddings
+        seq = cfg.data.seq_len or config.max_position_embeddings
         torch.manual_seed(cfg.train.seed)
-        model = bench_peers.stage_model(trainer.model_config, trainer.backend, cfg.train.micro_batch_size, seq,
-                                        trainer.ctx.device)
-    trainer.build_engine(model)
-    return (lambda i, batches: trainer.train_step(i, batches)[0]), trainer.model_config
+        model = bench_peers.stage_model(config, backend, cfg.train.micro_batch_size, seq, ctx.device)
+    steps = StepEngine(cfg, layout, ctx, precision, model)
+    schedule, gbs = lr_schedule(cfg.optim, cfg.train.steps, cfg.train.global_batch_size), cfg.train.global_batch_size
+    # under health.loss.action=skip the step asks the health monitor before its update, as training does: the cost
+    # of the check (a reduction of the loss and a wait for it) shows beside the same row without it
+    health = HealthMonitor(cfg.health) if cfg.health.loss.action == "skip" else None
+
+    def step(i, batches):
+        gate = functools.partial(health.gate, i) if health is not None else None
+        return steps.train_step(i, batches, schedule.lr(i, i * gbs), schedule.weight_decay(i, i * gbs), gate)
+
+    return step, config
 
 
 def flops_per_token(shape: str, config, seq: int) -> float:

@@ -28,6 +28,9 @@ import types
 
 import torch
 
+from llmjp_ds.config import model_config_of
+from llmjp_ds.precision.schedule import PrecisionSchedule
+
 MCORE_VARIANTS = {  # variant: (fp8 recipe or None, FP8 primary weights)
     "peer-mcore-bf16": (None, False),
     "peer-mcore-fp8-delayed": ("delayed", False),
@@ -69,7 +72,7 @@ def stage_model(config, backend: str, micro: int, seq: int, device):
     return StageModel()
 
 
-def hf_peer(cfg, trainer):
+def hf_peer(cfg, layout):
     """(step, model config) of transformers + DeepSpeed, wired as a user would (the same JSON and optimizer,
     none of our engine code) under our step runner."""
     import deepspeed
@@ -82,9 +85,9 @@ def hf_peer(cfg, trainer):
     from llmjp_ds.parallel.ds_config import build_ds_config
     from llmjp_ds.parallel.runners import EngineRunner
 
-    ctx = ParallelContext.start(trainer.layout)
+    ctx = ParallelContext.start(layout)
     torch.manual_seed(cfg.train.seed)
-    config = trainer.model_config
+    config = model_config_of(cfg)
     config._attn_implementation = "sdpa"
 
     class PeerLM(torch.nn.Module):
@@ -99,8 +102,8 @@ def hf_peer(cfg, trainer):
     with ctx.device:
         model = PeerLM()
     engine, *_ = deepspeed.initialize(model=model, optimizer=build_optimizer(model, cfg.optim),
-                                      config=build_ds_config(cfg, trainer.layout))
-    runner = EngineRunner(engine, trainer.precision, ctx)
+                                      config=build_ds_config(cfg, layout))
+    runner = EngineRunner(engine, PrecisionSchedule(cfg.precision, "torch", 1), ctx)  # BF16: no FP8 context
 
     def step(i, batches):
         set_lr(engine.optimizer, schedule_lr(i, cfg.optim, cfg.train.steps))
@@ -179,7 +182,7 @@ def mcore_loss(per_token: torch.Tensor):
     return mean, {"lm loss": mean.detach().clone()}
 
 
-def mcore_peer(cfg, trainer, variant: str, switches: dict | None = None):
+def mcore_peer(cfg, layout, variant: str, switches: dict | None = None):
     """(step, model config) of Megatron-Core at its best single-GPU settings (the module docstring), with
     ``switches`` (``{field: value}`` of :data:`MCORE_SWITCHES`) set in its TransformerConfig."""
     _apex_wgrad_stand_in()
@@ -194,10 +197,11 @@ def mcore_peer(cfg, trainer, variant: str, switches: dict | None = None):
     from llmjp_ds.optim import set_lr
     from llmjp_ds.parallel.context import ParallelContext
 
-    ParallelContext.start(trainer.layout)
+    ParallelContext.start(layout)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
-    config, seq = trainer.model_config, cfg.data.seq_len or trainer.model_config.max_position_embeddings
+    config = model_config_of(cfg)
+    seq = cfg.data.seq_len or config.max_position_embeddings
     tcfg = _mcore_config(config, variant, switches)
     spec = get_gpt_layer_with_transformer_engine_spec(use_te_op_fuser=tcfg.use_transformer_engine_op_fuser)
     gpt = GPTModel(tcfg, spec, **mcore_model_args(config, seq)).cuda()
@@ -230,7 +234,7 @@ def mcore_peer(cfg, trainer, variant: str, switches: dict | None = None):
     return step, config
 
 
-def te_layer_reference(cfg, trainer, variant: str):
+def te_layer_reference(cfg, variant: str):
     """(step, model config) of plain ``te.TransformerLayer`` forward + backward at a decoder-only shape, on
     the stage model's input and loss; no optimizer (weight gradients accumulate in ``.grad``)."""
     import transformer_engine.pytorch as te
@@ -238,7 +242,7 @@ def te_layer_reference(cfg, trainer, variant: str):
 
     from llmjp_ds.model.shapes import rope_theta
 
-    config = trainer.model_config
+    config = model_config_of(cfg)
     micro, seq = cfg.train.micro_batch_size, cfg.data.seq_len or config.max_position_embeddings
     torch.manual_seed(cfg.train.seed)
     layers = torch.nn.ModuleList(te.TransformerLayer(

@@ -22,6 +22,8 @@ VERBS: dict[str, tuple[str, str]] = {
                         "data position) as a new run"),
     "preflight": ("llmjp_ds.preflight", "check a DeepSpeed hostfile and a run config for it, starting nothing"),
     "plot": ("llmjp_ds.plot", "draw loss and throughput of a run to PNG"),
+    "health": ("llmjp_ds.health_report", "a run's spikes, skips, rollbacks, FP8 fallbacks and phases as a table "
+               "(--plot: marked on the loss curve)"),
     "bench": ("llmjp_ds.bench", "measure training TFLOP/s: ours (BF16, FP8) against transformers + DeepSpeed"),
 }
 

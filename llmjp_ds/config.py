@@ -262,6 +262,9 @@ class TrainConfig:
     # with another --global-batch-size, or Megatron-Core 0.19's --step-batch-size-schedule
     batch_changes: list[BatchChange] = field(default_factory=list)
     micro_batch_size: int = field(default=1, metadata=at_least(1, says="positive"))
+    # ranges [first, end) of step indices whose samples are read and not trained on, the LR schedule not advancing
+    # over them: Megatron-LM's --iterations-to-skip (its iteration N is step N - 1); a rollback adds its own
+    skip_steps: list[list[int]] = field(default_factory=list, metadata=at_least(0, "a step index"))
     seed: int = field(default=42, metadata=SEED)
     eval_interval: int = field(default=0, metadata=at_least(0, "0 = no validation"))
     eval_batches: int = field(default=4, metadata=at_least(0))
@@ -377,6 +380,48 @@ class CheckpointConfig:
     stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT"])
 
 
+HEALTH_ACTIONS = ("warn", "skip", "rollback", "stop")  # llmjp_ds.health.ACTIONS
+
+
+@dataclass
+class SpikeRule:
+    """A value is a spike ``threshold`` robust standard deviations (1.4826 x the median absolute deviation of its
+    recent history) and ``min_ratio`` times above that history's median; ``action`` is what is done about it."""
+
+    action: str = field(default="warn", metadata=one_of(*HEALTH_ACTIONS, why="what a spike leads to"))
+    threshold: float = field(default=6.0, metadata=above(0, "robust standard deviations above the median"))
+    min_ratio: float = field(default=1.1, metadata=at_least(1, "times the median (a flat history's deviation is "
+                                                                  "tiny)"))
+
+
+@dataclass
+class HealthConfig:
+    """Loss and grad-norm spikes, non-finite steps and validation jumps (llmjp_ds/health.py): each kind's action
+    (warn | skip the update | rollback to the newest checkpoint before it, skipping samples | stop)."""
+
+    window: int = field(default=100, metadata=at_least(3, "values of history a spike is measured against"))
+    # values of history before any verdict: the warm-up's falling loss is history, not a spike
+    min_history: int = field(default=20, metadata=at_least(3))
+    loss: SpikeRule = field(default_factory=SpikeRule)
+    # measured in DeepSpeed's optimizer step, after the update: warn, rollback or stop
+    grad_norm: SpikeRule = field(default_factory=lambda: SpikeRule(threshold=10.0, min_ratio=2.0))
+    valid_loss: SpikeRule = field(default_factory=lambda: SpikeRule(threshold=6.0, min_ratio=1.02))
+    # a non-finite loss or gradient: skip (DeepSpeed's optimizer skips it; train.max_nonfinite_steps in a row stop the
+    # run), rollback or stop
+    nonfinite: str = field(default="skip", metadata=one_of("skip", "rollback", "stop",
+                                                           why="what a non-finite step leads to"))
+    # a rollback goes to the newest checkpoint at least rollback_before steps before the spike (1: before the update
+    # that preceded it, which may have caused it; PaLM went back ~100 steps)
+    rollback_before: int = field(default=1, metadata=at_least(0))
+    # and skips the steps from that checkpoint's to the spike's (skip_before null), or from this many steps before
+    # the spike; and skip_after steps after it (PaLM skipped a few hundred batches)
+    skip_before: int | None = field(default=None, metadata=at_least(0))
+    skip_after: int = field(default=0, metadata=at_least(0))
+    # more rollbacks than this within rollback_window steps end the run with one line instead of looping
+    max_rollbacks: int = field(default=3, metadata=at_least(1))
+    rollback_window: int = field(default=1000, metadata=at_least(1))
+
+
 @dataclass
 class RunConfig:
     run_dir: str = field(default="runs/default", metadata=output_path(own=True))
@@ -388,6 +433,7 @@ class RunConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

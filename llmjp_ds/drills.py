@@ -4,9 +4,15 @@
 * ``LLMJP_DS_DRILL_NAN_PHASE=fp8`` (default: only in FP8 phases, to rehearse the divergence guard) or ``any``
   (to rehearse skipped steps);
 * ``LLMJP_DS_DRILL_FP8_PENALTY=0.05``: validation losses measured in FP8 come out 5 % higher, so FP8's measured
-  penalty rises by that much (to rehearse the penalty guard's actions).
+  penalty rises by that much (to rehearse the penalty guard's actions);
+* ``LLMJP_DS_DRILL_SPIKE_STEPS=5,9`` with ``LLMJP_DS_DRILL_SPIKE_SCALE=20`` (default 20): a planted spike at those
+  step indices, the first time a process runs each (a step that a rollback brings back runs clean, as after bad data
+  skipped), ``LLMJP_DS_DRILL_SPIKE_ON=loss`` (default: the loss and its gradients are that many times larger),
+  ``grad`` (the gradients alone) or ``lr`` (the step's LR: a real cause, whose spike shows in the loss of the steps
+  after), to rehearse the health monitor's actions (:mod:`llmjp_ds.health`).
 
-A drill wraps the step runner; the runner itself only multiplies its loss by ``loss_scale``.
+A drill wraps the step runner; the runner itself only multiplies its loss by ``loss_scale`` (and its gradients by
+``grad_scale``).
 """
 
 from __future__ import annotations
@@ -18,9 +24,27 @@ from llmjp_ds.errors import fail
 STEPS_VAR = "LLMJP_DS_DRILL_NAN_STEPS"
 PHASE_VAR = "LLMJP_DS_DRILL_NAN_PHASE"
 PENALTY_VAR = "LLMJP_DS_DRILL_FP8_PENALTY"
+SPIKE_STEPS_VAR, SPIKE_SCALE_VAR, SPIKE_ON_VAR = ("LLMJP_DS_DRILL_SPIKE_STEPS", "LLMJP_DS_DRILL_SPIKE_SCALE",
+                                                  "LLMJP_DS_DRILL_SPIKE_ON")
 
 
-class NanDrill:
+class RunnerDrill:
+    """A step runner wrapped: what it does not change is the runner's, and what the trainer sets on it (the gate)
+    reaches the runner."""
+
+    FORWARDED = ("gate", "beat")
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def __setattr__(self, name, value):
+        if name in self.FORWARDED:
+            setattr(self.runner, name, value)
+        else:
+            super().__setattr__(name, value)
+
+
+class NanDrill(RunnerDrill):
     """A step runner whose chosen steps' losses are NaN."""
 
     def __init__(self, runner, precision, steps: set[int], any_phase: bool):
@@ -32,11 +56,8 @@ class NanDrill:
         self.runner.loss_scale = float("nan") if drilled else 1.0
         return self.runner.train_step(batches)
 
-    def __getattr__(self, name):
-        return getattr(self.runner, name)
 
-
-class PenaltyDrill:
+class PenaltyDrill(RunnerDrill):
     """A step runner whose validation losses in FP8 are ``1 + extra`` times the measured ones."""
 
     def __init__(self, runner, precision, extra: float):
@@ -46,13 +67,28 @@ class PenaltyDrill:
         loss = self.runner.eval_loss(batches)
         return loss * (1.0 + self.extra) if self.precision.in_fp8() else loss
 
-    def __getattr__(self, name):
-        return getattr(self.runner, name)
+
+class SpikeDrill(RunnerDrill):
+    """A step runner whose chosen steps' loss (and gradients), gradients alone, or LR are ``scale`` times larger."""
+
+    def __init__(self, runner, precision, steps: set[int], scale: float, on: str):
+        self.runner, self.precision, self.steps, self.scale, self.on = runner, precision, steps, scale, on
+
+    def train_step(self, batches):
+        step = self.precision.step
+        drilled = self.scale if step in self.steps else 1.0
+        self.steps = self.steps - {step}  # once a process: the step a rollback brings back finds clean data
+        self.runner.loss_scale, self.runner.grad_scale = (drilled, 1.0) if self.on == "loss" else \
+            (1.0, drilled if self.on == "grad" else 1.0)
+        if self.on == "lr" and drilled != 1.0:  # the step's LR, set just before: a real cause, for real weights
+            for group in self.runner.engine.optimizer.param_groups:
+                group["lr"] *= drilled
+        return self.runner.train_step(batches)
 
 
 def with_drills(runner, precision):
     """``runner``, wrapped in the drills the environment asks for (if any)."""
-    runner = _nan_drill(runner, precision)
+    runner = _spike_drill(_nan_drill(runner, precision), precision)
     extra = os.environ.get(PENALTY_VAR, "").strip()
     if extra:
         try:
@@ -62,14 +98,32 @@ def with_drills(runner, precision):
     return runner
 
 
-def _nan_drill(runner, precision):
-    raw = os.environ.get(STEPS_VAR, "").strip()
-    if not raw:
-        return runner
+def _steps(var: str) -> set[int]:
+    raw = os.environ.get(var, "").strip()
     try:
-        steps = {int(s) for s in raw.replace(" ", "").split(",") if s}
+        return {int(s) for s in raw.replace(" ", "").split(",") if s}
     except ValueError:
-        fail(f"{STEPS_VAR}={raw!r} must be a comma list of step indices, e.g. 3,4")
+        fail(f"{var}={raw!r} must be a comma list of step indices, e.g. 3,4")
+
+
+def _spike_drill(runner, precision):
+    steps = _steps(SPIKE_STEPS_VAR)
+    if not steps:
+        return runner
+    raw, on = os.environ.get(SPIKE_SCALE_VAR, "20").strip(), os.environ.get(SPIKE_ON_VAR, "loss")
+    try:
+        scale = float(raw)
+    except ValueError:
+        fail(f"{SPIKE_SCALE_VAR}={raw!r} must be a number, e.g. 20")
+    if on not in ("loss", "grad", "lr"):
+        fail(f"{SPIKE_ON_VAR}={on!r} must be loss, grad or lr")
+    return SpikeDrill(runner, precision, steps, scale, on)
+
+
+def _nan_drill(runner, precision):
+    steps = _steps(STEPS_VAR)
+    if not steps:
+        return runner
     phase = os.environ.get(PHASE_VAR, "fp8")
     if phase not in ("fp8", "any"):
         fail(f"{PHASE_VAR}={phase!r} must be fp8 or any")

@@ -206,9 +206,10 @@ def _draw(steps: dict[int, dict], events: list[dict], title: str, where: str = "
     return fig
 
 
-def plot_run(run_dir: str | os.PathLike, output: str | os.PathLike | None = None, beside=()) -> Path:
+def plot_run(run_dir: str | os.PathLike, output: str | os.PathLike | None = None, beside=(), events=None) -> Path:
     """Draw ``<run_dir>/metrics.jsonl`` to ``output`` (default ``<run_dir>/metrics.png``); return its path.
-    ``beside``: other runs' directories or Megatron-LM logs (:mod:`llmjp_ds.curves`), drawn beside this one."""
+    ``beside``: other runs' directories or Megatron-LM logs (:mod:`llmjp_ds.curves`), drawn beside this one;
+    ``events``: the names of the events to mark (default: every event)."""
     from llmjp_ds.curves import read_curve
 
     run_dir = Path(run_dir)
@@ -225,7 +226,8 @@ def plot_run(run_dir: str | os.PathLike, output: str | os.PathLike | None = None
     if not output.parent.is_dir():
         fail(f"cannot write {output}: directory {output.parent} does not exist")
     records, skipped = read_records(metrics)
-    steps, events = _by_step(records)
+    steps, marked = _by_step(records)
+    marked = [e for e in marked if events is None or e["event"] in events]
     unreadable = f" ({skipped} unreadable lines skipped: torn, not UTF-8 or not JSON records)" if skipped else ""
     if not steps:
         fail(f"{metrics} holds no step metrics{unreadable or ' yet'}: nothing to plot")
@@ -235,7 +237,7 @@ def plot_run(run_dir: str | os.PathLike, output: str | os.PathLike | None = None
               file=sys.stderr)
     last = max(steps)
     others = [(_label(source), read_curve(source)) for source in beside]
-    fig = _draw(steps, events, title=f"{run_dir.resolve().name}  (step {last})", where=f"{metrics}{unreadable}",
+    fig = _draw(steps, marked, title=f"{run_dir.resolve().name}  (step {last})", where=f"{metrics}{unreadable}",
                 beside=others)
     tmp = None
     try:

@@ -19,7 +19,12 @@ import time
 
 import numpy as np
 
+from llmjp_ds.checkpoint.store import latest_tag, read_marker
+from llmjp_ds.config import RunConfig, apply_set, build, load_config, model_config_of, sample_counts, seq_len_of
 from llmjp_ds.errors import did_you_mean, fail
+from llmjp_ds.health import skipped
+from llmjp_ds.io_utils import atomic_file
+from llmjp_ds.validate import validate_data
 
 SPLITS = ("train", "valid")
 
@@ -30,6 +35,9 @@ def parse_args(argv: list[str], verb: str):
     p.add_argument("--preset", help="run preset: demo, llmjp3-1.8b, llmjp3-3.7b, llmjp3-13b, llmjp3-172b")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set data.order=megatron (repeatable)")
+    p.add_argument("--run", metavar="RUN_DIR", help="a run's own samples: its config as its latest checkpoint records "
+                   "it (in place of --config/--preset), and the samples of the steps it skipped (train.skip_steps and "
+                   "its rollbacks') left out")
     p.add_argument("--split", default="train", help="train (default) or valid")
     p.add_argument("--start", type=int, metavar="K", help="the first global sample of the split")
     p.add_argument("--count", type=int, metavar="N", help="how many samples")
@@ -48,22 +56,33 @@ def parse_args(argv: list[str], verb: str):
         fail(f"output {args.output} already exists: choose another --output, or pass --force to replace it")
     if os.path.isdir(args.output):
         fail(f"output {args.output} is a directory: give a file name such as windows.npy")
+    if args.run and (args.config or args.preset):
+        fail("--run reads the run's config from its latest checkpoint: leave out --config and --preset (--set still "
+             "applies)")
     return args
 
 
-def read_windows(sample, start: int, count: int) -> np.ndarray:
-    """Samples ``start .. start+count-1`` (``sample(i)`` -> ``seq_len + 1`` token ids) as one array."""
-    return np.stack([np.asarray(sample(i), dtype=np.int64) for i in range(start, start + count)])
+def run_config_and_skips(run_dir: str, sets) -> tuple:
+    """The config (and ``sets`` over it) and the skipped steps of ``run_dir``'s latest checkpoint."""
+    tag = latest_tag(run_dir)
+    if tag is None:
+        fail(f"{run_dir} has no checkpoint: --run reads a run's config and skipped steps from its latest checkpoint")
+    marker = read_marker(run_dir, tag)
+    if not marker.run_config:
+        fail(f"checkpoint {tag} of {run_dir} records no run config (an earlier release wrote it): pass --config")
+    data = marker.run_config
+    for assignment in sets:
+        data = apply_set(data, assignment)
+    return build(RunConfig, data), marker.skip_steps or []
 
 
 def cli_main(argv: list[str], verb: str = "samples") -> int:
-    from llmjp_ds.config import load_config, model_config_of, sample_counts, seq_len_of
-    from llmjp_ds.io_utils import atomic_file
-    from llmjp_ds.trainer import run_data
-    from llmjp_ds.validate import validate_data
-
     args = parse_args(argv, verb)
-    cfg = load_config(args.config, args.sets, args.preset)
+    skips: list = []
+    if args.run:
+        cfg, skips = run_config_and_skips(args.run, args.sets)
+    else:
+        cfg = load_config(args.config, args.sets, args.preset)
     validate_data(cfg)
     counts = dict(zip(SPLITS, sample_counts(cfg)))
     total, end = counts[args.split], args.start + args.count
@@ -73,15 +92,23 @@ def cli_main(argv: list[str], verb: str = "samples") -> int:
     if end > total:
         fail(f"--start {args.start} --count {args.count} reads up to {args.split} sample {end - 1}, but the run reads "
              f"{total} {args.split} samples: ask for samples below {total}, or lengthen the run (train.steps)")
+    from llmjp_ds.trainer import run_data  # startup time: the trainer's room loads torch and DeepSpeed
+
     model_config = model_config_of(cfg)
     seq_len = seq_len_of(cfg, model_config)
     t0 = time.perf_counter()
     data = run_data(cfg, model_config, seq_len)
     # a train sample from the data phase of the step that reads it; valid samples of data.blend's valid split
-    windows = read_windows(data.train_sample if args.split == "train" else data.valid_at(0).__getitem__,
-                           args.start, args.count)
+    wanted = range(args.start, end)
+    if args.split == "train" and skips:  # the samples of skipped steps were read, not trained on
+        wanted = [i for i in wanted if not skipped(data.batches.step_of_sample(i), skips)]
+    sample = data.train_sample if args.split == "train" else data.valid_at(0).__getitem__
+    windows = np.stack([np.asarray(sample(i), dtype=np.int64) for i in wanted]) if wanted else \
+        np.zeros((0, seq_len + 1), dtype=np.int64)
     with atomic_file(args.output) as f:
         np.save(f, windows)
+    left_out = args.count - len(wanted)
     print(f"wrote {args.output}: {args.split} samples {args.start}..{end - 1} ({windows.shape[0]} x {windows.shape[1]} "
-          f"tokens, order {cfg.data.order}, datasets ready in {time.perf_counter() - t0:.1f} s)")
+          f"tokens, order {cfg.data.order}, datasets ready in {time.perf_counter() - t0:.1f} s)"
+          + (f"; {left_out} of skipped steps left out" if left_out else ""))
     return 0

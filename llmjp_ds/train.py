@@ -41,16 +41,12 @@ def parse_args(argv):
 
 def train(cfg: RunConfig, wait_for_run_dir: float = 0.0) -> dict:
     """Run the configured training; returns a summary (final step, last loss, run directory)."""
-    from llmjp_ds.trainer import Trainer
+    from llmjp_ds.validate import validate_run
 
-    trainer = Trainer(cfg)
-    try:
-        trainer.setup(wait_for_run_dir)
-        return trainer.fit()
-    except BaseException as exc:
-        if trainer.ctx is not None:
-            trainer.ctx.report_failure(exc)  # a host gone without a word: name it, once for the job
-        raise
+    layout = validate_run(cfg)  # a mistake in the config costs a second, before torch and DeepSpeed load
+    from llmjp_ds.trainer import Trainer  # startup time: torch, transformers and DeepSpeed load here
+
+    return Trainer(cfg, layout, wait_for_run_dir).fit()
 
 
 def shutdown(clean: bool = True) -> None:

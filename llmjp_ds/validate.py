@@ -32,6 +32,7 @@ def validate_run(cfg: RunConfig, world_size: int | None = None, gpus_per_node: i
     _check_data(cfg)
     check_schedule(cfg.optim, cfg.train.steps)
     _check_logging(cfg)
+    _check_health(cfg)
     stop_signals_of(cfg)  # names that are signals a handler may catch
     check_keep_rules(cfg.checkpoint.keep)  # log-spaced saves: rules in order of increasing below
     from llmjp_ds.precision.recipes import AUTO, validate_phases
@@ -271,6 +272,20 @@ def _check_phases(cfg: RunConfig) -> None:
     if cfg.data.phases and not cfg.data.blend:
         fail("data.phases changes the blend of a run on the bundled demo corpus (data.blend is empty): give "
              "data.blend the corpora of the first phase")
+
+
+def _check_health(cfg: RunConfig) -> None:
+    """What the health monitor cannot do, and train.skip_steps' ranges."""
+    for kind in ("grad_norm", "valid_loss"):
+        if getattr(cfg.health, kind).action == "skip":
+            fail(f"health.{kind}.action=skip: the {kind.replace('_', ' ')} is measured after the update it would skip "
+                 "(DeepSpeed's optimizer step computes the gradient norm; validation follows the step): choose warn, "
+                 "rollback or stop")
+    ranges = cfg.train.skip_steps
+    for i, r in enumerate(ranges):
+        if len(r) != 2 or not r[0] < r[1]:
+            fail(f"train.skip_steps[{i}] {r} is not a range [first, end) of step indices with first < end: write "
+                 "it as [first, end] (Megatron-LM's --iterations-to-skip N is [N - 1, N])")
 
 
 def _check_logging(cfg: RunConfig) -> None:

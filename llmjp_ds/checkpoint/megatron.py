@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from llmjp_ds.checkpoint.client_state import ClientState
 from llmjp_ds.checkpoint.megatron_reader import MegatronCheckpoint
 from llmjp_ds.errors import fail
 
@@ -231,8 +232,8 @@ def import_megatron(load, run, iteration: int | None = None, config=None, preset
     source = {"load": str(Path(load).resolve()), "iteration": ckpt.iteration, "format": ckpt.fmt,
               "layout": f"TP{tp} x PP{pp} x DP{dp}", "optimizer_state": ckpt.optimizer is not None,
               "optimizer_step": ckpt.step}
-    client = {"train_state": {"step": ckpt.iteration, "consumed_samples": consumed, "skipped_in_a_row": 0,
-                              "skipped_total": 0}, "imported_from": source}
+    client = ClientState(train_state={"step": ckpt.iteration, "consumed_samples": consumed},
+                         imported_from=source).to_dict()
     tag = _write_run(run_dir, data, cfg, model_config, states, client, ckpt.step, (pp, dp, tp), ckpt.scheduler)
     return {"run_dir": str(run_dir), "tag": tag, "step": ckpt.iteration, "consumed_samples": consumed, **source,
             "optim": optim}

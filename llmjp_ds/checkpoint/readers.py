@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from llmjp_ds.checkpoint.client_state import KEYS
 from llmjp_ds.checkpoint.safe_load import load_checkpoint_file, vet_files
 from llmjp_ds.checkpoint.store import CheckpointMeta, checkpoint_dir, vet_tag
 from llmjp_ds.errors import fail
@@ -60,8 +61,7 @@ def read_client_state(run_dir, tag: str) -> dict:
     without an engine (a resume on another layout; an imported checkpoint keeps it in a file of its own)."""
     d = vet_tag(run_dir, tag)
     state = load_checkpoint_file(d / CLIENT_STATE if (d / CLIENT_STATE).is_file() else d / model_states_file(0))
-    return {k: state[k] for k in ("train_state", "precision", "guard", "penalty", "wandb_run_id", "rng")
-            if k in state}
+    return {k: state[k] for k in KEYS if k in state}
 
 
 def read_model_state(run_dir, tag: str, marker: CheckpointMeta) -> dict[str, torch.Tensor]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from llmjp_ds.model.flops import layer_and_logits_flops_for
 from llmjp_ds.model.llama import DecoderLayer, Embedding, FinalNormHead, head_dim_of, rope_freqs, sequence_length
@@ -39,25 +40,38 @@ class FinalNormHeadPipe(FinalNormHead):
 
 
 class PipelineLoss:
-    """``loss_fn`` for the last stage: returns the total loss times ``scale`` (1, or NaN in a fault drill), keeps
-    the parts of the current step for logging."""
+    """``loss_fn`` for the last stage: returns the total loss times ``scale`` (1, or NaN or a spike in a fault
+    drill) and ``grad_scale``, keeps the parts of the current step for logging. ``gate(loss)`` (see
+    ``parallel/runners.py``) is asked before the step's last micro-batch's loss goes back, with the step's mean loss
+    over the stage's data-parallel ranks (``ctx.dp_group``); True returns a NaN loss, so the update is skipped."""
 
     def __init__(self, z_loss_coeff: float, fused: bool = False, tp=None):
         self.loss_fn = CausalLMLoss(z_loss_coeff, fused, tp)
-        self.scale = 1.0
-        self.reset()
+        self.scale = self.grad_scale = 1.0
+        self.reset(0)
 
-    def reset(self):
+    def reset(self, micro_batches: int, gate=None, ctx=None):
+        """A new step of ``micro_batches`` micro-batches (``gate`` and the parallel context ``ctx`` it reduces
+        the loss over)."""
         self.lm_loss_sum = 0.0
         self.z_loss_sum = 0.0
         self.micro_batches = 0
+        self.expected, self.gate, self.ctx, self.skipped = micro_batches, gate, ctx, False
 
     def __call__(self, logits, targets):
         parts = self.loss_fn(logits, targets)
         self.lm_loss_sum = self.lm_loss_sum + parts.lm_loss.detach() * self.scale
         self.z_loss_sum = self.z_loss_sum + parts.z_loss.detach()
         self.micro_batches += 1
-        return parts.loss * self.scale
+        scale = self.scale * self.grad_scale
+        if self.gate is not None and self.micro_batches == self.expected and self.gate(self._mean_loss()):
+            scale, self.skipped = float("nan"), True
+        return parts.loss * scale
+
+    def _mean_loss(self) -> float:
+        total = torch.as_tensor(self.lm_loss_sum, dtype=torch.float32, device=self.ctx.device).reshape(1).clone()
+        dist.all_reduce(total, group=self.ctx.dp_group)
+        return total.item() / (self.micro_batches * self.ctx.dp_size)
 
 
 def flops_weights(config, seq_len: int) -> list[float]:

@@ -11,6 +11,7 @@ data-parallel group from the engine's pipeline grid (DeepSpeed builds the same t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import socket
@@ -189,6 +190,16 @@ class ParallelContext:
 
         if self.heartbeat is not None and is_peer_failure(exc):
             self.heartbeat.report_lost_peer(exc)
+
+    @contextlib.contextmanager
+    def reporting_failures(self):
+        """Work on this process group: a failure that a host gone without a word caused names the host
+        (:meth:`report_failure`), then goes on."""
+        try:
+            yield
+        except BaseException as exc:
+            self.report_failure(exc)
+            raise
 
     # --- collectives the trainer uses ----------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,12 @@ returns the losses reduced over all ranks as device tensors (nothing here waits 
 * :class:`PipelineRunner`: DeepSpeed's pipeline engine, which drives them in its 1F1B schedule; the pipeline
   module enters the precision context per micro-batch and the last stage's loss function keeps the parts.
 
-``loss_scale`` multiplies the loss (1; NaN in a fault drill, :mod:`llmjp_ds.drills`). ``beat(phase)`` is called
-as each phase of the step starts (the trainer hands its watchdog's, :mod:`llmjp_ds.parallel.failure`).
+``loss_scale`` multiplies the loss (1; NaN or a planted spike in a fault drill, :mod:`llmjp_ds.drills`), and
+``grad_scale`` the loss only where it makes the gradients (a planted gradient spike). ``gate(loss)``, when set, is
+asked with the step's mean loss over every rank before the last micro-batch's backward: True skips the update
+(that backward is taken of a NaN loss, so DeepSpeed's optimizer, which skips non-finite gradients, leaves the
+weights and its state as they are; the reported loss stays the real one). ``beat(phase)`` is called as each phase
+of the step starts (the trainer hands its watchdog's, :mod:`llmjp_ds.parallel.failure`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ def _no_watchdog(phase: str) -> None:
 
 class StepRunner:
     loss_scale = 1.0
+    grad_scale = 1.0
+    gate = None
     beat = staticmethod(_no_watchdog)
 
     def __init__(self, engine, precision, ctx: ParallelContext):
@@ -33,7 +39,8 @@ class StepRunner:
 
     def train_step(self, batches) -> torch.Tensor:
         """Forward/backward over ``batches`` (this rank's micro-batches) and the optimizer step; the mean
-        (lm_loss, z_loss) over all micro-batches of all data-parallel ranks."""
+        (lm_loss, z_loss) over all micro-batches of all data-parallel ranks, and whether the gate skipped the
+        update (above 0)."""
         raise NotImplementedError
 
     def eval_loss(self, batches) -> torch.Tensor:
@@ -52,19 +59,28 @@ class StepRunner:
 
 class EngineRunner(StepRunner):
     def train_step(self, batches) -> torch.Tensor:
-        parts = None
+        parts, skipped = None, 0.0
         for m, (input_ids, targets) in enumerate(batches):
             self.beat("forward")
             with self.precision.micro_batch():
                 out = self.engine(input_ids=input_ids, shift_labels=targets)
-            self.beat("backward")
-            self.engine.backward(out.loss * self.loss_scale)
-            if m == len(batches) - 1:
-                self.beat("optimizer")
-            self.engine.step()
             micro = torch.stack([out.lm_loss.detach() * self.loss_scale, out.z_loss.detach()]).float()
             parts = micro if parts is None else parts + micro
-        return self.ctx.all_reduce(parts / len(batches) / self.ctx.loss_copies)
+            scale = self.loss_scale * self.grad_scale
+            last = m == len(batches) - 1
+            if last and self.gate is not None and self.gate(self._mean(parts, len(batches))[0].item()):
+                scale, skipped = float("nan"), 1.0
+            self.beat("backward")
+            self.engine.backward(out.loss * scale)
+            if last:
+                self.beat("optimizer")
+            self.engine.step()
+        mean = self._mean(parts, len(batches))
+        return torch.cat([mean, mean.new_tensor([skipped])])
+
+    def _mean(self, parts: torch.Tensor, count: int) -> torch.Tensor:
+        """The mean over every rank's ``count`` micro-batches of the summed ``parts``."""
+        return self.ctx.all_reduce(parts / count / self.ctx.loss_copies)
 
     def eval_loss(self, batches) -> torch.Tensor:
         self.engine.eval()
@@ -89,21 +105,22 @@ class PipelineRunner(StepRunner):
         return _BeatOnExit(self.precision.micro_batch(), lambda: self.beat("backward"))
 
     def train_step(self, batches) -> torch.Tensor:
-        self.loss.reset()
-        self.loss.scale = self.loss_scale
+        self.loss.reset(len(batches), self.gate, self.ctx)
+        self.loss.scale, self.loss.grad_scale = self.loss_scale, self.grad_scale
         self.engine.train_batch(data_iter=iter(batches))
-        parts = torch.zeros(2, device=self.ctx.device)
+        parts = torch.zeros(3, device=self.ctx.device)
         if self.engine.is_last_stage():
-            parts += torch.stack([torch.as_tensor(self.loss.lm_loss_sum, device=self.ctx.device),
-                                  torch.as_tensor(self.loss.z_loss_sum, device=self.ctx.device)]).float()
-            parts /= self.loss.micro_batches * self.ctx.loss_copies
+            parts[:2] += torch.stack([torch.as_tensor(self.loss.lm_loss_sum, device=self.ctx.device),
+                                      torch.as_tensor(self.loss.z_loss_sum, device=self.ctx.device)]).float()
+            parts[:2] /= self.loss.micro_batches * self.ctx.loss_copies
+            parts[2] = float(self.loss.skipped)  # the gate ran on the last stage: every rank learns its answer
         return self.ctx.all_reduce(parts)
 
     def eval_loss(self, batches) -> torch.Tensor:
         self.engine.eval()
         with torch.no_grad():
-            self.loss.reset()
-            self.loss.scale = 1.0
+            self.loss.reset(len(batches))
+            self.loss.scale, self.loss.grad_scale = 1.0, 1.0
             self.engine.eval_batch(data_iter=iter(batches), num_micro_batches=len(batches))
             value = torch.tensor([float(self.loss.lm_loss_sum) / max(1, self.loss.micro_batches) / self.ctx.loss_copies
                                   if self.engine.is_last_stage() else 0.0], device=self.ctx.device)

@@ -1,34 +1,34 @@
 """Every FP8 decision of a run, taken in one place: the flip, ``recipe: auto``, FP8's loss penalty and its
 fallback, the rollback to BF16 after a divergence.
 
-The trainer calls :class:`PrecisionController` at fixed points of its loop and does what it is told; it never
-asks which recipe runs or why:
+The trainer's loop asks :class:`PrecisionController` at fixed points and does what it is told; it never asks which
+recipe runs or why:
 
-* :meth:`~PrecisionController.before_step`: ``recipe: auto`` chooses its recipe on the validation batches (the
-  flip step of an ``auto`` phase), and the flip is logged; returns the step's phase (``schedule.describe``);
-* :meth:`~PrecisionController.validation`: the validation loss in the step's precision and, in an FP8 phase,
-  with FP8 off on the same weights and batches (``fp8_penalty``); a penalty too high for ``penalty_patience``
+* :meth:`~PrecisionController.before_step`: the step's phase (``schedule.describe``), the flip logged; when
+  ``recipe: auto`` is due (:meth:`~PrecisionController.choice_due`), :meth:`~PrecisionController.choose_recipe`
+  chooses on the validation batches;
+* :meth:`~PrecisionController.validation`: the validation loss in the step's precision and, in an FP8 phase, with
+  FP8 off on the same weights and batches (``fp8_penalty``); a penalty too high for ``penalty_patience``
   validations warns, steps down the fallback chain or returns to BF16 (``precision.guard.penalty_action``);
-* :meth:`~PrecisionController.after_step`: the divergence guard sees the step's loss and says whether to roll
-  back; :meth:`~PrecisionController.rollback_target` names the checkpoint to go back to and
+* :meth:`~PrecisionController.after_step`: the divergence guard sees the step's loss and says from which step
+  the run must go back (the loop rolls back, the same way as for a training-health rollback);
   :meth:`~PrecisionController.rolled_back` continues the run in BF16 from there.
 
-Validation losses come from the caller as functions (``measure()``: the mean validation loss over fixed batches
-in whatever precision the schedule's micro-batch context gives now), so nothing here knows DeepSpeed, the data or
-the step runner. Events go to ``event(step, kind, **fields)`` (the metrics log) and lines for people to
-``say(line)`` (rank 0's stdout). A new guard or action is a change to this package only.
+``choose_recipe`` and ``validation`` are generators: each yields once per loss it needs, inside the precision
+context that loss is measured in, and the loop sends the measured loss back (``trainer.evaluation.measured``), so
+nothing here knows DeepSpeed, the data or the step runner. Events go to ``event(step, kind, **fields)`` (the
+metrics log) and lines for people to ``say(line)`` (rank 0's stdout). A new guard or action is a change to this
+package only.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Iterator
 
 from llmjp_ds.errors import fail
 from llmjp_ds.precision.guards import DivergenceGuard, PenaltyMonitor, choose_recipe, penalty
 from llmjp_ds.precision.schedule import PrecisionSchedule, fp8_summary
-
-Measure = Callable[[], float]
 
 
 class PrecisionController:
@@ -45,27 +45,29 @@ class PrecisionController:
         return self.schedule.rollbacks
 
     # --- before a step ----------------------------------------------------------------------------------
-    def before_step(self, step: int, open_validation: Callable[[], Measure]) -> dict:
-        """The precision of ``step`` (``schedule.describe``), once ``recipe: auto`` has chosen at its flip
-        (``open_validation()`` gives the validation's ``measure``; called only when a choice is due)."""
-        if self.schedule.choice_pending(step):
-            self.choose_recipe(step, open_validation())
+    def choice_due(self, step: int) -> bool:
+        """Whether ``recipe: auto`` chooses its recipe before ``step`` (:meth:`choose_recipe`)."""
+        return self.schedule.choice_pending(step)
+
+    def before_step(self, step: int) -> dict:
+        """The precision of ``step`` (``schedule.describe``); the flip is logged."""
         phase = self.schedule.describe(step)
         if self.schedule.is_flip_step(step):
             self.event(step, "precision_flip", **phase)
         return phase
 
-    def choose_recipe(self, step: int, measure: Measure) -> None:
-        """``recipe: auto`` at its flip: evaluate each candidate recipe with the current weights on the
-        validation batches, flip to the one with the lowest penalty within ``max_penalty`` or stay in BF16."""
+    def choose_recipe(self, step: int) -> Iterator[None]:
+        """``recipe: auto`` at its flip (a generator of the losses it needs): each candidate recipe with the
+        current weights on the validation batches, then the flip to the one with the lowest penalty within
+        ``max_penalty``, or BF16."""
         s = self.schedule
         s.begin_step(step)
         with s.forced_bf16():
-            bf16 = measure()
+            bf16 = yield
         penalties = {}
         for recipe in s.candidates(step):
             with s.trying(step, recipe):
-                penalties[recipe] = penalty(measure(), bf16)
+                penalties[recipe] = penalty((yield), bf16)
             s.commit_amax()
         recipe, why = choose_recipe(penalties, self.cfg.guard.max_penalty)
         s.switch_recipe(step, recipe, f"recipe auto: {why}", calibrate=False)
@@ -82,14 +84,14 @@ class PrecisionController:
         return fp8_summary(model) if self.cfg.log_amax else {}
 
     # --- after a validation -----------------------------------------------------------------------------
-    def validation(self, step: int, measure: Measure) -> dict:
-        """The validation's losses after ``step`` steps (``valid_loss``; in an FP8 phase also ``valid_loss_bf16``
-        and ``fp8_penalty``), and what FP8's penalty asks for."""
+    def validation(self, step: int) -> Iterator[None]:
+        """The validation after ``step`` steps (a generator of the losses it needs, returning ``valid_loss`` and
+        in an FP8 phase ``valid_loss_bf16`` and ``fp8_penalty``), and what FP8's penalty asks for."""
         s = self.schedule
-        out = {"valid_loss": measure()}
+        out = {"valid_loss": (yield)}
         if s.in_fp8():
             with s.forced_bf16():
-                out["valid_loss_bf16"] = measure()
+                out["valid_loss_bf16"] = yield
             out["fp8_penalty"] = penalty(out["valid_loss"], out["valid_loss_bf16"])
         s.commit_amax()
         self._watch_penalty(step, out)
@@ -113,22 +115,13 @@ class PrecisionController:
         self.say(f"[llmjp-ds] step {step}: {reason}" + ("" if action == "warn" else f"; from {now} to {target}"))
 
     # --- on divergence ----------------------------------------------------------------------------------
-    def after_step(self, step: int, lm_loss: float, z_loss: float, phase: dict) -> str | None:
-        """The guard's verdict on ``step``'s loss: why to roll back (a non-finite loss, a loss spike), or None."""
+    def after_step(self, step: int, lm_loss: float, z_loss: float, phase: dict) -> tuple[str, int] | None:
+        """The guard's verdict on ``step``'s loss: why to roll back (a non-finite loss, a loss spike) and the first
+        bad step of the divergence (the rollback goes to a checkpoint at or before it), or None."""
         if not self.guard.observe(step, lm_loss + z_loss, phase["precision"]):
             return None
-        return "non-finite loss" if not math.isfinite(lm_loss) else "loss spike"
-
-    def rollback_target(self, step: int, reason: str, tags: list[tuple[int, str]]) -> tuple[int, str]:
-        """The newest of the complete checkpoints ``tags`` ((step, tag), oldest first) saved before the first
-        bad step of the divergence seen at ``step`` (a tag's number counts completed steps: tag N holds the state
-        before step index N ran)."""
         first_bad = self.guard.first_bad_step if self.guard.first_bad_step is not None else step
-        good = [(s, t) for s, t in tags if s <= first_bad]
-        if not good:
-            fail(f"loss diverged after the FP8 flip ({reason}) and there is no checkpoint before it to roll back "
-                 "to: lower checkpoint.interval so one is saved before the flip, or disable the guard")
-        return good[-1]
+        return ("non-finite loss" if not math.isfinite(lm_loss) else "loss spike"), first_bad
 
     def rolled_back(self, failed_step: int, good_step: int, good_tag: str, reason: str, client: dict) -> None:
         """The weights of checkpoint ``good_tag`` (its trainer state ``client``) are loaded: the guard resumes

@@ -1,26 +1,29 @@
-"""Back to a checkpoint: at setup the newest intact one (falling back past damaged ones), on the layout it was saved
-on or converted once from another; after a divergence, the rollback to the one before it."""
+"""Back to a checkpoint: at the start the newest intact one (falling back past damaged ones), on the layout it was
+saved on or converted once from another; after a divergence or a spike, the rollback to the newest one before it."""
 
 from __future__ import annotations
 
 import sys
 
+from llmjp_ds import checkpoint
+from llmjp_ds.errors import fail
+from llmjp_ds.parallel.deepspeed_internals import set_progress
+from llmjp_ds.parallel.reshape import CONVERTED, convert, load_converted
+
 
 class Resume:
-    """Loads the checkpoints of ``run_dir`` into the ``engine``, the ``precision`` schedule and its ``controller``
-    (the trainer's ``TrainState`` comes back in each loaded checkpoint's client state, ``client["train_state"]``)."""
+    """Loads the checkpoints of ``run_dir`` into the ``engine`` and the ``precision`` schedule; each load returns
+    the checkpoint's client state (``checkpoint.client_state``), whose parts the trainer hands to their owners."""
 
-    def __init__(self, run_dir, layout, num_layers: int, ctx, engine, precision, controller, watchdog):
+    def __init__(self, run_dir, layout, num_layers: int, ctx, engine, precision, watchdog):
         self.run_dir, self.layout, self.num_layers, self.ctx, self.engine = run_dir, layout, num_layers, ctx, engine
-        self.precision, self.controller, self.watchdog = precision, controller, watchdog
+        self.precision, self.watchdog = precision, watchdog
         self.tag: str | None = None  # the checkpoint the run resumed from
         self.damaged: list[tuple[str, str]] = []  # (tag, why) of each newer checkpoint set aside
         self.reshaped = None  # the layout the checkpoint was saved on, when it was converted to this one
 
     def latest(self) -> dict:
         """Load the newest intact checkpoint, if any: its client state ({} when the run starts afresh)."""
-        from llmjp_ds import checkpoint
-
         client: dict = {}
         tag, self.damaged = checkpoint.choose_intact(self.run_dir, self.ctx)
         if tag:
@@ -30,7 +33,6 @@ class Resume:
                 client, self.reshaped = self._reshape(tag, saved), saved
             else:
                 client = checkpoint.load(self.engine, self.run_dir, tag)
-            self.controller.load_state_dict(client)
         self.tag = tag
         return client
 
@@ -51,10 +53,6 @@ class Resume:
     def _reshape(self, tag: str, saved) -> dict:
         """Resume checkpoint ``tag`` of another layout: rank 0 converts it once (``parallel.reshape``), every
         rank reads its parameters from the conversion."""
-        from llmjp_ds import checkpoint
-        from llmjp_ds.parallel.deepspeed_internals import set_progress
-        from llmjp_ds.parallel.reshape import CONVERTED, convert, load_converted
-
         n = self.num_layers
         def extra_states() -> dict:
             state = checkpoint.read_model_state(self.run_dir, tag, checkpoint.read_marker(self.run_dir, tag))
@@ -73,21 +71,16 @@ class Resume:
         set_progress(self.engine, progress["step"], progress["consumed_samples"])
         return client
 
-    def rollback(self, state, reason: str, checkpointer) -> None:
-        """Back to the checkpoint the precision controller names after a divergence (``state``: the trainer's
-        ``TrainState``, loaded in place; ``checkpointer`` saves the run); on as the controller says (BF16)."""
-        from llmjp_ds import checkpoint
-
+    def rollback(self, first_bad_step: int, why: str) -> tuple[int, str, dict]:
+        """Load the newest intact checkpoint at or before step ``first_bad_step`` (a tag's number counts completed
+        steps: tag N holds the state before step index N ran); its step, tag and client state. ``why`` words the
+        line when there is none."""
         self.watchdog.beat("checkpoint")  # loading the good checkpoint
-        # a background save of the diverging timeline lands first, then is discarded
-        checkpointer.commit(state.step, block=True)
-        failed_step = state.step
-        good_step, good_tag = self.controller.rollback_target(failed_step, reason,
-                                                              checkpoint.complete_tags(self.run_dir))
-        loaded = checkpoint.load(self.engine, self.run_dir, good_tag)
-        state.__dict__.update(loaded["train_state"])
-        self.controller.rolled_back(failed_step, good_step, good_tag, reason, loaded)
-        checkpointer.save(state, wait=True)
-        if self.ctx.rank == 0:
-            checkpoint.discard_after(self.run_dir, good_step)
-        self.ctx.barrier()
+        good = [(s, t) for s, t in checkpoint.complete_tags(self.run_dir) if s <= first_bad_step]
+        if not good:
+            fail(f"{why} at step {first_bad_step}, and there is no checkpoint before it to roll back to: lower "
+                 "checkpoint.interval so that one is saved before it, or choose another action")
+        good_step, good_tag = good[-1]
+        client = checkpoint.load(self.engine, self.run_dir, good_tag)
+        self.precision.weights_changed()
+        return good_step, good_tag, client

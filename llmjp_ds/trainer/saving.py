@@ -3,25 +3,26 @@ its commit once every rank's writer is done, and the advice when a save waits fo
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 
+from llmjp_ds import checkpoint
+from llmjp_ds.checkpoint.async_save import arena_bytes, check_host_memory, interval_advice, smallest_interval
+from llmjp_ds.config import kept_step
+from llmjp_ds.validate import gpus_per_node_from_env
+
 
 class Checkpointer:
-    """The run's saves into ``run_dir`` (``meta``: the marker's run description). A checkpoint holds the engine,
-    the trainer's ``TrainState``, the precision ``controller``'s state and the logger's wandb run id; what a save
-    stalls the loop for goes to the next step's record (:meth:`take_metrics`)."""
+    """The run's saves into ``run_dir`` (``meta``: the marker's run description). A checkpoint holds the engine and
+    the client state the trainer hands each save; what a save stalls the loop for goes to the next step's record
+    (:meth:`take_metrics`)."""
 
-    def __init__(self, cfg, engine, ctx, run_dir, meta, controller, logger, watchdog, step: int, schedule):
-        from llmjp_ds import checkpoint
-
+    def __init__(self, cfg, engine, ctx, run_dir, meta, logger, watchdog, step: int):
         self.cfg, self.engine, self.ctx, self.run_dir, self.meta = cfg, engine, ctx, run_dir, meta
-        self.controller, self.logger, self.watchdog, self.schedule = controller, logger, watchdog, schedule
+        self.logger, self.watchdog = logger, watchdog
         self.saver = checkpoint.AsyncSaver() if cfg.checkpoint.async_save else None
         if self.saver is not None:
-            from llmjp_ds.checkpoint.async_save import arena_bytes, check_host_memory
-            from llmjp_ds.validate import gpus_per_node_from_env
-
             nbytes = arena_bytes(self.engine.module, self.ctx.dp_rank, self.ctx.dp_size)
             check_host_memory(nbytes, gpus_per_node_from_env() or 1)
             took = self.saver.reserve(nbytes)  # page-locked once here, not in the first save's stall
@@ -36,44 +37,32 @@ class Checkpointer:
         metrics, self.save_metrics = self.save_metrics, {}
         return metrics
 
-    def save(self, state, wait: bool = False) -> str:
-        """Checkpoint ``state`` (the trainer's ``TrainState``). Under ``checkpoint.async_save`` the loop waits only
-        for a save still in flight and for the snapshot, and the files are written in the background (``wait``:
-        commit before returning, as a stop or the end of the run needs). The stall goes to the next step's
-        metrics. A step of ``checkpoint.keep``'s rules is marked kept in its marker: rotation never deletes it."""
-        import dataclasses
-
-        import torch
-
-        from llmjp_ds import checkpoint
-        from llmjp_ds.config import kept_step
-
+    def save(self, step: int, client, rollbacks: int, marker: dict, wait: bool = False) -> str:
+        """Checkpoint step ``step`` with ``client`` (a ``ClientState``) and ``marker`` (what the marker records of
+        the progress: consumed samples, the LR schedule, the samples skipped). Under ``checkpoint.async_save`` the
+        loop waits only for a save still in flight and for the snapshot, and the files are written in the background
+        (``wait``: commit before returning, as a stop or the end of the run needs). The stall goes to the next
+        step's metrics. A step of ``checkpoint.keep``'s rules is marked kept: rotation never deletes it."""
         t0 = time.perf_counter()
         self.watchdog.beat("checkpoint")
         pending = self.saver is not None and self.saver.in_flight and not self.saver.done()
         gib = self.saver.snapshot_bytes / 2**30 if pending else 0.0
-        self.commit(state.step, block=True)
+        self.commit(step, block=True)
         waited = time.perf_counter() - t0
         if pending and self._last_save is not None:
-            self._advise_interval(state.step, t0, gib, waited)
-        self._last_save = (t0, state.step)
-        client = {"train_state": dict(state.__dict__), **self.controller.state_dict(),
-                  "wandb_run_id": self.logger.run_id, "rng": torch.get_rng_state()}
-        meta = dataclasses.replace(self.meta, kept=kept_step(state.step, self.cfg.checkpoint.keep),
-                                   consumed_samples=state.consumed_samples,
-                                   lr_schedule=self.schedule.state_dict(state.consumed_samples))
-        tag = checkpoint.save(self.engine, self.run_dir, state.step, client, meta,
-                              self.cfg.checkpoint.keep_last, rollbacks=self.controller.rollbacks, saver=self.saver)
+            self._advise_interval(step, t0, gib, waited)
+        self._last_save = (t0, step)
+        meta = dataclasses.replace(self.meta, kept=kept_step(step, self.cfg.checkpoint.keep), **marker)
+        tag = checkpoint.save(self.engine, self.run_dir, step, client.to_dict(), meta, self.cfg.checkpoint.keep_last,
+                              rollbacks=rollbacks, saver=self.saver)
         self.save_metrics.update(save_stall_s=time.perf_counter() - t0, save_wait_s=waited)
         if wait:
-            self.commit(state.step, block=True)
+            self.commit(step, block=True)
         return tag
 
     def _advise_interval(self, step: int, now: float, gib: float, waited: float) -> None:
         """The first save that waits for the previous write says why, once, with the numbers (the write's
         GB/s, the interval in seconds, the smallest interval that would not wait); metrics get the event."""
-        from llmjp_ds.checkpoint.async_save import interval_advice, smallest_interval
-
         if self._interval_told:
             return
         self._interval_told = True
@@ -91,8 +80,6 @@ class Checkpointer:
     def commit(self, step: int, block: bool) -> None:
         """Commit a background save once every rank's writer is done (``block``: wait for it); ``step``: the
         loop's step now, for the record."""
-        from llmjp_ds import checkpoint
-
         saver = self.saver
         if saver is None or not saver.in_flight:
             return

@@ -11,6 +11,7 @@ from llmjp_ds.errors import UserError
 from llmjp_ds.precision.controller import PrecisionController
 from llmjp_ds.precision.recipes import validate_phases
 from llmjp_ds.precision.schedule import PrecisionSchedule
+from llmjp_ds.trainer.evaluation import measured
 
 
 class Recorder:
@@ -48,12 +49,13 @@ def losses_by_recipe(ctl, table):
 def test_recipe_auto_flips_to_the_candidate_with_the_lowest_penalty():
     ctl, rec = controller([{}, {"precision": "fp8", "start_step": 2, "recipe": "auto",
                                 "candidates": ["delayed", "current"]}])
-    opened = []
     measure = losses_by_recipe(ctl, {"bf16": 1.0, "delayed": 1.05, "current": 1.01})
-    assert ctl.before_step(1, lambda: opened.append(1) or measure)["precision"] == "fp32"
-    assert not opened  # no choice due before the flip: the validation is not even opened
-    phase = ctl.before_step(2, lambda: opened.append(2) or measure)
-    assert opened == [2] and phase["recipe"] == "fp8-current-hybrid"
+    assert not ctl.choice_due(1)  # no choice due before the flip: the loop opens no validation
+    assert ctl.before_step(1)["precision"] == "fp32"
+    assert ctl.choice_due(2)
+    measured(ctl.choose_recipe(2), measure)
+    phase = ctl.before_step(2)
+    assert phase["recipe"] == "fp8-current-hybrid"
     assert rec.kinds() == ["recipe_choice", "precision_flip"]
     step, _, choice = rec.events[0]
     assert step == 2 and choice["chosen"] == "current" and choice["penalty_delayed"] == pytest.approx(0.05)
@@ -64,7 +66,8 @@ def test_recipe_auto_stays_in_bf16_when_no_candidate_is_within_max_penalty():
     ctl, rec = controller([{}, {"precision": "fp8", "start_step": 2, "recipe": "auto",
                                 "candidates": ["delayed", "current"]}])
     measure = losses_by_recipe(ctl, {"bf16": 1.0, "delayed": 1.5, "current": 1.4})
-    assert ctl.before_step(2, lambda: measure)["precision"] == "fp32"
+    measured(ctl.choose_recipe(2), measure)
+    assert ctl.before_step(2)["precision"] == "fp32"
     assert rec.events[0][2]["chosen"] == "bf16"
 
 
@@ -75,10 +78,10 @@ def test_a_penalty_too_high_for_patience_validations_takes_the_configured_action
                           max_penalty=0.02, penalty_patience=2, penalty_action=action)
     measure = losses_by_recipe(ctl, {"bf16": 1.0, "delayed": 1.1, "current": 1.0})
     ctl.schedule.begin_step(5)
-    first = ctl.validation(5, measure)
+    first = measured(ctl.validation(5), measure)
     assert first == {"valid_loss": 1.1, "valid_loss_bf16": 1.0, "fp8_penalty": pytest.approx(0.1)}
     assert rec.events == []  # once is not yet penalty_patience
-    ctl.validation(6, measure)
+    measured(ctl.validation(6), measure)
     kind = {"warn": "fp8_penalty"}.get(action, "precision_fallback")
     assert rec.kinds() == [kind] and rec.events[0][0] == 6
     assert ctl.schedule.phase_at(7).label == after
@@ -88,7 +91,7 @@ def test_a_penalty_too_high_for_patience_validations_takes_the_configured_action
 def test_bf16_validations_measure_once_and_watch_nothing():
     ctl, rec = controller([{}], penalty_action="bf16")
     calls = []
-    out = ctl.validation(3, lambda: calls.append(1) or 2.0)
+    out = measured(ctl.validation(3), lambda: calls.append(1) or 2.0)
     assert out == {"valid_loss": 2.0} and len(calls) == 1 and rec.events == []
 
 
@@ -99,10 +102,10 @@ def test_a_divergence_rolls_back_to_the_newest_checkpoint_before_its_first_bad_s
         assert ctl.after_step(step, 2.0, 0.0, bf16) is None
     assert ctl.after_step(3, 2.1, 0.0, fp8) is None
     assert ctl.after_step(4, 9.0, 0.0, fp8) is None  # a spike: patience 2
-    assert ctl.after_step(5, 9.0, 0.0, fp8) == "loss spike"
-    tags = [(0, "step00000000"), (4, "step00000004"), (5, "step00000005")]
-    good_step, good_tag = ctl.rollback_target(6, "loss spike", tags)
-    assert (good_step, good_tag) == (4, "step00000004")  # the first bad step is 4: tag 4 holds the state before it
+    # the first bad step is 4: the loop rolls back to the newest checkpoint at or before it (tag 4 holds the state
+    # before step 4 ran; trainer/resuming.py)
+    assert ctl.after_step(5, 9.0, 0.0, fp8) == ("loss spike", 4)
+    good_step, good_tag = 4, "step00000004"
     ctl.rolled_back(6, good_step, good_tag, "loss spike", {"guard": {"history": [2.0, 2.0]}})
     assert ctl.rollbacks == 1 and ctl.schedule.phase_at(4).precision == "bf16"
     assert ctl.schedule.phase_at(3).precision == "fp8"  # what ran before the rollback point stays as it was
@@ -110,19 +113,31 @@ def test_a_divergence_rolls_back_to_the_newest_checkpoint_before_its_first_bad_s
     assert ctl.after_step(4, float("nan"), 0.0, ctl.schedule.describe(4)) is None  # BF16 now: no guard
 
 
-def test_a_non_finite_fp8_loss_rolls_back_at_once_and_needs_a_checkpoint_before_it():
+def test_a_non_finite_fp8_loss_rolls_back_at_once_and_needs_a_checkpoint_before_it(tmp_path):
+    from llmjp_ds import checkpoint
+    from llmjp_ds.trainer.resuming import Resume
+
     ctl, _ = controller([{"precision": "fp8"}])
     fp8 = ctl.schedule.describe(0)
-    assert ctl.after_step(0, float("nan"), 0.0, fp8) == "non-finite loss"
-    with pytest.raises(UserError, match="no checkpoint before it to roll back to"):
-        ctl.rollback_target(0, "non-finite loss", [(1, "step00000001")])
+    assert ctl.after_step(0, float("nan"), 0.0, fp8) == ("non-finite loss", 0)
+    tag = checkpoint.checkpoint_dir(tmp_path) / "step00000001"  # a checkpoint after the first bad step only
+    tag.mkdir(parents=True)
+    (tag / checkpoint.MARKER).write_text("{}")
+
+    class Watchdog:
+        def beat(self, *phase):
+            pass
+
+    resume = Resume(tmp_path, None, 2, None, None, ctl.schedule, Watchdog())
+    with pytest.raises(UserError, match="non-finite loss at step 0, and there is no checkpoint before it to roll"):
+        resume.rollback(0, "non-finite loss")
 
 
 def test_the_state_a_checkpoint_carries_comes_back():
     ctl, _ = controller([{"precision": "fp8", "recipe": "delayed", "fallback": ["current"]}],
                         penalty_action="fallback", penalty_patience=1)
     ctl.schedule.begin_step(2)
-    ctl.validation(2, losses_by_recipe(ctl, {"bf16": 1.0, "delayed": 1.1, "current": 1.0}))
+    measured(ctl.validation(2), losses_by_recipe(ctl, {"bf16": 1.0, "delayed": 1.1, "current": 1.0}))
     ctl.rolled_back(3, 2, "step00000002", "loss spike", {})
     state = ctl.state_dict()
     assert sorted(state) == ["guard", "penalty", "precision"]

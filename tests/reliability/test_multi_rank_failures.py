@@ -246,10 +246,11 @@ def test_the_watchdog_names_the_stop_check_after_the_log_line_in_the_logs_number
     ctx.rank, ctx.device = 0, torch.device("cpu")
     cfg = SimpleNamespace(train=SimpleNamespace(eval_interval=0, steps=10),
                           logging=SimpleNamespace(interval=1, progress=False),
-                          checkpoint=SimpleNamespace(interval=0))
+                          checkpoint=SimpleNamespace(interval=0, keep=[]))
     trainer = SimpleNamespace(cfg=cfg, state=SimpleNamespace(step=3), ctx=ctx, stop=SimpleNamespace(requested=False),
                               logger=SimpleNamespace(log=lambda step, metrics: None), watchdog=watchdog,
-                              commit_save=lambda block: None)  # no save in flight
+                              checkpointer=SimpleNamespace(commit=lambda step, block: None),  # no save in flight
+                              say=lambda line: None)
     assert Trainer._after_step(trainer, {"loss": 1.0}) is False
     assert seen == ["in step 3 (stop check)"], seen
     assert Watchdog(60, rank=0).where() == "before step 1 (setup)"

@@ -7,3 +7,6 @@
 bench bench --shapes 172b-slice,llmjp3-1.8b,llmjp4-8b-slice --steps 3 --warmup 2 \
   --shape-variants llmjp4-8b-slice=ours-bf16,peer-mcore-bf16 \
   --variants ours-bf16,peer-mcore-bf16,ours-fp8-delayed,peer-mcore-fp8-param "$@"
+# the same 1.8B row with the health monitor's gate before each update (health.loss.action=skip: the step's loss is
+# reduced over the ranks and read before the last backward): its cost beside the row above, in the same call
+bench bench-health --shapes llmjp3-1.8b --steps 3 --warmup 2 --variants ours-bf16 --set health.loss.action=skip

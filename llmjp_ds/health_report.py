@@ -1,0 +1,78 @@
+"""``llmjp-ds health RUN_DIR [--plot [FILE]]``: what happened to a run's health, from its metrics log and its latest
+checkpoint: spikes and what was done about them, skipped updates and steps, rollbacks, FP8's penalty and fallbacks,
+precision and data phases, resumes and branches, as one table; ``--plot`` marks them on the loss curve."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from llmjp_ds.checkpoint.store import latest_tag, read_marker
+from llmjp_ds.errors import fail
+from llmjp_ds.metrics import read_metrics
+from llmjp_ds.plot import plot_run
+
+# the events the report lists, and how each reads in one cell
+HEALTH_EVENTS = ("health", "rollback", "skipped_step", "precision_flip", "precision_fallback", "recipe_choice",
+                 "fp8_penalty", "resume", "reshape", "checkpoint_fallback", "branch", "preempted")
+
+
+def _number(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def describe(event: dict) -> tuple[str, str]:
+    """(what, detail) of one event record."""
+    kind = event["event"]
+    if kind == "health":
+        stats = ", ".join(f"{k} {_number(event[k])}" for k in ("value", "median", "z") if k in event)
+        return f"{event.get('kind', '?')} spike" if event.get("kind") != "nonfinite" else "non-finite step", \
+            f"{event.get('action', '?')}: {stats}"
+    if kind == "rollback":
+        skipped = event.get("skipped_steps")
+        return "rollback", (f"to {event.get('tag')} (step {event.get('to_step')})"
+                            + (f", steps {skipped[0]}..{skipped[1] - 1} skipped" if skipped else "")
+                            + (f", {event['fallback']} from there" if event.get("fallback") else "")
+                            + f": {event.get('reason', '')}")
+    if kind == "precision_flip":
+        return "precision flip", f"{event.get('precision')} ({event.get('recipe')})"
+    if kind == "precision_fallback":
+        return "FP8 fallback", f"{event.get('from')} -> {event.get('to')}: {event.get('reason')}"
+    if kind == "fp8_penalty":
+        return "FP8 penalty", f"{event.get('recipe')}: {event.get('reason')}"
+    if kind == "branch":
+        return "branch", f"from {event.get('from_run')} at {event.get('from_tag')}"
+    fields = {k: v for k, v in event.items() if k not in ("step", "time", "event")}
+    return kind.replace("_", " "), ", ".join(f"{k} {_number(v)}" for k, v in fields.items())
+
+
+def report(run_dir) -> list[str]:
+    """The table's lines (markdown), then the steps the run skipped (its latest checkpoint's record)."""
+    records = read_metrics(run_dir)
+    events = [r for r in records if r.get("event") in HEALTH_EVENTS]
+    steps = [r for r in records if "event" not in r and "loss" in r]
+    lines = ["| step | what | detail |", "| ---: | --- | --- |"]
+    lines += [f"| {e['step']} | {what} | {detail} |" for e in events for what, detail in [describe(e)]]
+    skipped_updates = steps[-1].get("skipped_steps", 0) if steps else 0
+    tag = latest_tag(run_dir)
+    ranges = (read_marker(run_dir, tag).skip_steps or []) if tag else []
+    lines += ["", f"{len(steps)} steps logged, {sum(e['event'] == 'rollback' for e in events)} rollbacks, "
+              f"{skipped_updates} updates skipped; steps whose samples were not trained on: "
+              + (", ".join(f"{a}..{b - 1}" for a, b in ranges) or "none")]
+    return lines
+
+
+def cli_main(argv: list[str], verb: str = "health") -> int:
+    p = argparse.ArgumentParser(prog=f"llmjp-ds {verb}", description=__doc__.splitlines()[0])
+    p.add_argument("run", metavar="RUN_DIR", help="the run directory")
+    p.add_argument("--plot", nargs="?", const="", metavar="FILE",
+                   help="also draw the loss curve with these events marked (default RUN_DIR/health.png)")
+    a = p.parse_args(argv)
+    run_dir = Path(a.run)
+    if not run_dir.is_dir():
+        fail(f"run directory {run_dir} does not exist: pass the run_dir of a training run")
+    print("\n".join(report(run_dir)))
+    if a.plot is not None:
+        out = plot_run(run_dir, a.plot or run_dir / "health.png", events=HEALTH_EVENTS)
+        print(f"wrote {out}")
+    return 0

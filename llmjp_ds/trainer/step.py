@@ -1,0 +1,74 @@
+"""The model under DeepSpeed's engine on the run's process group, and one optimizer step of it: what a training run
+(:class:`~llmjp_ds.trainer.Trainer`) and ``llmjp-ds bench`` share."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from llmjp_ds.batch_schedule import BatchSchedule
+from llmjp_ds.config import RunConfig, model_config_of, seq_len_of
+from llmjp_ds.drills import with_drills
+from llmjp_ds.model.backend import layers_module, resolve_backend
+from llmjp_ds.model.llama import DecoderLayer
+from llmjp_ds.optim import set_lr
+from llmjp_ds.parallel.build import build_model, initialize
+from llmjp_ds.parallel.context import ParallelContext
+from llmjp_ds.parallel.deepspeed_internals import set_global_batch
+from llmjp_ds.parallel.failure import Watchdog
+from llmjp_ds.parallel.layout import Layout
+from llmjp_ds.parallel.runners import make_runner
+from llmjp_ds.precision.schedule import PrecisionSchedule
+
+
+def precision_schedule(cfg: RunConfig, backend: str) -> PrecisionSchedule:
+    """The run's precision schedule; a phase given in tokens starts at the first step after them (the batch may
+    ramp). Validates FP8's availability, before any process group exists."""
+    batches, seq_len = BatchSchedule.of(cfg.train), seq_len_of(cfg, model_config_of(cfg))
+    return PrecisionSchedule(cfg.precision, backend, lambda tokens: batches.step_at(math.ceil(tokens / seq_len)))
+
+
+class StepEngine:
+    """``cfg``'s model (or ``model``) under DeepSpeed's engine on ``ctx`` (the process groups of ``layout``),
+    its precision schedule attached, and a step runner watched by a watchdog (armed by the training loop)."""
+
+    def __init__(self, cfg: RunConfig, layout: Layout, ctx: ParallelContext, precision: PrecisionSchedule,
+                 model=None):
+        self.cfg, self.layout, self.ctx, self.precision = cfg, layout, ctx, precision
+        self.backend = resolve_backend(cfg.model.backend)
+        self.model_config = model_config_of(cfg)
+        torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
+        pipeline_loss = None
+        if model is None:
+            checkpoint_fn = precision.checkpoint_function(layers_module(self.backend).checkpoint)
+            model, pipeline_loss = build_model(cfg, self.model_config, self.backend, checkpoint_fn, ctx.tp, layout)
+        self.engine = initialize(cfg, model, layout, ctx.mpu)
+        ctx.bind(self.engine)
+        layers = [m for m in self.engine.module.modules() if isinstance(m, DecoderLayer)]
+        for layer in layers:
+            layer.self_attention.fused_qkv_rope = cfg.model.fused_qkv_rope
+            if self.backend == "te":
+                layer.fused_residual_norm = cfg.model.fused_residual_norm and cfg.model.recompute != "full"
+                layer.self_attention.core_attention.via_torch = cfg.model.attention_core == "cudnn"
+        precision.attach(self.engine.module, layers, self.model_config.num_hidden_layers, ctx.amax_reduction_group,
+                         tensor_parallel=ctx.tp is not None)
+        runner = make_runner(self.engine, precision, ctx, pipeline_loss)
+        self.watchdog = Watchdog(cfg.parallel.stall_timeout_s, ctx.rank)
+        runner.beat = self.watchdog.beat
+        self.runner = with_drills(runner, precision)
+
+    def train_step(self, step: int, batches, lr: float, weight_decay: float | None = None, gate=None):
+        """One optimizer step at ``step`` on this rank's ``batches`` with ``lr`` and ``weight_decay``: the precision
+        of the step, forward and backward of every micro-batch, the update (``gate(loss)``: asked with the step's
+        mean loss before the last backward; True skips the update). The mean ``[lm_loss, z_loss, skipped]`` over
+        all ranks, a device tensor."""
+        set_lr(self.engine.optimizer, lr, weight_decay)
+        batch = sum(len(ids) for ids, _ in batches) * self.ctx.dp_size
+        if self.engine.train_batch_size() != batch:  # a ramp or a change: DeepSpeed's accumulation follows
+            set_global_batch(self.engine, batch)
+        self.runner.gate = gate
+        self.precision.begin_step(step)
+        parts = self.runner.train_step(batches)
+        self.precision.end_step()
+        return parts

@@ -52,9 +52,12 @@ class Recipe:
     steps: int = 140
     branch: int = 40  # W-A1 saves here and exits; W-A2 and the decay branches start from this checkpoint
     # thresholds in tokens, as LLM-jp writes them ("0:512 T:2048"); Megatron-LM divides them by --seq-length:
-    # 64,000 tokens are 15 samples, 192,000 are 46, so the batch is 1 for steps 1-15, 2 for 16-31, then 4
-    batch_schedule: str = "0:1 64K:2 192K:4"
-    warmup_samples: int = 32  # the warm-up ends within the batch of 2
+    # 192,000 tokens are 46 samples, 384,000 are 93, so the batch is 1 for steps 1-46, 2 for 47-70, then 4. The
+    # first change comes after the branch step: Megatron-LM saves a checkpoint whenever its number of micro-batches
+    # changes and --save is set (training.py, train), and W-A1 is the run that saves; the runs from its checkpoint
+    # and W-B cross both changes
+    batch_schedule: str = "0:1 192K:2 384K:4"
+    warmup_samples: int = 32  # the warm-up ends within the batch of 1
     wsd_decay_style: str = "linear"  # the stable run's (v4-8b-phase1/base/params.sh), over its last step alone
     decay_style: str = "minus_sqrt"  # the branch's decay, over the rest of the run, to an LR of 0
     # the branch's blend: the same three corpora at other weights. Each corpus's samples start from its first

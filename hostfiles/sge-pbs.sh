@@ -2,7 +2,7 @@
 # llmjp-ds under Grid Engine (SGE, Univa/Altair GE; ABCI 2.0's and TSUBAME's qsub) or PBS Pro (ABCI 3.0): the job's
 # hosts, from $PE_HOSTFILE or $PBS_NODEFILE, become a hostfile (`llmjp-ds preflight --write-hostfile`, which also
 # checks the run config for that world), then Open MPI's mpirun starts a rank per slot over ssh, as LLM-jp's ABCI
-# scripts did. Each rank reads its place from OMPI_COMM_WORLD_* (llmjp_ds/parallel/scheduler.py) and rendezvous at
+# scripts did. Each rank reads its place from OMPI_COMM_WORLD_* (llmjp_ds/launch/scheduler.py) and rendezvous at
 # the first host on port 10000 + job id % 50000. Submit from the repository checkout, with the Python environment
 # active (-V exports it to the job), and passwordless ssh between the job's hosts:
 #

@@ -14,11 +14,11 @@ VERBS: dict[str, tuple[str, str]] = {
     "train-tokenizer": ("llmjp_ds.data.tokenizer", "train a SentencePiece unigram tokenizer in LLM-jp v3 layout"),
     "preprocess": ("llmjp_ds.data.preprocess", "jsonl, parquet or Arrow datasets -> Megatron-LM .bin/.idx corpus"),
     "samples": ("llmjp_ds.samples", "write the token windows a run would read (global samples K..K+N-1) to .npy"),
-    "export": ("llmjp_ds.checkpoint", "export a training checkpoint as a Hugging Face Llama model"),
-    "import-hf": ("llmjp_ds.checkpoint", "start a run from a Hugging Face Llama checkpoint"),
+    "export": ("llmjp_ds.interchange.hf", "export a training checkpoint as a Hugging Face Llama model"),
+    "import-hf": ("llmjp_ds.interchange.hf", "start a run from a Hugging Face Llama checkpoint"),
     "branch": ("llmjp_ds.checkpoint.branch", "start a new run from a checkpoint of another with its own schedule "
                "(a decay branch), blend or batch; the source run is left as it is"),
-    "import-megatron": ("llmjp_ds.checkpoint.megatron", "continue a Megatron-LM run (weights, optimizer, LR schedule, "
+    "import-megatron": ("llmjp_ds.interchange.megatron", "continue a Megatron-LM run (weights, optimizer, LR schedule, "
                         "data position) as a new run"),
     "preflight": ("llmjp_ds.preflight", "check a DeepSpeed hostfile and a run config for it, starting nothing"),
     "plot": ("llmjp_ds.plot", "draw loss and throughput of a run to PNG"),

@@ -283,7 +283,7 @@ class ParallelConfig:
     fused_grad_accumulation: bool = True  # one-pass fp32 accumulation (parallel.deepspeed_internals)
     # DeepSpeed JSON; default ds_configs/zero{stage}.json or pipeline.json
     ds_config: str | None = field(default=None, metadata=input_path("pass an existing file as parallel.ds_config"))
-    # a rank that makes no progress in a step phase for this long ends the job (parallel/failure.py); longer than
+    # a rank that makes no progress in a step phase for this long ends the job (launch/failure.py); longer than
     # any phase of a 172B step, including a checkpoint save of its ~2.6 TB of state
     stall_timeout_s: float = field(default=1200.0, metadata=above(
         0, "seconds without progress before a stalled job ends"))
@@ -291,7 +291,7 @@ class ParallelConfig:
     rendezvous_timeout_s: float = field(default=60.0, metadata=above(
         0, "seconds for every rank to reach the rendezvous"))
     # over several hosts: a rank (or the rendezvous store) silent this long ends the job, naming its host
-    # (parallel/rendezvous.py); 0 turns the heartbeat off
+    # (launch/rendezvous.py); 0 turns the heartbeat off
     heartbeat_timeout_s: float = field(default=30.0, metadata=at_least(
         0, "seconds of silence before a host counts as lost (0: no heartbeat)"))
 

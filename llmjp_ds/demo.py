@@ -32,7 +32,7 @@ def generate_samples(hf_dir: Path, prompts=PROMPTS, max_new_tokens: int = 32) ->
 
 
 def cli_main(argv: list[str], verb: str = "demo") -> int:
-    from llmjp_ds.checkpoint import export
+    from llmjp_ds.interchange.hf import export
     from llmjp_ds.config import load_config
     from llmjp_ds.metrics import read_metrics
     from llmjp_ds.train import shutdown, train

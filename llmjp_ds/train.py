@@ -1,7 +1,7 @@
 """Pretrain (or resume) a run: ``deepspeed llmjp_ds/train.py [--config FILE] [--set key=value ...]``.
 
 Also ``python -m llmjp_ds.train`` and ``llmjp-ds train``, under torchrun, or a task per rank under ``srun`` or
-``mpirun`` (:mod:`llmjp_ds.parallel.scheduler` reads each task's place). With no arguments it runs the embedded
+``mpirun`` (:mod:`llmjp_ds.launch.scheduler` reads each task's place). With no arguments it runs the embedded
 default: the ``demo`` preset (``tiny`` model on the bundled corpus, on CPU if there is no GPU). This file is the
 launcher's entry point: it parses the command line, loads the config and hands it to
 :class:`llmjp_ds.trainer.Trainer`.
@@ -63,7 +63,7 @@ def shutdown(clean: bool = True) -> None:
 
 def cli_main(argv: list[str] | None, verb: str = "train") -> int:
     args = parse_args(argv or [])
-    from llmjp_ds.parallel.scheduler import prepare_launch
+    from llmjp_ds.launch.scheduler import prepare_launch
 
     # srun / mpirun give their ranks no torchrun variables: export this task's place before the world size is read
     job = prepare_launch()
@@ -73,7 +73,7 @@ def cli_main(argv: list[str] | None, verb: str = "train") -> int:
     try:
         summary = train(cfg, args.wait_for_run_dir)
     except BaseException as exc:
-        from llmjp_ds.parallel.failure import end_on_error
+        from llmjp_ds.launch.failure import end_on_error
 
         end_on_error(exc)  # a multi-rank job: every rank ends now, the failing one says why (no return)
         shutdown(clean=False)

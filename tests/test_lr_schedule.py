@@ -430,7 +430,7 @@ def test_zero1_keeps_the_groups_wd_mult():
 def test_import_megatron_continues_its_schedule(args):
     from types import SimpleNamespace
 
-    from llmjp_ds.checkpoint.megatron import optim_settings
+    from llmjp_ds.interchange.megatron import optim_settings
     from llmjp_ds.config import load_config
 
     gbs, at = args["global_batch_size"], 750

@@ -275,9 +275,9 @@ def recipe_disagreements(commands: dict[str, list[str]], monkeypatch) -> list[st
     import types
 
     from llmjp_ds.batch_schedule import BatchSchedule
-    from llmjp_ds.checkpoint import megatron as megatron_import
+    from llmjp_ds.interchange import megatron as megatron_import
     from llmjp_ds.checkpoint.branch import branch_config
-    from llmjp_ds.checkpoint.megatron_reader import MegatronCheckpoint
+    from llmjp_ds.interchange.megatron_reader import MegatronCheckpoint
     from llmjp_ds.checkpoint.resume import check_same_past
     from llmjp_ds.config import RunConfig, apply_set, build, load_config, megatron_sample_counts, model_config_of
     from llmjp_ds.errors import UserError

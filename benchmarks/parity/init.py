@@ -4,7 +4,7 @@ Builds ``llmjp3-1.8b`` (ours, seeded), rounds it to bf16 (what both stacks hold 
 twice from the same tensors: an HF directory (``model.init_from_hf`` of ``llmjp-ds train``) and a Megatron-LM
 release checkpoint in the legacy ``torch`` layout (``release/mp_rank_00/model_optim_rng.pt``), which
 ``pretrain_gpt.py --load DIR --finetune`` reads as its iteration-0 weights. The Megatron names are
-``model/megatron_adapter.to_megatron_state_dict``'s (Megatron-Core's TE layer spec).
+``interchange/megatron_adapter.to_megatron_state_dict``'s (Megatron-Core's TE layer spec).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def write_megatron_release(state: dict[str, torch.Tensor], num_layers: int, dire
 
 def main(argv=None) -> None:
     from llmjp_ds.model import LlamaForCausalLM
-    from llmjp_ds.model.megatron_adapter import to_megatron_state_dict
+    from llmjp_ds.interchange.megatron_adapter import to_megatron_state_dict
     from llmjp_ds.model.shapes import model_config
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

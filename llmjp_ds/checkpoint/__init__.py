@@ -1,18 +1,29 @@
-"""Checkpoints of a run: the store (tags, manifest, ``latest``, prune; ``store.py``), the one owner of a run
-directory (``lock.py``), reading them safely (``safe_load.py``, ``readers.py``) and Hugging Face export / import
-(``hf.py``). The names below are what the trainer, the demo and the CLI use."""
+"""Checkpoints of a run: where they live, who owns the run directory, how they are written, read and resumed.
+
+* :mod:`.store`: tags, the manifest marker, ``latest``, pruning and the kept log-spaced saves;
+* :mod:`.manifest`: the per-file digests a checkpoint is verified by;
+* :mod:`.lock`: the one owner of a run directory;
+* :mod:`.async_save`: saving in the background while training goes on;
+* :mod:`.safe_load`: reading checkpoint files without running code from them;
+* :mod:`.readers`: a checkpoint's model weights and client state, on any layout;
+* :mod:`.client_state`: the run's state saved beside the weights, its keys in one place;
+* :mod:`.resume`: choosing the intact checkpoint to resume, and checking that the run's past agrees;
+* :mod:`.branch`: a new run from another run's checkpoint, with its own schedule.
+
+The names below are what the trainer, the demo and the CLI use. Checkpoints of other systems (Hugging Face,
+Megatron-LM) come and go through :mod:`llmjp_ds.interchange`.
+"""
 
 from llmjp_ds.checkpoint.async_save import AsyncSaver, commit_when_done
-from llmjp_ds.checkpoint.hf import cli_main, export, import_hf
 from llmjp_ds.checkpoint.lock import RunDirLock
 from llmjp_ds.checkpoint.readers import load, read_client_state, read_model_state, trusted_te_extra_state
-from llmjp_ds.checkpoint.safe_load import load_checkpoint_file
 from llmjp_ds.checkpoint.resume import check_resume, choose_intact, resumed_schedule
+from llmjp_ds.checkpoint.safe_load import load_checkpoint_file
 from llmjp_ds.checkpoint.store import (LATEST, MARKER, CheckpointMeta, checkpoint_dir, complete_tags, discard_after,
                                        latest_tag, prune, prune_incomplete, read_marker, remove_tag, save,
                                        saved_layout, tag_for)
 
-__all__ = ["LATEST", "MARKER", "AsyncSaver", "CheckpointMeta", "commit_when_done", "RunDirLock", "check_resume", "checkpoint_dir", "choose_intact",
-           "cli_main", "complete_tags", "discard_after", "export", "import_hf", "latest_tag", "load",
-           "load_checkpoint_file", "prune", "prune_incomplete", "read_client_state", "read_marker", "read_model_state", "remove_tag", "resumed_schedule",
-           "save", "saved_layout", "tag_for", "trusted_te_extra_state"]
+__all__ = ["LATEST", "MARKER", "AsyncSaver", "CheckpointMeta", "RunDirLock", "check_resume", "checkpoint_dir",
+           "choose_intact", "commit_when_done", "complete_tags", "discard_after", "latest_tag", "load",
+           "load_checkpoint_file", "prune", "prune_incomplete", "read_client_state", "read_marker", "read_model_state",
+           "remove_tag", "resumed_schedule", "save", "saved_layout", "tag_for", "trusted_te_extra_state"]

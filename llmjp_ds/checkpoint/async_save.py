@@ -194,7 +194,7 @@ def commit_when_done(saver: AsyncSaver, ctx, run_dir, keep_last: int, block: boo
     with the one line of a failed save (the path, the free space, what ``latest`` still names); the others end
     quietly at the same point."""
     from llmjp_ds.checkpoint.store import report_failed_save, commit
-    from llmjp_ds.parallel.failure import PeerFailure
+    from llmjp_ds.launch.failure import PeerFailure
 
     if not saver.in_flight:
         return True

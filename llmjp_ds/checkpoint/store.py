@@ -256,7 +256,7 @@ def save(engine, run_dir, step: int, client_state: dict, meta: CheckpointMeta, k
     try:
         engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
     except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError
-        from llmjp_ds.parallel.failure import is_peer_failure
+        from llmjp_ds.launch.failure import is_peer_failure
 
         if is_peer_failure(exc):  # another rank died inside DeepSpeed's save: that rank says why
             raise

@@ -1,19 +1,22 @@
 """The data layer: jsonl / parquet / Arrow -> SentencePiece ids -> Megatron .bin/.idx -> shuffled, blended windows.
 
-    tokenizer.py   train / load SentencePiece models (LLM-jp v3 layout), save them as HF tokenizers
-    inputs.py      --input as files, directories and globs -> ordered jsonl / parquet / Arrow sources
-    jsonl.py       read jsonl / .gz / .zst / .bz2 / .xz, and say exactly which line is bad
-    columnar.py    parquet and Arrow IPC (datasets.save_to_disk) with pyarrow: plan into slices, read a slice
-    chunks.py      the units of preprocessing and the worker that tokenizes one
-    pool.py        an ordered process pool (results in input order, bounded in flight)
-    preprocess.py  `llmjp-ds preprocess`: inputs -> PREFIX_text_document.bin/.idx + .json (parallel, atomic)
-    indexed.py     the Megatron MMIDIDX format: IndexedDataset (reader), IndexedDatasetWriter
-    dataset.py     GPT windows of seq_len + 1 tokens, per-epoch shuffles, weighted blends, cached indices
-    corpus/        the bundled demo corpus (ja, en, code); regenerate with `python -m benchmarks.corpus_gen`
-                   from a repository checkout
+* :mod:`.tokenizer`: train / load SentencePiece models (LLM-jp v3 layout), save them as HF tokenizers;
+* :mod:`.inputs`: ``--input`` as files, directories and globs -> ordered jsonl / parquet / Arrow sources;
+* :mod:`.jsonl`: read jsonl / .gz / .zst / .bz2 / .xz, and say exactly which line is bad;
+* :mod:`.columnar`: parquet and Arrow IPC (``datasets.save_to_disk``) with pyarrow: plan into slices, read a slice;
+* :mod:`.chunks`: the units of preprocessing and the worker that tokenizes one;
+* :mod:`.pool`: an ordered process pool (results in input order, bounded in flight);
+* :mod:`.preprocess`: ``llmjp-ds preprocess``: inputs -> PREFIX_text_document.bin/.idx + .json (parallel, atomic);
+* :mod:`.indexed`: the Megatron MMIDIDX format: IndexedDataset (reader), IndexedDatasetWriter;
+* :mod:`.dataset`: GPT windows of seq_len + 1 tokens, per-epoch shuffles, weighted blends, cached indices;
+* :mod:`.megatron_order`: ``data.order: megatron``, Megatron-LM's samples from megatron-core's own dataset code;
+* :mod:`.megatron_internals`: every use of megatron-core beyond its public dataset API;
+* :mod:`.phases`: the samples a run reads, phase by phase (a decay branch's other blend, a mid-training phase);
+* :mod:`.prepare`: what a run reads: the configured blend and tokenizer, or the bundled corpus prepared once;
+* ``corpus/``: the bundled demo corpus (ja, en, code); regenerate with ``python -m benchmarks.corpus_gen``.
 
-Names below import lazily so that `import llmjp_ds.data` stays cheap. `preprocess` is not among them: the name is
-its module's (use `from llmjp_ds.data.preprocess import preprocess`).
+Names below import lazily so that ``import llmjp_ds.data`` stays cheap. ``preprocess`` is not among them: the name
+is its module's (use ``from llmjp_ds.data.preprocess import preprocess``).
 """
 
 from __future__ import annotations

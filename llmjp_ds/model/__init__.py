@@ -1,5 +1,22 @@
 """The model: an HF-compatible Llama built from Transformer Engine layers (or their pure-PyTorch twins).
 
+* :mod:`.shapes`: model shapes as data (LLM-jp-3, LLM-jp-4, tiny) and their overrides;
+* :mod:`.llama`: ``LlamaForCausalLM``, a transformers ``PreTrainedModel`` made of the layers below;
+* :mod:`.backend`: Transformer Engine on a CUDA GPU, else the pure-PyTorch twin;
+* :mod:`.te_layers`: the building blocks as TE modules (CUDA only);
+* :mod:`.torch_layers`: their pure-PyTorch twins: TE's parameter names, layout and math;
+* :mod:`.loss`: the causal-LM loss with the optional z-loss, reported apart;
+* :mod:`.main_grad`: the embedding and LM head with weight gradients accumulated into an fp32 ``main_grad``;
+* :mod:`.residual_grad`: the residual stream's gradient added inside the next norm's backward;
+* :mod:`.weight_reuse`: the protocol between TE's GEMMs and the FP8 weight cache, from the model's side;
+* :mod:`.tensor_parallel`: tensor and sequence parallelism: the group and the four communication operators;
+* :mod:`.pipeline`: the pipeline split (embedding | decoder layers | final norm + head) as stage layers;
+* :mod:`.hf_adapter`: the model's weight names: Hugging Face Llama <-> ours (TE names) <-> pipeline layers, TP
+  shards; pure functions;
+* :mod:`.hf_io`: Hugging Face Llama checkpoint directories (safetensors) read and written;
+* :mod:`.flops`: model FLOPs per token and parameter counts, pure arithmetic;
+* ``kernels/``: the fused kernels (RoPE, cross-entropy, AdamW) in torch and Triton.
+
 The names below load on first use (PEP 562), so that config validation, which needs only ``shapes`` and
 ``backend``, does not pay for importing transformers' modeling code (seconds) before it can report a mistake.
 """

@@ -31,15 +31,15 @@ SHARED_TOKEN = ".llmjp_ds_shared"
 def init_distributed(rendezvous_timeout_s: float = 60.0, heartbeat_timeout_s: float = 30.0) -> tuple[list, object]:
     """Start torch.distributed (NCCL on CUDA, gloo on CPU); a lone process gets defaults.
 
-    Returns this rank's launchers, to notice them gone (:mod:`llmjp_ds.parallel.launcher`), and its heartbeat
+    Returns this rank's launchers, to notice them gone (:mod:`llmjp_ds.launch.launcher`), and its heartbeat
     (None but over several hosts), and turns a rendezvous port in use into one line naming the port, its holder
-    and how to choose another. Several ranks meet through :mod:`llmjp_ds.parallel.rendezvous` (bounded by
+    and how to choose another. Several ranks meet through :mod:`llmjp_ds.launch.rendezvous` (bounded by
     ``rendezvous_timeout_s``), which also starts the heartbeat over several hosts (``heartbeat_timeout_s``; 0:
     none)."""
     import deepspeed
     import torch.distributed as dist
 
-    from llmjp_ds.parallel import launcher
+    from llmjp_ds.launch import launcher
 
     launchers = launcher.identify()  # now, while the launcher is surely alive (setup may take minutes)
     if "WORLD_SIZE" not in os.environ and "MASTER_PORT" not in os.environ:
@@ -76,13 +76,13 @@ def init_distributed(rendezvous_timeout_s: float = 60.0, heartbeat_timeout_s: fl
 
 def _meet(backend: str, rank: int, world: int, addr: str, port: int, agent_store: bool, rendezvous_timeout_s: float,
           heartbeat_timeout_s: float, on_lost=None):
-    """The rendezvous of ``world`` ranks (:mod:`llmjp_ds.parallel.rendezvous`), the socket interface of the
+    """The rendezvous of ``world`` ranks (:mod:`llmjp_ds.launch.rendezvous`), the socket interface of the
     master's host, the process group, then the heartbeat (returned; None on one host; ``on_lost``: what it does
     before it ends the job for a silent host)."""
     import torch.distributed as dist
     from deepspeed.constants import default_pg_timeout
 
-    from llmjp_ds.parallel import rendezvous, scheduler
+    from llmjp_ds.launch import rendezvous, scheduler
 
     # under torchrun its agent serves the store (the agents met already); a restart of the workers meets in a
     # namespace of its own
@@ -116,8 +116,8 @@ class ParallelContext:
     tp: TensorParallel | None = None  # this rank's tensor-parallel slice (None: no tensor parallelism)
     mpu: object | None = None  # DeepSpeed's grid of the layout, handed to a ZeRO engine under TP
     stage_group: object | None = None  # this pipeline stage's ranks (TP x DP) under TP
-    launchers: list = field(default_factory=list)  # the processes that launched this rank (parallel.launcher)
-    heartbeat: object | None = None  # this rank's heartbeat over several hosts (parallel.rendezvous), else None
+    launchers: list = field(default_factory=list)  # the processes that launched this rank (launch.launcher)
+    heartbeat: object | None = None  # this rank's heartbeat over several hosts (launch.rendezvous), else None
 
     @classmethod
     def start(cls, layout: Layout, sequence_parallel: bool = False, parallel=None) -> "ParallelContext":
@@ -186,7 +186,7 @@ class ParallelContext:
     def report_failure(self, exc: BaseException) -> None:
         """A collective failed on this rank with ``exc``: when a peer on another host closed its connections,
         say once for the job which host (:meth:`Heartbeat.report_lost_peer`)."""
-        from llmjp_ds.parallel.failure import is_peer_failure
+        from llmjp_ds.launch.failure import is_peer_failure
 
         if self.heartbeat is not None and is_peer_failure(exc):
             self.heartbeat.report_lost_peer(exc)
@@ -219,7 +219,7 @@ class ParallelContext:
         import torch.distributed as dist
 
         from llmjp_ds.io_utils import write_bytes_atomic
-        from llmjp_ds.parallel.failure import PeerFailure
+        from llmjp_ds.launch.failure import PeerFailure
 
         path = Path(path)
         token = [secrets.token_hex(16) if self.rank == 0 else None]

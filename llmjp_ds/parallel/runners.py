@@ -13,7 +13,7 @@ returns the losses reduced over all ranks as device tensors (nothing here waits 
 asked with the step's mean loss over every rank before the last micro-batch's backward: True skips the update
 (that backward is taken of a NaN loss, so DeepSpeed's optimizer, which skips non-finite gradients, leaves the
 weights and its state as they are; the reported loss stays the real one). ``beat(phase)`` is called as each phase
-of the step starts (the trainer hands its watchdog's, :mod:`llmjp_ds.parallel.failure`).
+of the step starts (the trainer hands its watchdog's, :mod:`llmjp_ds.launch.failure`).
 """
 
 from __future__ import annotations

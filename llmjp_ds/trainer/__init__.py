@@ -1,7 +1,14 @@
-"""The training loop's room: the :class:`Trainer` that sets a run up and steps it (``trainer.py``), and its jobs,
-a file each: the model under DeepSpeed and one optimizer step of it (``step.py``, which ``llmjp-ds bench`` drives
-too), validation (``evaluation.py``), saves (``saving.py``), resume and rollback (``resuming.py``), stopping early
-(``stopping.py``)."""
+"""The training loop's room: the :class:`Trainer` that sets a run up and steps it, and its jobs, a module each.
+
+* :mod:`.trainer`: the Trainer, built whole, and its loop, which asks the precision controller and the health
+  monitor at fixed points and acts on their answers;
+* :mod:`.step`: the model under DeepSpeed and one optimizer step of it (what ``llmjp-ds bench`` drives too);
+* :mod:`.evaluation`: validation, the mean loss over fixed held-out batches;
+* :mod:`.saving`: saves in the background and their commit;
+* :mod:`.resuming`: back to a checkpoint: the newest intact one at the start, the one before a spike or a
+  divergence in a rollback;
+* :mod:`.stopping`: a stop signal, or this rank's launcher gone, ending the run at a step boundary.
+"""
 
 from llmjp_ds.trainer.step import StepEngine, precision_schedule
 from llmjp_ds.trainer.stopping import StopRequest

@@ -16,7 +16,7 @@ from llmjp_ds.optim import set_lr
 from llmjp_ds.parallel.build import build_model, initialize
 from llmjp_ds.parallel.context import ParallelContext
 from llmjp_ds.parallel.deepspeed_internals import set_global_batch
-from llmjp_ds.parallel.failure import Watchdog
+from llmjp_ds.launch.failure import Watchdog
 from llmjp_ds.parallel.layout import Layout
 from llmjp_ds.parallel.runners import make_runner
 from llmjp_ds.precision.schedule import PrecisionSchedule

@@ -11,7 +11,7 @@ import threading
 
 class StopRequest:
     """A stop signal (``checkpoint.stop_signals``, by default SIGTERM and SIGINT), or this rank's launcher gone
-    (:mod:`llmjp_ds.parallel.launcher`: the DeepSpeed runner or launch, torchrun's agent): finish the current
+    (:mod:`llmjp_ds.launch.launcher`: the DeepSpeed runner or launch, torchrun's agent): finish the current
     step, save, exit 0. The first request counts; later signals (a scheduler signals the whole process group,
     then DeepSpeed's launch forwards SIGTERM again) change nothing. A timer ends the process if the save takes
     longer than the grace time (the checkpoint being written is then simply not named by ``latest``).
@@ -23,7 +23,7 @@ class StopRequest:
                  on_request=None):
         import atexit
 
-        from llmjp_ds.parallel import launcher
+        from llmjp_ds.launch import launcher
 
         self.requested = False
         self.reason: str | None = None

@@ -1,4 +1,4 @@
-"""``model/megatron_adapter``: Megatron-LM's names <-> ours, bit-exact both ways, Megatron-Core's own key names,
+"""``interchange/megatron_adapter``: Megatron-LM's names <-> ours, bit-exact both ways, Megatron-Core's own key names,
 its tensor-parallel shards and pipeline numbering, and the refusals (a wrong vocabulary, a foreign weight)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from llmjp_ds.errors import UserError
-from llmjp_ds.model import megatron_adapter as ma
+from llmjp_ds.interchange import megatron_adapter as ma
 from llmjp_ds.model.shapes import model_config
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "megatron"

@@ -8,8 +8,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from llmjp_ds.parallel import rendezvous
-from llmjp_ds.parallel.rendezvous import Heartbeat, Member
+from llmjp_ds.launch import rendezvous
+from llmjp_ds.launch.rendezvous import Heartbeat, Member
 from tests.launch import free_port
 
 MEMBERS = [Member("node1", "127.0.0.1"), Member("node2", "10.9.8.2"), Member("node2", "10.9.8.2")]
@@ -98,7 +98,7 @@ def test_the_deepspeed_launchers_ssh_session_to_the_lost_node_is_ended_and_no_ot
     import subprocess
     import sys
 
-    from llmjp_ds.parallel import launcher
+    from llmjp_ds.launch import launcher
 
     world = {"node1": [0, 1], "node2": [0, 1], "node3": [0, 1]}
     info = base64.urlsafe_b64encode(json.dumps(world).encode()).decode()
@@ -139,7 +139,7 @@ sleeper = [python, "-c", "import time; time.sleep(60)"]
 lost = subprocess.Popen([*sleeper, "-x", "node2", "orted -mca ess env"])  # as mpirun's ssh to each daemon's host
 kept = subprocess.Popen([*sleeper, "-x", "node3", "orted -mca ess env"])
 time.sleep(0.5)
-rank = subprocess.run([python, "-c", "from llmjp_ds.parallel import launcher, rendezvous; print(launcher."
+rank = subprocess.run([python, "-c", "from llmjp_ds.launch import launcher, rendezvous; print(launcher."
                        "end_launch_sessions([], {1: rendezvous.Member('node2', '10.9.8.2')}))"],
                       capture_output=True, text=True)
 print(rank.stdout.strip() == str([os.getpid(), lost.pid]), lost.wait(10), kept.poll(), len(interrupts), rank.stderr)

@@ -1,5 +1,5 @@
-"""Where a process stands in its job (``parallel/scheduler.py``), Slurm's host lists (``parallel/hostlist.py``) and
-hostfiles written from an allocation (``parallel/hostfile.py``): pure functions on synthetic environments."""
+"""Where a process stands in its job (``launch/scheduler.py``), Slurm's host lists (``launch/hostlist.py``) and
+hostfiles written from an allocation (``launch/hostfile.py``): pure functions on synthetic environments."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ import psutil
 import pytest
 
 from llmjp_ds.errors import UserError
-from llmjp_ds.parallel import scheduler
-from llmjp_ds.parallel.hostfile import allocation_hosts, hostfile_text, write_hostfile
-from llmjp_ds.parallel.hostlist import HostlistError, expand_hostlist, expand_tasks_per_node
-from llmjp_ds.parallel.scheduler import JobEnv, detect, export, prepare_launch
-from llmjp_ds.preflight import parse_hostfile
+from llmjp_ds.launch import scheduler
+from llmjp_ds.launch.hostfile import allocation_hosts, hostfile_text, write_hostfile
+from llmjp_ds.launch.hostlist import HostlistError, expand_hostlist, expand_tasks_per_node
+from llmjp_ds.launch.scheduler import JobEnv, detect, export, prepare_launch
+from llmjp_ds.launch.hosts import parse_hostfile
 
 # --- Slurm's host lists ----------------------------------------------------------------------------------
 

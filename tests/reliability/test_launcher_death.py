@@ -6,7 +6,7 @@ Real launchers on CPU: DeepSpeed's (``deepspeed --num_accelerators 1``: runner -
 at once and reaches nobody else; a scheduler's SIGTERM to the process group reaches all three, and launch then
 forwards another SIGTERM to the rank (SIGKILL 30 s later): one save, not one per signal. torchrun's agent
 forwards SIGTERM to its workers; a SIGKILL of the agent leaves them alone, and the rank's launcher watcher
-(``llmjp_ds.parallel.launcher``) must notice. A port in use is one line naming the port and its holder.
+(``llmjp_ds.launch.launcher``) must notice. A port in use is one line naming the port and its holder.
 
 The DeepSpeed launcher on CPU leaves ``/dev/shm/deepspeed_allreduce_buffer_<rank>_<addr>_<port>_*`` (69 MB)
 behind: each test removes those of the ports it used.

@@ -234,7 +234,7 @@ def test_the_watchdog_names_the_stop_check_after_the_log_line_in_the_logs_number
     import torch.distributed as dist
 
     from llmjp_ds.parallel.context import ParallelContext
-    from llmjp_ds.parallel.failure import Watchdog
+    from llmjp_ds.launch.failure import Watchdog
     from llmjp_ds.trainer import Trainer
 
     watchdog = Watchdog(60, rank=0)

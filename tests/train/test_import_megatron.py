@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmjp_ds.model import megatron_adapter as ma
+from llmjp_ds.interchange import megatron_adapter as ma
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "megatron"
 CANONICAL = FIXTURES / "torch-tp1pp1"
@@ -41,7 +41,7 @@ def fixture_info(d: Path) -> dict:
 
 
 def read(d: Path):
-    from llmjp_ds.checkpoint.megatron_reader import read as read_megatron
+    from llmjp_ds.interchange.megatron_reader import read as read_megatron
 
     return read_megatron(d / "save")
 
@@ -169,7 +169,7 @@ def import_sets(tmp_path: Path, info: dict) -> list[str]:
 def test_import_writes_a_run_at_megatrons_iteration(d, tmp_path):
     """The run continues Megatron's schedule as its generator set it (fixture.json), at its iteration and consumed
     samples, with each parameter's master weight and moments as the reader took them."""
-    from llmjp_ds.checkpoint.megatron import import_megatron
+    from llmjp_ds.interchange.megatron import import_megatron
     from llmjp_ds.config import load_config
     from llmjp_ds.parallel.reshape import CONVERTED
 
@@ -218,7 +218,7 @@ def test_train_continues_the_megatron_run(train_env, tmp_path):
 
     info = fixture_info(CANONICAL)
     run = tmp_path / "run"
-    from llmjp_ds.checkpoint.megatron import import_megatron
+    from llmjp_ds.interchange.megatron import import_megatron
 
     import_megatron(CANONICAL / "save", run, sets=import_sets(tmp_path, info))
     run_command([sys.executable, "-m", "llmjp_ds.train", "--config", str(run / "config.yaml"), "--set",
@@ -258,7 +258,7 @@ def test_train_continues_the_megatron_run(train_env, tmp_path):
 def test_flattened_model_space_state_is_put_back():
     """megatron-core 0.14's fully_sharded_model_space stores a tensor of shape [X, Y] split in local chunks
     [x, y] as [X/x, Y/y, x*y], each chunk flattened at its grid index (no fixture of it: 0.16 cannot write it)."""
-    from llmjp_ds.checkpoint.megatron_dist_optim import unflatten
+    from llmjp_ds.interchange.megatron_dist_optim import unflatten
 
     whole = torch.arange(4 * 6, dtype=torch.float32).reshape(4, 6)
     grid = torch.stack([torch.stack([whole[i * 2:(i + 1) * 2, j * 3:(j + 1) * 3].flatten() for j in range(2)])
@@ -268,7 +268,7 @@ def test_flattened_model_space_state_is_put_back():
 
 
 def test_layers_of_each_stage_and_chunk():
-    from llmjp_ds.checkpoint.megatron_dist_optim import stage_layers
+    from llmjp_ds.interchange.megatron_dist_optim import stage_layers
 
     args = dict
     assert stage_layers(args(num_layers=8, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)) \
@@ -284,8 +284,8 @@ def test_arguments_of_every_release_are_read_under_one_name(tmp_path):
     """megatron-core 0.19's Megatron-LM takes --norm-epsilon's value as TransformerConfig's ``layernorm_epsilon``
     (and --apply-layernorm-1p's as ``layernorm_zero_centered_gamma``); older releases wrote ``norm_epsilon`` /
     ``apply_layernorm_1p``. Either is read, so a run of epsilon 1e-6 is not taken for the default 1e-5."""
-    from llmjp_ds.checkpoint.megatron import check_config
-    from llmjp_ds.checkpoint.megatron_reader import current_names
+    from llmjp_ds.interchange.megatron import check_config
+    from llmjp_ds.interchange.megatron_reader import current_names
     from llmjp_ds.config import load_config, model_config_of
     from llmjp_ds.errors import UserError
 
@@ -310,7 +310,7 @@ def test_arguments_of_every_release_are_read_under_one_name(tmp_path):
 def test_runs_that_are_no_llama_are_refused(setting):
     """What changes the model's arithmetic without changing its weights' names or shapes is refused by the run's
     arguments (the weights alone would import, and compute something else); the real run's own are accepted."""
-    from llmjp_ds.checkpoint.megatron_reader import check_supported
+    from llmjp_ds.interchange.megatron_reader import check_supported
     from llmjp_ds.errors import UserError
 
     args = read(REAL).args
@@ -326,7 +326,7 @@ TE_DIRS = [d for d in DIRS if "Transformer Engine" in fixture_info(d)["made_by"]
 def file_names(d: Path) -> set[str]:
     """The model's entries as the fixture's files name them, weights and ``_extra_state`` (torch_dist's stacked
     ``decoder.layers.<rest>`` as one name per layer)."""
-    from llmjp_ds.checkpoint.dcp_reader import DistCheckpoint
+    from llmjp_ds.interchange.dcp_reader import DistCheckpoint
     from llmjp_ds.checkpoint.safe_load import load_megatron
 
     info, directory = fixture_info(d), next((d / "save").glob("iter_*"))
@@ -383,7 +383,7 @@ FP8_DIRS = [d for d in TE_DIRS if fixture_info(d).get("precision") == "fp8"]
 
 def extra_states(d: Path) -> dict[str, bytes]:
     """TE's pickled extra state per entry, as bytes (nothing of it unpickled)."""
-    from llmjp_ds.checkpoint.dcp_reader import DistCheckpoint
+    from llmjp_ds.interchange.dcp_reader import DistCheckpoint
     from llmjp_ds.checkpoint.safe_load import load_megatron
 
     directory = next((d / "save").glob("iter_*"))
@@ -414,7 +414,7 @@ def test_fp8_extra_state_is_dropped_unread(d, monkeypatch):
 def test_a_tensor_whose_chunks_do_not_cover_it_is_refused():
     """A torch_dist tensor is assembled from its chunks (here one per tensor-parallel rank); a tensor that the
     metadata's chunks do not cover is one line, not a tensor with uninitialised memory."""
-    from llmjp_ds.checkpoint.dcp_reader import DistCheckpoint
+    from llmjp_ds.interchange.dcp_reader import DistCheckpoint
     from llmjp_ds.errors import UserError
 
     directory = next((FIXTURES / "torch_dist-tp2dp2-dp_reshardable" / "save").glob("iter_*"))

@@ -14,7 +14,7 @@ or one ``iter_NNNNNNN`` (or ``release``) directory:
 Every file is read through :mod:`llmjp_ds.checkpoint.safe_load` (nothing in it runs). The result is a
 :class:`MegatronCheckpoint`: the weights under Megatron-Core's TE-spec names (``megatron_adapter.canonical_name``),
 whole (tensor-parallel shards merged) and numbered globally, and per weight its fp32 master weight and Adam moments
-where the checkpoint has them (:mod:`llmjp_ds.checkpoint.megatron_optim` says where each format keeps them).
+where the checkpoint has them (:mod:`llmjp_ds.interchange.megatron_optim` says where each format keeps them).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from llmjp_ds.checkpoint import megatron_optim as mo
+from llmjp_ds.interchange import megatron_optim as mo
 from llmjp_ds.checkpoint.safe_load import StandIn, load_megatron
 from llmjp_ds.errors import fail
-from llmjp_ds.model import megatron_adapter as ma
+from llmjp_ds.interchange import megatron_adapter as ma
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _ITER = re.compile(r"^iter_(\d{7})$")
@@ -328,8 +328,8 @@ def _local_state(rank_dir: Path, opt: dict, chunks: list[dict]) -> list[dict]:
 # --- torch_dist ---------------------------------------------------------------------------------------------------
 
 def _read_torch_dist(directory: Path) -> MegatronCheckpoint:
-    from llmjp_ds.checkpoint.dcp_reader import DistCheckpoint
-    from llmjp_ds.checkpoint.megatron_dist_optim import dist_optimizer
+    from llmjp_ds.interchange.dcp_reader import DistCheckpoint
+    from llmjp_ds.interchange.megatron_dist_optim import dist_optimizer
 
     try:
         backend = json.loads((directory / "metadata.json").read_text()).get("sharded_backend")
@@ -362,7 +362,7 @@ def _common_state(dcp) -> tuple[dict, Path]:
 
 
 def _dist_weights(dcp, num_layers: int) -> dict:
-    from llmjp_ds.checkpoint.megatron_dist_optim import unstack
+    from llmjp_ds.interchange.megatron_dist_optim import unstack
 
     weights = {}
     for key in dcp.tensor_keys():

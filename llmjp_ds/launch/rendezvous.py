@@ -23,7 +23,7 @@ still for ``parallel.heartbeat_timeout_s`` names its rank and host. A store that
 names the master's host. The rank that notices first prints one line and ends the job: the other ranks see the
 ``failed`` key, or the closed store, and end quietly. Every rank that ends the job for a silent host calls
 ``on_lost`` with that host's ranks and members (the ``lost`` key names it for the quiet ones), after its line is
-out: it ends the launcher's ssh session to that host (:func:`llmjp_ds.parallel.launcher.end_launch_sessions`),
+out: it ends the launcher's ssh session to that host (:func:`llmjp_ds.launch.launcher.end_launch_sessions`),
 which would otherwise keep the ``deepspeed`` command, or ``mpirun``, waiting. A rank whose process ended leaves a
 refused connection, not silence: its peers' collectives fail at once, and the rank that failed says why; when it
 died without a word (killed, its host's processes ended), :meth:`Heartbeat.report_lost_peer` names the host whose
@@ -100,7 +100,7 @@ def _ranks_text(ranks: list[int]) -> str:
 def join(store, rank: int, world: int, addr: str, port: int, timeout_s: float, namespace: str = "") -> list[Member]:
     """Announce this rank and wait for all ``world`` ranks (``timeout_s``); every rank's host and address."""
     ns = f"{PREFIX}{namespace}"
-    from llmjp_ds.parallel.scheduler import route_interface
+    from llmjp_ds.launch.scheduler import route_interface
 
     me = Member(socket.gethostname(), route_interface(addr, port)[0])  # open_store resolved addr already
     store.set(f"{ns}member/{rank}", f"{me.host}\t{me.addr}")

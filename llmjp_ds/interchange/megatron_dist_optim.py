@@ -5,7 +5,7 @@ sharding type (``optimizer.param_state_sharding_type``):
 
 * ``dp_reshardable`` (megatron-core 0.15-0.19's default): the buffers' buckets, one group of keys per
   model-parallel rank (``dp_group_idx_<tp rank + TP x pp rank>``); the parameters are placed in them by
-  :mod:`llmjp_ds.checkpoint.megatron_optim`'s layout, which must reproduce the stored ``per_bucket_numel_unpadded``;
+  :mod:`llmjp_ds.interchange.megatron_optim`'s layout, which must reproduce the stored ``per_bucket_numel_unpadded``;
 * ``fully_reshardable`` (0.15+ with ``--dist-ckpt-optim-fully-reshardable``) and ``fully_sharded_model_space``
   (0.14's default), and the non-distributed optimizer: ``optimizer.state.{param|fp32_param,exp_avg,exp_avg_sq}.
   <model key>``, whole tensors of the model key's shape; 0.14 wrote the flattened slices of
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from llmjp_ds.checkpoint import megatron_optim as mo
+from llmjp_ds.interchange import megatron_optim as mo
 from llmjp_ds.errors import fail
-from llmjp_ds.model import megatron_adapter as ma
+from llmjp_ds.interchange import megatron_adapter as ma
 
 # registration order of a decoder layer's parameters, by layer spec (TE modules register their norm first; the
 # attention registers its projection before the fused QKV): megatron-core 0.19's TE-spec checkpoints

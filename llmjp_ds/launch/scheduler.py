@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from typing import Mapping, MutableMapping
 
 from llmjp_ds.errors import fail
-from llmjp_ds.parallel.hostlist import HostlistError, expand_hostlist, expand_tasks_per_node
+from llmjp_ds.launch.hostlist import HostlistError, expand_hostlist, expand_tasks_per_node
 
 KEPT = ("torchrun", "deepspeed", "environment", "single process")  # sources whose variables stay as they are
 SCHEDULER_KEYS = {"slurm": ("SLURM_PROCID", "SLURM_NTASKS"), "pmi": ("PMI_RANK", "PMI_SIZE"),

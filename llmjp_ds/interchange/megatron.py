@@ -1,7 +1,7 @@
 """``llmjp-ds import-megatron``: a Megatron-LM run at iteration N (weights, optimizer, data position) becomes a
 llmjp-ds run at step N, which ``llmjp-ds train`` resumes so that its next step continues the Megatron run.
 
-The Megatron checkpoint is read whole (:mod:`~llmjp_ds.checkpoint.megatron_reader`, any format and layout), checked
+The Megatron checkpoint is read whole (:mod:`~llmjp_ds.interchange.megatron_reader`, any format and layout), checked
 against the run config the user gives (the model's shape, the vocabulary and the tokenizer, the sequence length,
 the global batch), and written as a new run directory: ``config.yaml`` (the config, with the LR schedule, AdamW's
 settings and the schedule's position taken from the checkpoint) and one checkpoint ``stepNNNNNNNN`` in the
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from llmjp_ds.checkpoint.client_state import ClientState
-from llmjp_ds.checkpoint.megatron_reader import MegatronCheckpoint
+from llmjp_ds.interchange.megatron_reader import MegatronCheckpoint
 from llmjp_ds.errors import fail
 
 
@@ -164,7 +164,7 @@ def optim_settings(ckpt: MegatronCheckpoint, train_steps: int | None = None) -> 
 def layout_free_states(ckpt: MegatronCheckpoint, model_config) -> dict[str, dict]:
     """Per parameter (our names): its fp32 master weight and Adam moments (zeros where the checkpoint has no
     optimizer state)."""
-    from llmjp_ds.model.megatron_adapter import from_megatron_state_dict, megatron_name
+    from llmjp_ds.interchange.megatron_adapter import from_megatron_state_dict, megatron_name
 
     weights = from_megatron_state_dict(ckpt.weights, model_config)
     out = {}
@@ -208,7 +208,7 @@ def import_megatron(load, run, iteration: int | None = None, config=None, preset
     """Write run directory ``run`` from the Megatron checkpoint ``load`` (``iteration``: default the newest)
     with the run config of ``config`` / ``preset`` / ``sets`` (as ``llmjp-ds train`` takes them). Every check
     runs before anything is written."""
-    from llmjp_ds.checkpoint import megatron_reader
+    from llmjp_ds.interchange import megatron_reader
     from llmjp_ds.config import RunConfig, build, load_config, model_config_of
 
     run_dir = Path(run)

@@ -21,8 +21,8 @@ from typing import Mapping
 
 from llmjp_ds.errors import fail
 from llmjp_ds.io_utils import write_bytes_atomic
-from llmjp_ds.parallel.hostlist import HostlistError, expand_tasks_per_node
-from llmjp_ds.parallel.scheduler import hostnames
+from llmjp_ds.launch.hostlist import HostlistError, expand_tasks_per_node
+from llmjp_ds.launch.scheduler import hostnames
 
 SOURCES = (("PE_HOSTFILE", "SGE"), ("PBS_NODEFILE", "PBS"), ("SLURM_JOB_NODELIST", "Slurm"),
            ("SLURM_NODELIST", "Slurm"))

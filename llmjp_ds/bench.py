@@ -44,6 +44,7 @@ import sys
 
 from llmjp_ds.bench_peers import MCORE_SWITCHES, MCORE_VARIANTS, TE_LAYER_VARIANTS
 from llmjp_ds.bench_profile import clock_log, host_profiled_step, profile_table, profiled_step, synced_step, timed
+from llmjp_ds.config import add_config_args
 from llmjp_ds.validate import validate_run
 
 SHAPES = {
@@ -78,7 +79,7 @@ PEERS = {"bf16": ("peer-mcore-bf16", "ref-te-layer-bf16"),
 
 def bench_config(shape: str, variant: str, gas: int, sets: list[str] = ()):
     """The run config of one variant: the shape's preset on one device, no pipeline, no recompute."""
-    from llmjp_ds.config import RunConfig, apply_set, build, merge, preset_dict
+    from llmjp_ds.config import RunConfig, apply_set, build_config, merge, preset_dict
 
     preset, overrides, micro = {**SHAPES, **TEST_SHAPES}[shape]
     if variant.startswith("ours-fp8"):  # the peers set their precision themselves
@@ -94,7 +95,7 @@ def bench_config(shape: str, variant: str, gas: int, sets: list[str] = ()):
         "logging": {"wandb": "disabled"}})
     for assignment in sets if variant.startswith("ours") else ():
         data = apply_set(data, assignment)
-    return build(RunConfig, data)
+    return build_config(data)
 
 
 def peer_switches(sets) -> dict:
@@ -282,8 +283,8 @@ def parser(verb: str = "bench") -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=4, help="timed steps per variant (median reported)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--gas", type=int, default=8, help="gradient accumulation steps")
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                   help="run-config override for the ours-* variants (ablations), e.g. model.fused_loss=false")
+    add_config_args(p, config=None, preset=False,
+                    example="model.fused_loss=false (the ours-* variants' ablations)")
     p.add_argument("--peer-set", dest="peer_sets", action="append", default=[], metavar="KEY=VALUE",
                    help="a Megatron-Core switch for the peer-mcore-* variants, e.g. use_transformer_engine_op_fuser=true")
     p.add_argument("--profile", action="store_true", help="also profile one step per variant (kernel time table)")

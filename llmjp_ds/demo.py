@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from llmjp_ds.config import add_config_args, load_config
+
 PROMPTS = ["日本の首都は", "今日は天気が", "The history of", "def fibonacci(n):"]
 
 
@@ -33,14 +35,12 @@ def generate_samples(hf_dir: Path, prompts=PROMPTS, max_new_tokens: int = 32) ->
 
 def cli_main(argv: list[str], verb: str = "demo") -> int:
     from llmjp_ds.interchange.hf import export
-    from llmjp_ds.config import load_config
     from llmjp_ds.metrics import read_metrics
     from llmjp_ds.train import shutdown, train
 
     p = argparse.ArgumentParser(prog=f"llmjp-ds {verb}", description=__doc__.splitlines()[0])
     p.add_argument("--output", default="demo_out", help="directory for the run and the exported model")
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a value of the demo preset, e.g. --set train.steps=50")
+    add_config_args(p, config=None, preset=False, example="train.steps=50 (over the demo preset)")
     a = p.parse_args(argv)
     out = Path(a.output)
     cfg = load_config(None, [f"run_dir={out / 'run'}", "logging.wandb=offline", *a.sets], preset="demo")

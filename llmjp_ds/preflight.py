@@ -16,12 +16,12 @@ Inside a batch script, ``--write-hostfile PATH [--slots N]`` writes that hostfil
 (:mod:`llmjp_ds.launch.hostfile`) and checks it; run under a launcher or scheduler, preflight first prints
 where it found this process's place (``launch: slurm, world 16, nodes 2, master node01:12345``).
 
-``--check-hosts`` then checks the hosts as the launcher will reach them (:func:`llmjp_ds.launch.hosts.check_hosts`): over several
-hosts pdsh must be installed (the launcher starts the other hosts with it), every host name must resolve here,
-and ``ssh <host> true`` must succeed without a prompt; under Slurm the slots must match ``--ntasks-per-node``.
-When this host runs no rank of the hostfile (a login node) and its ssh has no keepalive, one warning line says
-what to set (:func:`llmjp_ds.launch.hosts.keepalive_warning`): a host that goes silent mid-run leaves pdsh's ssh session to it open,
-and only a rank on the launching host can end that session (:mod:`llmjp_ds.launch.launcher`).
+``--check-hosts`` then checks the hosts as the launcher will reach them
+(:func:`llmjp_ds.launch.hosts.check_hosts`): over several hosts pdsh must be installed (the launcher starts the
+other hosts with it), every host name must resolve here, and ``ssh <host> true`` must succeed without a prompt;
+under Slurm the slots must match ``--ntasks-per-node``. When this host runs no rank of the hostfile (a login node)
+and its ssh has no keepalive, one warning line says what to set (:func:`llmjp_ds.launch.hosts.keepalive_warning`):
+a host that goes silent mid-run leaves pdsh's ssh session to it open, and only a rank on the launching host can end that session (:mod:`llmjp_ds.launch.launcher`).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import argparse
 import math
 import sys
 
+from llmjp_ds.config import add_config_args, config_from_args
 from llmjp_ds.errors import fail
 from llmjp_ds.launch import scheduler
 from llmjp_ds.launch.hostfile import write_hostfile
@@ -64,9 +65,7 @@ def cli_main(argv: list[str], verb: str = "preflight") -> int:
     p.add_argument("--check-hosts", action="store_true",
                    help="check that pdsh is installed and every host resolves and answers ssh (as the launcher needs)")
     p.add_argument("--num-nodes", type=int, default=None, help="use the first N hosts (as the launcher's flag)")
-    p.add_argument("--config", help="run config (YAML or JSON)")
-    p.add_argument("--preset", help="run preset")
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    add_config_args(p)
     p.add_argument("--gpu-gib", type=float, default=79.6, help="memory of one GPU in GiB (H100 80GB: 79.6)")
     p.add_argument("--disk-gbps", type=float, default=None,
                    help="write speed of a node to the run directory in GB/s: how long a background save writes, "
@@ -90,10 +89,9 @@ def cli_main(argv: list[str], verb: str = "preflight") -> int:
         if warning:
             print(warning, file=sys.stderr)
     if a.config or a.preset or a.sets:
-        from llmjp_ds.config import load_config
         from llmjp_ds.validate import validate_run
 
-        cfg = load_config(a.config, a.sets, a.preset)
+        cfg = config_from_args(a)
         # the launcher fills each host's slots with consecutive ranks: a TP group stays on one node when it
         # divides every host's slot count
         layout = validate_run(cfg, world, gpus_per_node=math.gcd(*hosts.values()))

@@ -20,7 +20,8 @@ import time
 import numpy as np
 
 from llmjp_ds.checkpoint.store import latest_tag, read_marker
-from llmjp_ds.config import RunConfig, apply_set, build, load_config, model_config_of, sample_counts, seq_len_of
+from llmjp_ds.config import (add_config_args, apply_set, build_config, config_from_args, model_config_of,
+                             sample_counts, seq_len_of)
 from llmjp_ds.errors import did_you_mean, fail
 from llmjp_ds.health import skipped
 from llmjp_ds.io_utils import atomic_file
@@ -31,10 +32,7 @@ SPLITS = ("train", "valid")
 
 def parse_args(argv: list[str], verb: str):
     p = argparse.ArgumentParser(prog=f"llmjp-ds {verb}", description=__doc__.splitlines()[0])
-    p.add_argument("--config", help="run config (YAML or JSON); may name a preset with `preset:`")
-    p.add_argument("--preset", help="run preset: demo, llmjp3-1.8b, llmjp3-3.7b, llmjp3-13b, llmjp3-172b")
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. --set data.order=megatron (repeatable)")
+    add_config_args(p, example="data.order=megatron")
     p.add_argument("--run", metavar="RUN_DIR", help="a run's own samples: its config as its latest checkpoint records "
                    "it (in place of --config/--preset), and the samples of the steps it skipped (train.skip_steps and "
                    "its rollbacks') left out")
@@ -73,7 +71,7 @@ def run_config_and_skips(run_dir: str, sets) -> tuple:
     data = marker.run_config
     for assignment in sets:
         data = apply_set(data, assignment)
-    return build(RunConfig, data), marker.skip_steps or []
+    return build_config(data), marker.skip_steps or []
 
 
 def cli_main(argv: list[str], verb: str = "samples") -> int:
@@ -82,7 +80,7 @@ def cli_main(argv: list[str], verb: str = "samples") -> int:
     if args.run:
         cfg, skips = run_config_and_skips(args.run, args.sets)
     else:
-        cfg = load_config(args.config, args.sets, args.preset)
+        cfg = config_from_args(args)
     validate_data(cfg)
     counts = dict(zip(SPLITS, sample_counts(cfg)))
     total, end = counts[args.split], args.start + args.count

@@ -18,16 +18,13 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script by the deepspeed launcher
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from llmjp_ds.config import RunConfig, load_config  # noqa: E402
+from llmjp_ds.config import RunConfig, add_config_args, config_from_args  # noqa: E402
 from llmjp_ds.errors import fail, run_main  # noqa: E402
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="llmjp-ds train", description=__doc__.splitlines()[0])
-    p.add_argument("--config", help="run config (YAML or JSON); may name a preset with `preset:`")
-    p.add_argument("--preset", help="run preset: demo, llmjp3-1.8b, llmjp3-3.7b, llmjp3-13b, llmjp3-172b")
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. --set optim.lr=1e-4 (repeatable)")
+    add_config_args(p)
     p.add_argument("--wait-for-run-dir", type=float, default=0.0, metavar="SECONDS",
                    help="when another job still holds run_dir (a requeued job whose predecessor is finishing its "
                         "last save), wait up to SECONDS for it to end instead of ending at once")
@@ -69,7 +66,7 @@ def cli_main(argv: list[str] | None, verb: str = "train") -> int:
     job = prepare_launch()
     if job.source in ("slurm", "openmpi", "pmi") and job.world_size > 1 and job.rank == 0:
         print(f"[llmjp-ds] {job.describe()}", flush=True)
-    cfg = load_config(args.config, args.sets, args.preset)
+    cfg = config_from_args(args)
     try:
         summary = train(cfg, args.wait_for_run_dir)
     except BaseException as exc:

@@ -279,7 +279,7 @@ def recipe_disagreements(commands: dict[str, list[str]], monkeypatch) -> list[st
     from llmjp_ds.checkpoint.branch import branch_config
     from llmjp_ds.interchange.megatron_reader import MegatronCheckpoint
     from llmjp_ds.checkpoint.resume import check_same_past
-    from llmjp_ds.config import RunConfig, apply_set, build, load_config, megatron_sample_counts, model_config_of
+    from llmjp_ds.config import RunConfig, apply_set, build_config, load_config, megatron_sample_counts, model_config_of
     from llmjp_ds.errors import UserError
 
     out = []
@@ -325,7 +325,7 @@ def recipe_disagreements(commands: dict[str, list[str]], monkeypatch) -> list[st
         megatron_import.check_config(ckpt, imported_cfg, model_config)
         data = imported_cfg.to_dict()  # as import_megatron writes config.yaml
         data["optim"].update(megatron_import.optim_settings(ckpt, imported_cfg.train.steps))
-        imported = build(RunConfig, data)
+        imported = build_config(data)
         ours_lrs(imported, branch_step, saved)  # a resume of the imported run checks its schedule against W-A1's
     except UserError as exc:
         return out + [f"the import of W-A1's checkpoint: {exc}"]
@@ -334,7 +334,7 @@ def recipe_disagreements(commands: dict[str, list[str]], monkeypatch) -> list[st
     overrides = {}
     for assignment in sets_of(branch_cmd):
         overrides = apply_set(overrides, assignment)
-    branched = build(RunConfig, branch_config(data, branch_step, overrides))
+    branched = build_config(branch_config(data, branch_step, overrides))
     marker = types.SimpleNamespace(run_config=data, step=branch_step,
                                    consumed_samples=ckpt.arg("consumed_train_samples"))
     try:

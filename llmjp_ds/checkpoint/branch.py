@@ -27,6 +27,7 @@ import shutil
 import time
 from pathlib import Path
 
+from llmjp_ds.config import add_config_args
 from llmjp_ds.errors import fail
 
 BRANCH_FILE = "branch.json"
@@ -92,7 +93,7 @@ def create_branch(source_run, run, tag: str | None = None, config: str | None = 
     from llmjp_ds.checkpoint.resume import check_same_past, verify_tag
     from llmjp_ds.checkpoint.store import (LATEST, MARKER, checkpoint_dir, latest_tag, read_marker, tag_dir,
                                            vet_tag)
-    from llmjp_ds.config import RunConfig, apply_set, build, load_file
+    from llmjp_ds.config import RunConfig, apply_set, build_config, load_file
     from llmjp_ds.io_utils import atomic_directory, atomic_file
     from llmjp_ds.validate import validate_run
 
@@ -123,7 +124,7 @@ def create_branch(source_run, run, tag: str | None = None, config: str | None = 
     overrides.pop("preset", None)
     overrides["run_dir"] = str(run_dir)
     data = branch_config(marker.run_config, step, overrides)
-    branch_cfg = build(RunConfig, data)
+    branch_cfg = build_config(data)
     if branch_cfg.train.steps <= step:
         fail(f"the branch starts at step {step} and would end at train.steps={branch_cfg.train.steps}: set "
              f"train.steps beyond {step}")
@@ -152,9 +153,8 @@ def cli_main(argv: list[str], verb: str = "branch") -> int:
     p.add_argument("--from", dest="source", required=True, metavar="RUN_DIR", help="the run to branch from")
     p.add_argument("--tag", help="its checkpoint to start from (default: its latest)")
     p.add_argument("--run", required=True, metavar="NEW_RUN_DIR", help="the branch's run directory (must not exist)")
-    p.add_argument("--config", help="a YAML/JSON file of overrides (e.g. the decay's optim and train sections)")
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a value, e.g. --set optim.wsd_decay_style=minus_sqrt (repeatable)")
+    add_config_args(p, config="a YAML/JSON file of overrides (e.g. the decay's optim and train sections)",
+                    preset=False, example="optim.wsd_decay_style=minus_sqrt")
     a = p.parse_args(argv)
     out = create_branch(a.source, a.run, a.tag, a.config, a.sets)
     print(f"branched {out['run_dir']} from {out['run']} at {out['tag']} (step {out['step']}, "

@@ -76,13 +76,13 @@ def check_same_past(marker: CheckpointMeta, cfg, where: str, fix: str) -> None:
     those steps read, and so what the consumed-sample count means. ``where`` names the checkpoint, ``fix`` the way
     out. Checkpoints without a run config (earlier releases, or one this release cannot read) are not checked."""
     from llmjp_ds.batch_schedule import BatchSchedule
-    from llmjp_ds.config import RunConfig, blend_history, build
+    from llmjp_ds.config import RunConfig, blend_history, build_config
     from llmjp_ds.errors import UserError
 
     if not marker.run_config or not marker.step:
         return
     try:
-        then = build(RunConfig, marker.run_config)
+        then = build_config(marker.run_config)
     except UserError:
         return
     step = marker.step

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from llmjp_ds.checkpoint.client_state import ClientState
+from llmjp_ds.config import add_config_args
 from llmjp_ds.interchange.megatron_reader import MegatronCheckpoint
 from llmjp_ds.errors import fail
 
@@ -209,7 +210,7 @@ def import_megatron(load, run, iteration: int | None = None, config=None, preset
     with the run config of ``config`` / ``preset`` / ``sets`` (as ``llmjp-ds train`` takes them). Every check
     runs before anything is written."""
     from llmjp_ds.interchange import megatron_reader
-    from llmjp_ds.config import RunConfig, build, load_config, model_config_of
+    from llmjp_ds.config import RunConfig, build_config, load_config, model_config_of
 
     run_dir = Path(run)
     if run_dir.exists() or run_dir.is_symlink():
@@ -224,7 +225,7 @@ def import_megatron(load, run, iteration: int | None = None, config=None, preset
     data = cfg.to_dict()
     data["optim"].update(optim)
     data["model"]["overrides"] = {k: v for k, v in data["model"]["overrides"].items() if v is not None}
-    build(RunConfig, data)  # the config.yaml written below loads: a mistake here is refused before any write
+    build_config(data)  # the config.yaml written below loads: a mistake here is refused before any write
     a = ckpt.arg
     consumed = consumed_samples(ckpt)
     tp, pp, dp = (int(a(k, 1) or 1) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
@@ -274,10 +275,7 @@ def cli_main(argv: list[str], verb: str = "import-megatron") -> int:
     p.add_argument("--load", required=True, help="Megatron-LM's --save directory (or one iter_NNNNNNN directory)")
     p.add_argument("--iteration", type=int, default=None, help="the iteration to import (default: the latest)")
     p.add_argument("--run", required=True, help="run directory to create (must not exist)")
-    p.add_argument("--config", help="run config (YAML or JSON), as llmjp-ds train takes it")
-    p.add_argument("--preset", help="run preset, e.g. llmjp3-1.8b")
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value (repeatable)")
+    add_config_args(p, config="run config (YAML or JSON), as llmjp-ds train takes it")
     a = p.parse_args(argv)
     out = import_megatron(a.load, a.run, a.iteration, a.config, a.preset, a.sets)
     state = "with its optimizer state" if out["optimizer_state"] else "without optimizer state (AdamW starts afresh)"

@@ -1,6 +1,6 @@
 """Model shapes as data: the LLM-jp-3 and LLM-jp-4 families and a tiny model for CPU tests and the demo.
 
-A run preset (``llmjp_ds/presets.py``) names one of these shapes in ``model.shape``; ``model.overrides``
+A run preset (:mod:`llmjp_ds.config.presets`) names one of these shapes in ``model.shape``; ``model.overrides``
 (:class:`ShapeOverrides`) replaces single fields of it.
 """
 
@@ -48,7 +48,9 @@ ShapeOverrides = dataclasses.make_dataclass(
     [(f.name, typing.get_type_hints(ModelShape)[f.name] | None, dataclasses.field(default=None))
      for f in dataclasses.fields(ModelShape)],
     namespace={"__doc__": "Fields of a ModelShape to replace; None keeps the shape's value.",
-               "__module__": __name__})
+               "__module__": __name__,
+               # the config loader (pydantic) refuses a field that is not one of these
+               "__pydantic_config__": {"extra": "forbid"}})
 
 
 def overrides_dict(overrides) -> dict:

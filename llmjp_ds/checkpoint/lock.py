@@ -15,17 +15,19 @@ lock instead of ending at once (:meth:`RunDirLock.acquire`, :meth:`RunDirLock.ch
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
 import math
 import os
+import shutil
 import socket
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from llmjp_ds.errors import fail
+from llmjp_ds.errors import UserError, fail
 
 LOCK = ".llmjp_ds.lock"
 STOPPING = ".llmjp_ds.stopping"
@@ -118,10 +120,12 @@ class RunDirLock:
         self._fd: int | None = None
         self.record: dict = {}
         self.waited = False  # it waited for another holder (whose last save may have moved `latest`)
+        self.found: set[str] | None = None  # what the run directory held when acquired (None: it did not exist)
 
     def acquire(self, what: str = "training", wait_s: float = 0.0) -> "RunDirLock":
         """Take the lock (creating the run directory) or fail with one line naming the holder; ``wait_s``: while
         another process holds it, try again every :data:`POLL_S` for up to that long first (saying so once)."""
+        self.found = set(os.listdir(self.run_dir)) if self.run_dir.is_dir() else None
         self.run_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         deadline, told = time.monotonic() + wait_s, False
@@ -179,6 +183,22 @@ class RunDirLock:
             os.replace(tmp, self.run_dir / STOPPING)  # whole or absent for a reader, on every node
         except OSError:
             pass
+
+    @contextlib.contextmanager
+    def undone_on_refusal(self):
+        """A start refused inside (one line, a :class:`UserError`) leaves the run directory as :meth:`acquire` found
+        it: what was written there since is removed, and the directory itself when acquire made it."""
+        try:
+            yield
+        except UserError:
+            if self._fd is not None:
+                made = sorted(set(os.listdir(self.run_dir)) - (self.found or set()))
+                self.release()
+                for path in (self.run_dir / name for name in made):
+                    shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
+                if self.found is None:
+                    self.run_dir.rmdir()
+            raise
 
     def release(self) -> None:
         if self._fd is not None:

@@ -97,6 +97,17 @@ class DataPlan:
             _install_tokenizer(self.tokenizer_dir, run_dir)
 
 
+def _refuse_links_out(source: Path) -> None:
+    """One line for a link in tokenizer directory ``source`` to a file or directory outside it, which a copy
+    would bring into the run as its own."""
+    root = source.resolve()
+    for parent, dirs, files in os.walk(source):
+        for path in (Path(parent) / name for name in dirs + files):
+            if path.is_symlink() and not path.resolve().is_relative_to(root):
+                fail(f"tokenizer directory {source}: {path.relative_to(source)} is a link to {path.resolve()}, "
+                     "outside it: copy that file into the directory, or pass the tokenizer.model itself")
+
+
 def _install_tokenizer(source: Path, run_dir: Path) -> Path:
     """Copy the tokenizer into the run directory as HF files (``AutoTokenizer``-loadable) + tokenizer.model."""
     from llmjp_ds.data.tokenizer import resolve_model_path, save_hf_tokenizer
@@ -108,7 +119,8 @@ def _install_tokenizer(source: Path, run_dir: Path) -> Path:
     tmp = run_dir / ".tokenizer.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     if source.is_dir() and (source / "tokenizer_config.json").is_file() and (source / "tokenizer.model").is_file():
-        shutil.copytree(source, tmp)
+        _refuse_links_out(source)
+        shutil.copytree(source, tmp)  # a link inside it: its target's content, copied as a file
     else:
         save_hf_tokenizer(resolve_model_path(source), tmp)
     shutil.rmtree(target, ignore_errors=True)  # an incomplete one written in place by an older version

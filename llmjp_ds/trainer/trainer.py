@@ -117,7 +117,9 @@ class Trainer:
         if self.lock.waited:  # the holder's last save came after the check above
             checkpoint.check_resume(self.run_dir, self.model_config.to_dict(), cfg, layout)
         self.ctx = ParallelContext.start(layout, sequence_parallel_of(cfg), cfg.parallel)
-        with self.ctx.reporting_failures():  # a host gone without a word: named once for the job
+        # a host gone without a word: named once for the job; a start refused (one line) leaves the run directory
+        # as it was found
+        with self.ctx.reporting_failures(), self.lock.undone_on_refusal():
             self.ctx.check_shared_dir(self.run_dir)  # before anything else is written there
             if self.ctx.rank == 0:
                 checkpoint.prune_incomplete(self.run_dir)  # what a kill or a failed save left: its disk space back
@@ -128,6 +130,7 @@ class Trainer:
                                  self.steps.engine, precision, self.steps.watchdog)
             client = ClientState.from_dict(self.resume.latest())
             self.state = TrainState(**client.train_state)
+            self.data.train_at(self.state.step)  # a corpus too small for the run is refused here
             self.schedule = lr_schedule(cfg.optim, cfg.train.steps, cfg.train.global_batch_size)
             if self.resume.tag:
                 marker = checkpoint.read_marker(self.run_dir, self.resume.tag)

@@ -127,3 +127,28 @@ def test_load_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="has no tokenizer.model"):
         load_tokenizer(tmp_path / "empty")
+
+
+def test_a_tokenizer_directory_is_copied_without_following_links_out_of_it(trained_tokenizer, tmp_path):
+    """A run copies its tokenizer directory: a link inside it to a file of it arrives as that file, a link to a file
+    elsewhere is refused in one line (the run would hold a copy of a file the directory does not)."""
+    from llmjp_ds.data.prepare import DataPlan
+
+    hf = tmp_path / "hf"
+    save_hf_tokenizer(trained_tokenizer / "tokenizer.model", hf)
+    (hf / "tokenizer.model").rename(hf / "spm.model")
+    (hf / "tokenizer.model").symlink_to("spm.model")  # inside: copied as a file
+    plan = DataPlan(blend=[], tokenizer_dir=hf, vocab_size=None, split=[1], seed=0, cache_dir=None)
+    plan.install_tokenizer(tmp_path / "run")
+    copied = tmp_path / "run" / "tokenizer" / "tokenizer.model"
+    assert not copied.is_symlink() and copied.read_bytes() == (trained_tokenizer / "tokenizer.model").read_bytes()
+    assert _hf(tmp_path / "run" / "tokenizer").encode("日本語 text") == _hf(hf).encode("日本語 text")
+
+    outside = tmp_path / "elsewhere.json"
+    outside.write_text("{}")
+    (hf / "special_tokens_map.json").unlink()
+    (hf / "special_tokens_map.json").symlink_to(outside)
+    with pytest.raises(UserError, match=r"tokenizer directory .*hf: special_tokens_map.json is a link to "
+                                        r".*elsewhere.json, outside it: copy that file into the directory"):
+        plan.install_tokenizer(tmp_path / "run2")
+    assert not (tmp_path / "run2" / "tokenizer").exists()

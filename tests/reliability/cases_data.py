@@ -104,6 +104,11 @@ CASES: list[Case] = [
                                        run="{tmp}/data/run_megatron_small"),
          ("Megatron's train split of this blend holds", "the run reads: prefixes without weights are each taken "
           "once; give data.blend weights (Megatron then repeats corpora), or lower train.steps"), after_start=True),
+    # the default run_dir, run-new, must stay absent: the refusal removes what the start made there
+    Case("corpus-too-small-for-one-sample", T(SMALL, "data.blend=[{tmp}/data/tiny_text_document]",
+                                                  "data.split=[1, 0]", "train.eval_interval=0"),
+         ("the train split of corpus", "tiny_text_document (1 documents) has", "fewer than one sample of seq_len + 1",
+          "give it more data"), after_start=True),
     Case("megatron-cache-damaged", T(SMALL, *MEGATRON_CACHE, run="{tmp}/data/run_megatron_cache"),
          ("cannot read or write Megatron's sample index cache in", "data/megatron_cache (", "a file there is damaged "
           "(a build that was killed) or not megatron-core's: delete it, it is rebuilt"), after_start=True),
@@ -153,8 +158,12 @@ def prepare(ctx) -> None:
     """Write this topic's inputs under ``ctx.tmp / "data"``."""
     import zstandard
 
+    from llmjp_ds.data.preprocess import preprocess
+
     d = ctx.tmp / "data"
     d.mkdir()
+    (d / "tiny.jsonl").write_text(json.dumps({"text": "短い文書。"}) + "\n")  # a few tokens: not one sample
+    preprocess([d / "tiny.jsonl"], ctx.tok, d / "tiny", workers=1, progress=False)
     data = _lines(3000)  # ~1.5 MB: a zstd frame of many 128 KiB blocks
     frame = zstandard.ZstdCompressor(level=1).compress(data)
     # the end of the second block, exactly: what a download cut at a block boundary leaves

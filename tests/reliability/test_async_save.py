@@ -26,9 +26,12 @@ def _weights(run_dir) -> dict:
     return {k: v for k, v in state["module"].items() if isinstance(v, torch.Tensor)}
 
 
+def _records(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def _stalls(run_dir) -> list[dict]:
-    return [r for r in (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines())
-            if "save_stall_s" in r]
+    return [r for r in _records(run_dir) if "save_stall_s" in r]
 
 
 @pytest.mark.slow
@@ -48,10 +51,11 @@ def test_one_process_async_equals_sync_bit_for_bit(baseline, tmp_path):
     committed = events(slow, "checkpoint_committed")
     assert [e["tag"] for e in committed][:2] == ["step00000003", "step00000006"], committed
     assert all(e["write_s"] >= 0.2 for e in committed)  # each file waits 0.2 s: the write spanned steps
-    # every save's stall is reported with the next step; the background writes' durations too
+    # every save's stall is reported with the next step; a background write's duration with the step after its
+    # commit, which comes with the next save or earlier, as the write and the steps race
     assert len(_stalls(sync)) == DRILL_STEPS - 1 and len(_stalls(slow)) == DRILL_STEPS // 3 - 1
-    assert any("checkpoint_write_s" in r for r in _stalls(slow)) and not any("checkpoint_write_s" in r
-                                                                              for r in _stalls(sync))
+    written = [r["checkpoint_write_s"] for r in _records(slow) if "checkpoint_write_s" in r]
+    assert written and all(s >= 0.2 for s in written) and not any("checkpoint_write_s" in r for r in _records(sync))
 
 
 @pytest.mark.slow

@@ -42,9 +42,20 @@ import statistics
 import subprocess
 import sys
 
+import torch
+
+from llmjp_ds import bench_peers
 from llmjp_ds.bench_peers import MCORE_SWITCHES, MCORE_VARIANTS, TE_LAYER_VARIANTS
 from llmjp_ds.bench_profile import clock_log, host_profiled_step, profile_table, profiled_step, synced_step, timed
-from llmjp_ds.config import add_config_args
+from llmjp_ds.config import (add_config_args, apply_set, build_config, merge, model_config_of, parse_value, preset_dict,
+                             sequence_parallel_of)
+from llmjp_ds.errors import did_you_mean, fail
+from llmjp_ds.health import HealthMonitor
+from llmjp_ds.lr_schedule import lr_schedule
+from llmjp_ds.metrics import Throughput
+from llmjp_ds.model.backend import resolve_backend
+from llmjp_ds.model.flops import flops_per_token_for, layer_and_logits_flops_for
+from llmjp_ds.parallel.context import ParallelContext
 from llmjp_ds.validate import validate_run
 
 SHAPES = {
@@ -79,8 +90,6 @@ PEERS = {"bf16": ("peer-mcore-bf16", "ref-te-layer-bf16"),
 
 def bench_config(shape: str, variant: str, gas: int, sets: list[str] = ()):
     """The run config of one variant: the shape's preset on one device, no pipeline, no recompute."""
-    from llmjp_ds.config import RunConfig, apply_set, build_config, merge, preset_dict
-
     preset, overrides, micro = {**SHAPES, **TEST_SHAPES}[shape]
     if variant.startswith("ours-fp8"):  # the peers set their precision themselves
         phases = [{"precision": "fp8", "start_step": 0, "recipe": variant.rsplit("-", 1)[1], "fp8_format": "hybrid"}]
@@ -101,9 +110,6 @@ def bench_config(shape: str, variant: str, gas: int, sets: list[str] = ()):
 def peer_switches(sets) -> dict:
     """``[KEY=VALUE, ...]`` of ``--peer-set`` as a dict (values read as YAML), each key one of
     :data:`~llmjp_ds.bench_peers.MCORE_SWITCHES`."""
-    from llmjp_ds.config import parse_value
-    from llmjp_ds.errors import did_you_mean, fail
-
     out = {}
     for item in sets:
         key, sep, value = item.partition("=")
@@ -118,12 +124,6 @@ def _engine_for(cfg, variant: str, shape: str, peer_sets=()):
     """(the step function ``step(i, batches) -> [lm_loss, z_loss, ...]``, the model config) of one variant: ours
     through the trainer's :class:`~llmjp_ds.trainer.StepEngine` (at a decoder-only shape on
     :func:`~llmjp_ds.bench_peers.stage_model`), a peer from :mod:`llmjp_ds.bench_peers`."""
-    from llmjp_ds import bench_peers
-    from llmjp_ds.config import model_config_of, sequence_parallel_of
-    from llmjp_ds.health import HealthMonitor
-    from llmjp_ds.lr_schedule import lr_schedule
-    from llmjp_ds.model.backend import resolve_backend
-    from llmjp_ds.parallel.context import ParallelContext
     from llmjp_ds.trainer import StepEngine, precision_schedule
 
     layout = validate_run(cfg, cfg.parallel.tensor_parallel)
@@ -158,8 +158,6 @@ def _engine_for(cfg, variant: str, shape: str, peer_sets=()):
 
 def flops_per_token(shape: str, config, seq: int) -> float:
     """Model FLOPs per token of a shape: every layer and the logits, or the decoder layers only."""
-    from llmjp_ds.model.flops import flops_per_token_for, layer_and_logits_flops_for
-
     if shape in STAGE_SHAPES:
         return layer_and_logits_flops_for(config, seq)[0] * config.num_hidden_layers
     return flops_per_token_for(config, seq)
@@ -167,10 +165,6 @@ def flops_per_token(shape: str, config, seq: int) -> float:
 
 def run_one(shape: str, variant: str, steps: int, warmup: int, gas: int, sets: list[str] = (),
             profile: bool = False, peer_sets: list[str] = ()) -> dict:
-    import torch
-
-    from llmjp_ds.metrics import Throughput
-
     cfg = bench_config(shape, variant, gas, sets)
     train_step, config = _engine_for(cfg, variant, shape, peer_sets if variant in MCORE_VARIANTS else ())
     seq = cfg.data.seq_len or config.max_position_embeddings
@@ -286,7 +280,8 @@ def parser(verb: str = "bench") -> argparse.ArgumentParser:
     add_config_args(p, config=None, preset=False,
                     example="model.fused_loss=false (the ours-* variants' ablations)")
     p.add_argument("--peer-set", dest="peer_sets", action="append", default=[], metavar="KEY=VALUE",
-                   help="a Megatron-Core switch for the peer-mcore-* variants, e.g. use_transformer_engine_op_fuser=true")
+                   help="a Megatron-Core switch for the peer-mcore-* variants, e.g. "
+                        "use_transformer_engine_op_fuser=true")
     p.add_argument("--profile", action="store_true", help="also profile one step per variant (kernel time table)")
     p.add_argument("--json", help="write the raw results here")
     p.add_argument("--one", nargs=2, metavar=("SHAPE", "VARIANT"), help=argparse.SUPPRESS)
@@ -294,8 +289,6 @@ def parser(verb: str = "bench") -> argparse.ArgumentParser:
 
 
 def cli_main(argv: list[str], verb: str = "bench") -> int:
-    from llmjp_ds.errors import fail
-
     a = parser(verb).parse_args(argv)
     if a.one:
         result = run_one(*a.one, a.steps, a.warmup, a.gas, a.sets, a.profile, a.peer_sets)
@@ -309,7 +302,6 @@ def cli_main(argv: list[str], verb: str = "bench") -> int:
     runs = planned_runs(shapes, a.variants, a.shape_variants)
     if a.steps < 1 or a.warmup < 0 or a.gas < 1:
         fail("--steps and --gas must be at least 1 and --warmup at least 0")
-    from llmjp_ds.validate import validate_run
 
     peer_switches(a.peer_sets)  # a bad --peer-set fails here too
     for shape in shapes:  # a bad --set fails here, not in every variant's process
@@ -319,7 +311,6 @@ def cli_main(argv: list[str], verb: str = "bench") -> int:
         if cfg.parallel.tensor_parallel > 1 and peers:
             fail(f"the peers run on one GPU: drop {', '.join(peers)} from --variants with parallel.tensor_parallel "
                  "> 1 (their reference is the same bench at tensor_parallel=1 on 1/N of the work)")
-    import torch
 
     if not torch.cuda.is_available():
         fail("llmjp-ds bench measures GPU training throughput: run it on a CUDA machine with Transformer Engine")
@@ -339,8 +330,6 @@ def planned_runs(shapes: list[str], asked: str | None, per_shape: list[str] = ()
     """(shape, variant) in the order they run: at a shape its ``--shape-variants`` entry (the last one for it),
     else ``--variants``. An entry for a shape not in ``shapes`` is unused, so that a later ``--shapes`` (ARGS of
     benchmarks/device/checks/bench.sh) narrows the list without failing."""
-    from llmjp_ds.errors import fail
-
     own = {}
     for item in per_shape:
         shape, sep, variants = item.partition("=")
@@ -353,8 +342,6 @@ def planned_runs(shapes: list[str], asked: str | None, per_shape: list[str] = ()
 def variants_for(shape: str, asked: str | None) -> list[str]:
     """The variants to run at ``shape``: those asked for (all valid there), else the shape's defaults. A
     decoder-only shape has no model for the whole-model peers; the TE-layer reference runs only there."""
-    from llmjp_ds.errors import fail
-
     stage = shape in STAGE_SHAPES
     if asked is None:
         return list(STAGE_VARIANTS if stage else DEFAULT_VARIANTS)

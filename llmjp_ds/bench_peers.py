@@ -27,8 +27,17 @@ import sys
 import types
 
 import torch
+import torch.nn.functional as F
 
 from llmjp_ds.config import model_config_of
+from llmjp_ds.lr_schedule import schedule_lr
+from llmjp_ds.model.main_grad import accumulate_wgrad
+from llmjp_ds.model.shapes import rope_theta
+from llmjp_ds.model.torch_layers import attention_backends
+from llmjp_ds.optim import build_optimizer, set_lr
+from llmjp_ds.parallel.context import ParallelContext
+from llmjp_ds.parallel.ds_config import build_ds_config
+from llmjp_ds.parallel.runners import EngineRunner
 from llmjp_ds.precision.schedule import PrecisionSchedule
 
 MCORE_VARIANTS = {  # variant: (fp8 recipe or None, FP8 primary weights)
@@ -51,7 +60,6 @@ def _stage_input(config, micro: int, seq: int, device) -> torch.Tensor:
 def stage_model(config, backend: str, micro: int, seq: int, device):
     """Our decoder layers alone (a middle pipeline stage's share), behind the trainer's call signature."""
     from llmjp_ds.model.llama import DecoderLayer, head_dim_of, rope_freqs
-    from llmjp_ds.model.shapes import rope_theta
 
     class StageModel(torch.nn.Module):
         def __init__(self):
@@ -78,12 +86,6 @@ def hf_peer(cfg, layout):
     import deepspeed
     import transformers
 
-    from llmjp_ds.model.torch_layers import attention_backends
-    from llmjp_ds.lr_schedule import schedule_lr
-    from llmjp_ds.optim import build_optimizer, set_lr
-    from llmjp_ds.parallel.context import ParallelContext
-    from llmjp_ds.parallel.ds_config import build_ds_config
-    from llmjp_ds.parallel.runners import EngineRunner
 
     ctx = ParallelContext.start(layout)
     torch.manual_seed(cfg.train.seed)
@@ -115,8 +117,6 @@ def hf_peer(cfg, layout):
 def wgrad_gemm_accum_fp32(total_input, grad_output, main_grad) -> None:
     """apex's ``fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32``: ``main_grad += grad_output^T @ input`` as
     one GEMM with an fp32 accumulator (what our head does: ``model/main_grad.accumulate_wgrad``)."""
-    from llmjp_ds.model.main_grad import accumulate_wgrad
-
     accumulate_wgrad(main_grad, grad_output, total_input)
 
 
@@ -152,14 +152,11 @@ def mcore_model_args(config, seq: int) -> dict:
     """``GPTModel``'s arguments for a model config: RoPE's base, the head untied, and the vocabulary as it is.
     Megatron-LM's training pads the vocabulary to a multiple of 128 x TP before GPTModel sees it; our shapes hold
     it padded already, so both models have the same rows."""
-    from llmjp_ds.model.shapes import rope_theta
-
     return dict(vocab_size=config.vocab_size, max_sequence_length=seq, position_embedding_type="rope",
                 rotary_base=int(rope_theta(config)), share_embeddings_and_output_weights=False)
 
 
 def _mcore_config(config, variant: str, switches: dict | None = None):
-    import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     recipe, fp8_param = MCORE_VARIANTS[variant]
@@ -193,9 +190,6 @@ def mcore_peer(cfg, layout, variant: str, switches: dict | None = None):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from llmjp_ds.lr_schedule import schedule_lr
-    from llmjp_ds.optim import set_lr
-    from llmjp_ds.parallel.context import ParallelContext
 
     ParallelContext.start(layout)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
@@ -240,7 +234,6 @@ def te_layer_reference(cfg, variant: str):
     import transformer_engine.pytorch as te
     from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Format
 
-    from llmjp_ds.model.shapes import rope_theta
 
     config = model_config_of(cfg)
     micro, seq = cfg.train.micro_batch_size, cfg.data.seq_len or config.max_position_embeddings

@@ -8,12 +8,15 @@ of what the profilers and nvidia-smi report, and the profiled steps."""
 from __future__ import annotations
 
 import contextlib
+import cProfile
 import json
 import os
+import pstats
 import shutil
 import subprocess
 import tempfile
 import time
+import warnings
 
 # nvidia-smi's clocks_throttle_reasons.active bit for the software power cap
 POWER_CAP = 0x4
@@ -241,9 +244,6 @@ def profiled_step(step, sync, cuda: bool) -> dict:
 
 
 def host_profiled_step(step, sync) -> dict:
-    import cProfile
-    import pstats
-
     sync()
     with cProfile.Profile() as prof:
         _, wall = timed(step, sync)
@@ -252,8 +252,6 @@ def host_profiled_step(step, sync) -> dict:
 
 
 def synced_step(step, sync) -> dict:
-    import warnings
-
     import torch
 
     sites = []

@@ -11,6 +11,8 @@ import argparse
 from pathlib import Path
 
 from llmjp_ds.config import add_config_args, load_config
+from llmjp_ds.metrics import read_metrics
+from llmjp_ds.train import shutdown, train
 
 PROMPTS = ["日本の首都は", "今日は天気が", "The history of", "def fibonacci(n):"]
 
@@ -35,8 +37,6 @@ def generate_samples(hf_dir: Path, prompts=PROMPTS, max_new_tokens: int = 32) ->
 
 def cli_main(argv: list[str], verb: str = "demo") -> int:
     from llmjp_ds.interchange.hf import export
-    from llmjp_ds.metrics import read_metrics
-    from llmjp_ds.train import shutdown, train
 
     p = argparse.ArgumentParser(prog=f"llmjp-ds {verb}", description=__doc__.splitlines()[0])
     p.add_argument("--output", default="demo_out", help="directory for the run and the exported model")

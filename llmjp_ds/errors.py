@@ -6,6 +6,7 @@ Every check on user input raises :class:`UserError`. The CLI prints ``error: <me
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 from typing import Callable, Iterable, NoReturn
@@ -23,8 +24,6 @@ def fail(message: str) -> NoReturn:
 
 def did_you_mean(name: str, options: Iterable[str]) -> str:
     """`` (did you mean 'x'?)`` for the option closest to a mistyped ``name``, or an empty string."""
-    import difflib
-
     close = difflib.get_close_matches(name, list(options), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
 

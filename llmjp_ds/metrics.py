@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import secrets
 import stat
 import string
@@ -114,7 +115,6 @@ def peak_memory_gib() -> float:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.max_memory_allocated() / 2**30
-    import resource
 
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / 2**30 if sys.platform == "darwin" else rss / 2**20  # bytes on macOS, KiB on Linux

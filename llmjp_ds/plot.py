@@ -20,6 +20,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from llmjp_ds.curves import gap, read_curve, run_curve
 from llmjp_ds.errors import fail
 from llmjp_ds.metrics import METRICS_FILE, parse_records
 
@@ -94,8 +95,6 @@ def _phase_spans(steps: dict[int, dict]) -> list[tuple[str, int, int]]:
 def _beside_lines(steps: dict[int, dict], beside: list[tuple[str, dict]]) -> dict[str, list]:
     """The lines other runs add, by panel: their loss (and validation loss) and grad norm, and each curve's loss
     minus the first other curve's (the reference), at the steps both logged."""
-    from llmjp_ds.curves import run_curve
-
     lines: dict[str, list] = {"loss": [], "grad norm": [], "delta": []}
     if not beside:
         return lines
@@ -210,8 +209,6 @@ def plot_run(run_dir: str | os.PathLike, output: str | os.PathLike | None = None
     """Draw ``<run_dir>/metrics.jsonl`` to ``output`` (default ``<run_dir>/metrics.png``); return its path.
     ``beside``: other runs' directories or Megatron-LM logs (:mod:`llmjp_ds.curves`), drawn beside this one;
     ``events``: the names of the events to mark (default: every event)."""
-    from llmjp_ds.curves import read_curve
-
     run_dir = Path(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         fail(f"run directory {run_dir} is a file: pass the run_dir of a training run (it holds {METRICS_FILE})")
@@ -271,8 +268,6 @@ def _label(source) -> str:
 def gap_lines(run_dir, beside, last: int = 100) -> list[str]:
     """One line per curve: how far its loss lies from the first of ``beside`` (the reference) over the last
     ``last`` steps both logged, and at the last of them."""
-    from llmjp_ds.curves import gap, read_curve
-
     ref = read_curve(beside[0])
     lines = []
     for source in [run_dir, *beside[1:]]:

@@ -21,7 +21,8 @@ where it found this process's place (``launch: slurm, world 16, nodes 2, master 
 other hosts with it), every host name must resolve here, and ``ssh <host> true`` must succeed without a prompt;
 under Slurm the slots must match ``--ntasks-per-node``. When this host runs no rank of the hostfile (a login node)
 and its ssh has no keepalive, one warning line says what to set (:func:`llmjp_ds.launch.hosts.keepalive_warning`):
-a host that goes silent mid-run leaves pdsh's ssh session to it open, and only a rank on the launching host can end that session (:mod:`llmjp_ds.launch.launcher`).
+a host that goes silent mid-run leaves pdsh's ssh session to it open, and only a rank on the launching host can
+end that session (:mod:`llmjp_ds.launch.launcher`).
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ import argparse
 import math
 import sys
 
-from llmjp_ds.config import add_config_args, config_from_args
+from llmjp_ds.config import add_config_args, config_from_args, model_config_of, seq_len_of, sequence_parallel_of
 from llmjp_ds.errors import fail
 from llmjp_ds.launch import scheduler
 from llmjp_ds.launch.hostfile import write_hostfile
 from llmjp_ds.launch.hosts import check_hosts, keepalive_warning, parse_hostfile
+from llmjp_ds.model.shapes import resolve_shape
+from llmjp_ds.parallel.memory import describe, layout_memory, stage_layers
 
 
 def launch_hostfile(a) -> str:
@@ -110,9 +113,6 @@ def memory_line(cfg, layout, gas: int, capacity_gib: float, ranks_per_node: int 
     """The busiest GPU's memory estimate (``parallel.memory``) for a ZeRO-1 run; a note otherwise."""
     if cfg.parallel.zero_stage != 1:
         return f"no memory estimate for ZeRO-{cfg.parallel.zero_stage} (parallel/memory.py models ZeRO-1)"
-    from llmjp_ds.config import model_config_of, seq_len_of, sequence_parallel_of
-    from llmjp_ds.model.shapes import resolve_shape
-    from llmjp_ds.parallel.memory import describe, layout_memory, stage_layers
 
     model_config = model_config_of(cfg)
     if layout.pipeline > 1:

@@ -20,6 +20,8 @@ if __package__ in (None, ""):  # run as a script by the deepspeed launcher
 
 from llmjp_ds.config import RunConfig, add_config_args, config_from_args  # noqa: E402
 from llmjp_ds.errors import fail, run_main  # noqa: E402
+from llmjp_ds.launch.scheduler import prepare_launch
+from llmjp_ds.validate import validate_run
 
 
 def parse_args(argv):
@@ -38,8 +40,6 @@ def parse_args(argv):
 
 def train(cfg: RunConfig, wait_for_run_dir: float = 0.0) -> dict:
     """Run the configured training; returns a summary (final step, last loss, run directory)."""
-    from llmjp_ds.validate import validate_run
-
     layout = validate_run(cfg)  # a mistake in the config costs a second, before torch and DeepSpeed load
     from llmjp_ds.trainer import Trainer  # startup time: torch, transformers and DeepSpeed load here
 
@@ -60,7 +60,6 @@ def shutdown(clean: bool = True) -> None:
 
 def cli_main(argv: list[str] | None, verb: str = "train") -> int:
     args = parse_args(argv or [])
-    from llmjp_ds.launch.scheduler import prepare_launch
 
     # srun / mpirun give their ranks no torchrun variables: export this task's place before the world size is read
     job = prepare_launch()

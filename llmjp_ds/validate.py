@@ -11,17 +11,21 @@ import typing
 from pathlib import Path
 
 from llmjp_ds.batch_schedule import check_batches
-from llmjp_ds.config import RECOMPUTE_MODES, RunConfig, check_keep_rules, sequence_parallel_of, stop_signals_of
+from llmjp_ds.config import (RECOMPUTE_MODES, REPO_ROOT, RunConfig, check_keep_rules, sequence_parallel_of,
+                             stop_signals_of)
 from llmjp_ds.errors import did_you_mean, fail
 from llmjp_ds.lr_schedule import check_schedule
+from llmjp_ds.metrics import WANDB_MODES
+from llmjp_ds.model.backend import BACKENDS
+from llmjp_ds.model.shapes import get_shape, resolve_shape
+from llmjp_ds.parallel.ds_config import build_ds_config
 from llmjp_ds.parallel.layout import Layout
+from llmjp_ds.precision.recipes import AUTO, validate_phases
 
 
 def validate_run(cfg: RunConfig, world_size: int | None = None, gpus_per_node: int | None = None) -> Layout:
     """Check ``cfg`` for a job of ``world_size`` ranks (default: ``$WORLD_SIZE``) with ``gpus_per_node`` ranks on
     each node (default: the launcher's ``$LOCAL_WORLD_SIZE``, if any); returns its layout."""
-    from llmjp_ds.model.shapes import get_shape, resolve_shape
-
     check_values(cfg)
     check_paths(cfg)
     shape = resolve_shape(get_shape(cfg.model.shape), cfg.model.overrides)
@@ -35,13 +39,11 @@ def validate_run(cfg: RunConfig, world_size: int | None = None, gpus_per_node: i
     _check_health(cfg)
     stop_signals_of(cfg)  # names that are signals a handler may catch
     check_keep_rules(cfg.checkpoint.keep)  # log-spaced saves: rules in order of increasing below
-    from llmjp_ds.precision.recipes import AUTO, validate_phases
 
     validate_phases(cfg.precision, shape.num_layers)
     if any(ph.recipe == AUTO for ph in cfg.precision.phases) and not cfg.train.eval_interval:
         fail("precision.phases: recipe auto chooses by the penalty measured on validation batches: set "
              "train.eval_interval > 0 (and a data.split with a valid share), or name the recipe")
-    from llmjp_ds.parallel.ds_config import build_ds_config
 
     build_ds_config(cfg, layout)  # the DeepSpeed JSON: exists, parses, has no optimizer/scheduler block
     return layout
@@ -51,8 +53,6 @@ def validate_data(cfg: RunConfig) -> None:
     """What decides the samples a run reads, checked as :func:`validate_run` checks it (``llmjp-ds samples``):
     every value's rule, the data section's paths, the sequence length against the model, the data checks. Not the
     layout or the run directory: they change no sample."""
-    from llmjp_ds.model.shapes import get_shape, resolve_shape
-
     check_values(cfg)
     check_paths(cfg, "data.")
     _check_model(cfg, resolve_shape(get_shape(cfg.model.shape), cfg.model.overrides))
@@ -147,8 +147,6 @@ def check_paths(cfg: RunConfig, section: str = "") -> None:
 def _check_own_directory(key: str, path: Path) -> None:
     """A run writes checkpoints/, metrics.jsonl, config.yaml and tokenizer/ into its run_dir, and resumes from
     whatever ``checkpoints/latest`` there names: it must not be a directory that holds other things."""
-    from llmjp_ds.config import REPO_ROOT
-
     here = path.resolve()
     try:
         home = Path.home().resolve()
@@ -167,8 +165,6 @@ def _check_own_directory(key: str, path: Path) -> None:
 
 
 def _check_model(cfg: RunConfig, shape) -> None:
-    from llmjp_ds.model.backend import BACKENDS
-
     if cfg.model.backend not in BACKENDS:
         fail(f"model.backend {cfg.model.backend!r} is not one of {', '.join(BACKENDS)}")
     if cfg.data.seq_len is not None and cfg.data.seq_len > shape.seq_len:
@@ -289,8 +285,6 @@ def _check_health(cfg: RunConfig) -> None:
 
 
 def _check_logging(cfg: RunConfig) -> None:
-    from llmjp_ds.metrics import WANDB_MODES
-
     if cfg.logging.wandb not in WANDB_MODES:
         fail(f"logging.wandb must be online, offline or disabled, got {cfg.logging.wandb!r}"
              f"{did_you_mean(cfg.logging.wandb, WANDB_MODES)}")

@@ -2,8 +2,9 @@
 floors below them (nothing below the trainer imports it), DeepSpeed only where the parallel wiring lives (never in
 ``model/``, ``data/``, ``precision/`` or ``trainer/``, and the private names of DeepSpeed's objects only in
 ``parallel/deepspeed_internals.py``), no function longer than ~80 lines, no class longer than 250 and no module
-longer than 500, every room's ``__init__`` docstring naming each of its modules, and no module-level mutable state (no ``global``, and no module-level name rebound or mutated after import). Each rule is
-also run on a planted violation, so a rule that stops seeing is noticed."""
+longer than 500, every room's ``__init__`` docstring naming each of its modules, and no module-level mutable state
+(no ``global``, and no module-level name rebound or mutated after import). Each rule is also run on a planted
+violation, so a rule that stops seeing is noticed."""
 
 from __future__ import annotations
 

@@ -25,11 +25,16 @@ import math
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
 import torch
 
 from llmjp_ds.checkpoint.manifest import save_hashed
+from llmjp_ds.checkpoint.store import commit, report_failed_save
+from llmjp_ds.launch.failure import PeerFailure
+from llmjp_ds.parallel.memory import GIB, SHARDED_BYTES
 
 # a drill (tests, rehearsals): the writer sleeps this long before each file, to widen the in-flight window
 SLOW_WRITE_ENV = "LLMJP_DS_DRILL_SLOW_WRITE_S"
@@ -137,7 +142,8 @@ class AsyncSaver:
         return self.tag is not None
 
     def begin(self, tag: str, step: int, tag_dir: Path, meta) -> None:
-        self.tag, self.step, self._root, self.jobs, self.written, self.error = tag, step, tag_dir.resolve(), [], {}, None
+        self.tag, self.step, self._root = tag, step, tag_dir.resolve()
+        self.jobs, self.written, self.error = [], {}, None
         self.meta = meta
         self.snapshot_bytes = 0
         if self.arena is not None:
@@ -156,8 +162,6 @@ class AsyncSaver:
 
     def _write(self) -> None:
         """Write every file, a few at a time (the big optimizer shard and the model states overlap)."""
-        from concurrent.futures import ThreadPoolExecutor
-
         t0 = time.perf_counter()
         jobs, self.jobs = self.jobs, []
         with ThreadPoolExecutor(max_workers=min(WRITERS, max(1, len(jobs)))) as pool:
@@ -193,9 +197,6 @@ def commit_when_done(saver: AsyncSaver, ctx, run_dir, keep_last: int, block: boo
     (``block``: wait for this rank's first); True when no save is left in flight. A rank whose write failed ends
     with the one line of a failed save (the path, the free space, what ``latest`` still names); the others end
     quietly at the same point."""
-    from llmjp_ds.checkpoint.store import report_failed_save, commit
-    from llmjp_ds.launch.failure import PeerFailure
-
     if not saver.in_flight:
         return True
     if block:
@@ -232,8 +233,6 @@ def arena_bytes(module, dp_rank: int, dp_size: int) -> int:
     """The arena this rank reserves: its snapshot (the weights if it writes the model states, i.e. data-parallel
     rank 0, and its ZeRO shard of fp32 master weights and Adam moments), with room for alignment, buffers and the
     small states."""
-    from llmjp_ds.parallel.memory import SHARDED_BYTES
-
     numel = sum(p.numel() for p in module.parameters())
     weights = sum(p.numel() * p.element_size() for p in module.parameters()) if dp_rank == 0 else 0
     return int((weights + SHARDED_BYTES * numel / dp_size) * 1.01) + (64 << 20)
@@ -242,10 +241,6 @@ def arena_bytes(module, dp_rank: int, dp_size: int) -> int:
 def check_host_memory(nbytes: int, ranks_per_node: int) -> None:
     """Fail with one line where the node's available memory cannot hold its snapshots, counted as if every
     local rank reserved ``nbytes`` as this one does (an upper bound where this rank writes the model states)."""
-    import psutil
-
-    from llmjp_ds.parallel.memory import GIB
-
     need = ranks_per_node * nbytes / GIB
     available = psutil.virtual_memory().available / 2**30
     if need > 0.9 * available:

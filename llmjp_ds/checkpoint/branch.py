@@ -27,8 +27,15 @@ import shutil
 import time
 from pathlib import Path
 
-from llmjp_ds.config import add_config_args
+import yaml
+
+from llmjp_ds.checkpoint.lock import refuse_if_held
+from llmjp_ds.checkpoint.resume import check_same_past, verify_tag
+from llmjp_ds.checkpoint.store import LATEST, MARKER, checkpoint_dir, latest_tag, read_marker, tag_dir, vet_tag
+from llmjp_ds.config import add_config_args, apply_set, build_config, load_file, merge
 from llmjp_ds.errors import fail
+from llmjp_ds.io_utils import atomic_directory, atomic_file
+from llmjp_ds.validate import validate_run
 
 BRANCH_FILE = "branch.json"
 
@@ -52,8 +59,6 @@ def branch_config(source: dict, step: int, overrides: dict) -> dict:
     """The branch's config dict: ``source`` (the source run's resolved config) with ``overrides`` merged over it;
     a changed ``data.blend`` becomes a data phase from ``step``, a changed ``train.global_batch_size`` a batch
     change there (the steps before keep the source's blend and batches)."""
-    from llmjp_ds.config import merge
-
     data = merge(source, overrides)
     new_blend, old_blend = data["data"]["blend"], source["data"]["blend"]
     if [str(x) for x in new_blend] != [str(x) for x in old_blend]:
@@ -87,16 +92,6 @@ def _link_tag(source: Path, target: Path, files) -> str:
 def create_branch(source_run, run, tag: str | None = None, config: str | None = None, sets=()) -> dict:
     """Write the branch run directory ``run`` from checkpoint ``tag`` (default: latest) of ``source_run``, with
     the overrides of ``config`` (a YAML/JSON file) and ``sets`` (``key=value``). Every check runs first."""
-    import yaml
-
-    from llmjp_ds.checkpoint.lock import refuse_if_held
-    from llmjp_ds.checkpoint.resume import check_same_past, verify_tag
-    from llmjp_ds.checkpoint.store import (LATEST, MARKER, checkpoint_dir, latest_tag, read_marker, tag_dir,
-                                           vet_tag)
-    from llmjp_ds.config import RunConfig, apply_set, build_config, load_file
-    from llmjp_ds.io_utils import atomic_directory, atomic_file
-    from llmjp_ds.validate import validate_run
-
     source_run, run_dir = Path(source_run), Path(run)
     if not checkpoint_dir(source_run).is_dir():
         fail(f"{source_run} holds no checkpoints: pass --from the run directory of the run to branch from")

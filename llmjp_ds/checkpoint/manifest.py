@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
 import xxhash
 
 CHUNK = 16 << 20
@@ -34,8 +35,6 @@ class _HashingFile:
 
 def save_hashed(obj, path) -> dict:
     """``torch.save(obj, path)``, fsynced; returns ``{"size", "xxh3"}`` of the bytes written."""
-    import torch
-
     with open(path, "wb") as f:
         out = _HashingFile(f)
         torch.save(obj, out)

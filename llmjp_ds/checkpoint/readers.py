@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-from pathlib import Path
 
 import torch
 
 from llmjp_ds.checkpoint.client_state import KEYS
+from llmjp_ds.checkpoint.manifest import save_hashed
 from llmjp_ds.checkpoint.safe_load import load_checkpoint_file, vet_files
 from llmjp_ds.checkpoint.store import CheckpointMeta, checkpoint_dir, vet_tag
 from llmjp_ds.errors import fail
+from llmjp_ds.model.hf_adapter import pipeline_name_to_ours, tp_merge_state_dicts
 from llmjp_ds.parallel.deepspeed_internals import (MODEL_STATES_GLOB, PIPELINE_LAYER_GLOB, model_states_file,
-                                                   pipeline_layer_ranks)
+                                                   pipeline_layer_ranks, route_checkpoint_io)
 
 CLIENT_STATE = "client_state.pt"  # the trainer's state of a checkpoint that has no DeepSpeed files (an import)
 
@@ -43,9 +44,6 @@ def trusted_te_extra_state():
 
 def load(engine, run_dir, tag: str) -> dict:
     """Load checkpoint ``tag`` into ``engine`` (weights, optimizer, FP8 state); returns the trainer's state."""
-    from llmjp_ds.checkpoint.manifest import save_hashed
-    from llmjp_ds.parallel.deepspeed_internals import route_checkpoint_io
-
     vet_tag(run_dir, tag)
     route_checkpoint_io(engine, load_checkpoint_file, save_hashed)
     with trusted_te_extra_state():
@@ -67,8 +65,6 @@ def read_client_state(run_dir, tag: str) -> dict:
 def read_model_state(run_dir, tag: str, marker: CheckpointMeta) -> dict[str, torch.Tensor]:
     """The model's full state dict (our names) from a ZeRO-0..3 or pipeline checkpoint, on CPU. Every file is
     read with weights_only=True, and one that names code is refused before anything of it is unpickled."""
-    from llmjp_ds.model.hf_adapter import pipeline_name_to_ours, tp_merge_state_dicts
-
     d = vet_tag(run_dir, tag)
     if marker.layout_free:  # an imported checkpoint: the fp32 master weights of the layout-free form
         from llmjp_ds.parallel.reshape import CONVERTED

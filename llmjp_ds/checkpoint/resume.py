@@ -8,10 +8,16 @@ import json
 import os
 from pathlib import Path
 
+import torch.distributed as dist
+
+from llmjp_ds.batch_schedule import BatchSchedule
+from llmjp_ds.checkpoint.manifest import check_sizes, verify
 from llmjp_ds.checkpoint.store import (LATEST, MARKER, SHAPE_KEYS, CheckpointMeta, checkpoint_dir, complete_tags,
                                        latest_tag, parse_marker, saved_layout, tag_dir, vet_tag)
-from llmjp_ds.errors import fail
+from llmjp_ds.config import blend_history, build_config
+from llmjp_ds.errors import UserError, fail
 from llmjp_ds.io_utils import atomic_file
+from llmjp_ds.lr_schedule import lr_schedule, resumed
 
 DAMAGED = ".damaged"
 
@@ -64,8 +70,6 @@ def check_resume(run_dir, model_config: dict, cfg=None, layout=None) -> str | No
 def resumed_schedule(marker: CheckpointMeta, cfg):
     """The LR schedule a resume from ``marker``'s checkpoint continues with: the config's, reconciled with the one
     the checkpoint stored under ``optim.resume_schedule`` (a disagreement under ``check`` fails in one line)."""
-    from llmjp_ds.lr_schedule import lr_schedule, resumed
-
     configured = lr_schedule(cfg.optim, cfg.train.steps, cfg.train.global_batch_size)
     return resumed(configured, marker.lr_schedule if marker is not None else None, cfg.optim.resume_schedule)
 
@@ -75,10 +79,6 @@ def check_same_past(marker: CheckpointMeta, cfg, where: str, fix: str) -> None:
     trained them (its ``run_config``): a blend or batch change at a step already passed would change which samples
     those steps read, and so what the consumed-sample count means. ``where`` names the checkpoint, ``fix`` the way
     out. Checkpoints without a run config (earlier releases, or one this release cannot read) are not checked."""
-    from llmjp_ds.batch_schedule import BatchSchedule
-    from llmjp_ds.config import RunConfig, blend_history, build_config
-    from llmjp_ds.errors import UserError
-
     if not marker.run_config or not marker.step:
         return
     try:
@@ -109,8 +109,6 @@ def choose_intact(run_dir, ctx) -> tuple[str | None, list[tuple[str, str]]]:
     together (each reads its share of the files); and the (tag, reason) of each damaged tag passed over,
     newest first. Rank 0 moves a damaged tag aside (``<tag>.damaged``, kept for inspection) and ``latest`` to
     the intact one. Fails with one line if a checkpoint exists and none is intact."""
-    import torch.distributed as dist
-
     latest = latest_tag(run_dir)
     if latest is None:
         return None, []
@@ -139,8 +137,6 @@ def choose_intact(run_dir, ctx) -> tuple[str | None, list[tuple[str, str]]]:
 def verify_tag(d: Path, marker: CheckpointMeta, rank: int = 0, world: int = 1) -> str | None:
     """Why the checkpoint in ``d`` does not match its manifest (sizes of all files; checksums of this rank's
     share, every ``world``-th file from ``rank``); None if it does."""
-    from llmjp_ds.checkpoint.manifest import check_sizes, verify
-
     if marker.files is None:
         return "it has no manifest (written by an earlier release of llmjp-ds)"
     return check_sizes(d, marker.files) or verify(d, marker.files, sorted(marker.files)[rank::world])

@@ -22,12 +22,16 @@ from __future__ import annotations
 import importlib
 import io
 import pickle
+import pickletools
 import re
 import warnings
+import zipfile
 from pathlib import Path
 from typing import NoReturn
 
 import torch
+import torch.distributed.checkpoint.filesystem as dcp_fs
+import torch.distributed.checkpoint.metadata as dcp_md
 
 from llmjp_ds.errors import fail
 
@@ -70,9 +74,6 @@ def _globals_of(path: Path) -> list[str] | None:
 def _named_in_pickle(path: Path) -> list[str]:
     """Best effort, nothing executed: the globals (GLOBAL, STACK_GLOBAL) a zip checkpoint's pickle of any
     protocol names, for a file torch's scan cannot parse (pickle protocol 4+); [] where unknown."""
-    import pickletools
-    import zipfile
-
     try:
         with zipfile.ZipFile(path) as z:
             data = z.read(next(n for n in z.namelist() if n.rsplit("/", 1)[-1] == "data.pkl"))
@@ -299,9 +300,6 @@ def _storage_layout(name: str):
 
 
 def _dcp_classes() -> dict:
-    import torch.distributed.checkpoint.filesystem as dcp_fs
-    import torch.distributed.checkpoint.metadata as dcp_md
-
     classes = {f"torch.distributed.checkpoint.metadata.{n}": getattr(dcp_md, n) for n in (
         "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "BytesStorageMetadata",
         "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")}

@@ -29,8 +29,14 @@ import shutil
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
+import torch.distributed as dist
+
+from llmjp_ds.checkpoint.manifest import digest, save_hashed, tag_files
+from llmjp_ds.checkpoint.safe_load import load_checkpoint_file
+from llmjp_ds.config import seq_len_of
 from llmjp_ds.errors import fail
 from llmjp_ds.io_utils import atomic_file
+from llmjp_ds.parallel.deepspeed_internals import route_checkpoint_io
 from llmjp_ds.parallel.layout import Layout
 
 MARKER = "llmjp_ds.json"
@@ -140,8 +146,6 @@ class CheckpointMeta:
 
     @classmethod
     def for_run(cls, cfg, model_config, data_parallel: int) -> "CheckpointMeta":
-        from llmjp_ds.config import seq_len_of
-
         return cls(model_config=model_config.to_dict(), zero_stage=cfg.parallel.zero_stage,
                    pipeline_stages=cfg.parallel.pipeline_stages, dtype=cfg.precision.dtype,
                    seq_len=seq_len_of(cfg, model_config), fp8_lm_head=cfg.precision.fp8_lm_head,
@@ -232,10 +236,6 @@ def save(engine, run_dir, step: int, client_state: dict, meta: CheckpointMeta, k
     """Save checkpoint ``step``: DeepSpeed's files, then (:func:`commit`) the marker ``meta`` and ``latest``. With
     an :class:`~llmjp_ds.checkpoint.async_save.AsyncSaver` the files are only snapshotted here and written in the
     background; the caller commits (with the ``meta`` the saver holds) once every rank's writer is done."""
-    from llmjp_ds.checkpoint.manifest import save_hashed
-    from llmjp_ds.checkpoint.safe_load import load_checkpoint_file
-    from llmjp_ds.parallel.deepspeed_internals import route_checkpoint_io
-
     root = checkpoint_dir(run_dir)
     tag = tag_for(step, rollbacks)
     target = tag_dir(run_dir, tag)
@@ -271,10 +271,6 @@ def save(engine, run_dir, step: int, client_state: dict, meta: CheckpointMeta, k
 def commit(run_dir, tag: str, step: int, meta: CheckpointMeta, written: dict, keep_last: int) -> None:
     """Every rank: its files of ``tag`` are complete, ``written`` their manifest entries. Rank 0 writes the
     marker with the whole manifest, then ``latest``, then prunes; all ranks leave together."""
-    import torch.distributed as dist
-
-    from llmjp_ds.checkpoint.manifest import digest, tag_files
-
     root, target = checkpoint_dir(run_dir), checkpoint_dir(run_dir) / tag
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, written)
@@ -302,8 +298,6 @@ def report_failed_save(run_dir, tag: str, exc: BaseException, path=None, cut=Non
     ``peers_writing``: the other ranks may still be writing into the tag (a synchronous save under several
     ranks), so only ``cut``, this rank's partial file, is removed; the rest of the tag, which has no marker, goes
     when the run starts again (:func:`prune_incomplete`)."""
-    import torch.distributed as dist
-
     root = checkpoint_dir(run_dir)
     if peers_writing and dist.is_initialized() and dist.get_world_size() > 1:
         if cut is not None and not Path(cut).is_symlink() and (root / tag).resolve() in Path(cut).resolve().parents:

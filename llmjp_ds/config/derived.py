@@ -29,7 +29,8 @@ def train_samples(cfg: RunConfig) -> int:
 def megatron_sample_counts(cfg: RunConfig) -> tuple[int, int, int]:
     """(train, valid, test) sizes Megatron-LM asks its dataset builder for (``get_train_valid_test_num_samples``
     in megatron/training/training.py): ``train_iters * gbs`` (:func:`train_samples`), ``(train_iters //
-    eval_interval + 1) * eval_iters * gbs`` (its evaluations never restart the validation iterator, and one more follows the last step) and
+    eval_interval + 1) * eval_iters * gbs`` (its evaluations never restart the validation iterator, and one more
+    follows the last step) and
     ``eval_iters * gbs``, with train_iters = ``train.steps`` and eval_iters = ``train.eval_batches`` (at least 1,
     as our validation reads); no validation (``eval_interval`` 0) is eval_iters 0."""
     t = cfg.train

@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from llmjp_ds.data.columnar import ARROW_FILE_MAGIC, ARROW_STREAM_CONTINUATION, PARQUET_MAGIC
+from llmjp_ds.data.columnar import (ARROW_FILE_MAGIC, ARROW_STREAM_CONTINUATION, PARQUET_MAGIC, plan_arrow,
+                                    plan_parquet, read_rows)
+from llmjp_ds.data.jsonl import BadLine, iter_lines, stream_error, text_of_line
 from llmjp_ds.errors import fail
 
 SUPPORTED = "jsonl (plain, .gz, .zst, .bz2, .xz), parquet, Arrow (.arrow shards or a datasets.save_to_disk directory)"
@@ -146,9 +148,6 @@ def iter_documents(inputs, text_key: str = "text", skip_bad: bool = False) -> It
     """(file, line or row number, text) for every document of every input, in order, in this process.
 
     A bad line or row raises a one-line UserError unless ``skip_bad``; a truncated or corrupt file always does."""
-    from llmjp_ds.data.columnar import plan_arrow, plan_parquet, read_rows
-    from llmjp_ds.data.jsonl import BadLine, iter_lines, stream_error, text_of_line
-
     for source in resolve_inputs(inputs):
         path = source.path
         if source.format == "jsonl":

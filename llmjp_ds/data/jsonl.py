@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import io
 import json
+import lzma
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-from llmjp_ds.errors import fail
+from llmjp_ds.errors import UserError, fail
 
 GZIP_MAGIC = b"\x1f\x8b"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -69,7 +70,6 @@ def _new_decompressor(codec: str):
         import bz2
 
         return bz2.BZ2Decompressor()
-    import lzma
 
     return lzma.LZMADecompressor(format=lzma.FORMAT_XZ)
 
@@ -198,8 +198,6 @@ def stream_error(path: Path, limit: int = VERIFY_BYTES) -> str | None:
     """The one-line message of a compressed ``path`` that is truncated or corrupt within its first ``limit`` raw
     bytes, else None. Corrupt data decompresses to garbage before a check fails (gzip's CRC sits at the end of the
     member), so a line that looks bad in a compressed file is first blamed on the stream if the stream is bad."""
-    from llmjp_ds.errors import UserError
-
     stream, raw, codec = open_binary(path)
     try:
         if codec is None:

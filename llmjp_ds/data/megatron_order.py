@@ -178,8 +178,8 @@ def build_megatron_datasets(blend: list[tuple[float, str]], weighted: bool, seq_
                                                              config).build()
     except (OSError, ValueError) as exc:  # a cache file cut by a kill or not megatron-core's, or one a node cannot see
         fail(f"cannot read or write Megatron's sample index cache in {path} ({exc}): a file there is damaged (a build "
-             f"that was killed) or not megatron-core's: delete it, it is rebuilt; on several nodes, data.cache_dir must "
-             f"be on a filesystem every node mounts")
+             f"that was killed) or not megatron-core's: delete it, it is rebuilt; on several nodes, data.cache_dir "
+             f"must be on a filesystem every node mounts")
     out = [MegatronSamples(ds, n, seq_len, name, path, reused=megatron_cache is not None)
            for ds, n, name in zip(built, sizes, SPLITS)]
     for samples in out[:2]:

@@ -15,6 +15,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmjp_ds.data import bundled_corpus_files
+from llmjp_ds.data.tokenizer import load_tokenizer, resolve_model_path, save_hf_tokenizer, train_tokenizer
 from llmjp_ds.errors import fail
 
 BUNDLED_VOCAB = 8000
@@ -37,10 +39,8 @@ def prepare_bundled(vocab_size: int = BUNDLED_VOCAB) -> tuple[list[tuple[float, 
 
     Each language is its own corpus (``ja``, ``en``, ``code``) blended by token count, as LLM-jp weights its
     corpora, so each has its own train/valid split and the validation set holds all three."""
-    from llmjp_ds.data import bundled_corpus_files
     from llmjp_ds.data.indexed import IndexedDataset
     from llmjp_ds.data.preprocess import preprocess
-    from llmjp_ds.data.tokenizer import train_tokenizer
 
     files = bundled_corpus_files()
     root = cache_root() / f"bundled-{_bundled_key(files)}-v{vocab_size}"
@@ -110,8 +110,6 @@ def _refuse_links_out(source: Path) -> None:
 
 def _install_tokenizer(source: Path, run_dir: Path) -> Path:
     """Copy the tokenizer into the run directory as HF files (``AutoTokenizer``-loadable) + tokenizer.model."""
-    from llmjp_ds.data.tokenizer import resolve_model_path, save_hf_tokenizer
-
     target = run_dir / "tokenizer"
     if (target / "tokenizer_config.json").is_file():
         return target
@@ -137,7 +135,6 @@ def resolve_data(blend, tokenizer, model_vocab_size: int, split, seed: int, cach
     trainer knows the directory is shared)."""
     from llmjp_ds.data.dataset import blend_has_weights, check_vocab, parse_blend
     from llmjp_ds.data.indexed import IndexedDataset
-    from llmjp_ds.data.tokenizer import load_tokenizer
 
     weighted = True  # the bundled corpora are weighted by their token counts
     if blend:

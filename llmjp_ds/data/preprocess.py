@@ -35,6 +35,7 @@ from llmjp_ds.data.indexed import IndexedDatasetWriter, best_dtype, check_output
 from llmjp_ds.data.inputs import SUPPORTED, Source, resolve_inputs
 from llmjp_ds.data.jsonl import stream_error
 from llmjp_ds.data.pool import ordered_map
+from llmjp_ds.data.tokenizer import load_tokenizer
 from llmjp_ds.errors import fail
 
 OUTPUT_SUFFIX = "_text_document"
@@ -194,8 +195,6 @@ def preprocess(inputs: list[str | Path], tokenizer: str | Path, output_prefix: s
     ``progress``: None shows a bar when stderr is a terminal. Bad lines or rows raise a one-line UserError naming
     the file and line (row), unless ``skip_bad``, which counts them instead (``stats["skipped_by_kind"]``).
     """
-    from llmjp_ds.data.tokenizer import load_tokenizer
-
     start = time.perf_counter()
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         fail(f"--workers {workers}: need at least 1 (worker processes that tokenize)")

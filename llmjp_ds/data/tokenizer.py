@@ -13,6 +13,7 @@ is the eos id (2), not the ``<EOD|LLM-jp>`` piece (7, see ``eod_piece_id``), whi
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import sys
@@ -20,7 +21,9 @@ from itertools import chain, repeat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from llmjp_ds.data.inputs import iter_documents, resolve_inputs
 from llmjp_ds.errors import fail
+from llmjp_ds.io_utils import ensure_writable_dir, write_bytes_atomic
 
 if TYPE_CHECKING:
     import numpy as np
@@ -125,8 +128,6 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 def _training_chunks(inputs, text_key: str, max_chars: int = 2000):
     """Yield pieces of documents for the SentencePiece trainer: whole lines (newline kept, so that ``\\n`` is
     learnt as a piece), packed up to ``max_chars``. Bad lines are skipped; preprocess is where they are reported."""
-    from llmjp_ds.data.inputs import iter_documents
-
     for _, _, text in iter_documents(inputs, text_key, skip_bad=True):
         buf = ""
         for line in text.splitlines(keepends=True):
@@ -149,9 +150,6 @@ def train_tokenizer(inputs: list[str | Path], output_dir: str | Path, vocab_size
     ``max_sentences`` caps how many text chunks (lines packed to ~2,000 characters) the trainer samples.
     Returns ``output_dir``, which ``AutoTokenizer.from_pretrained`` and ``load_tokenizer`` both accept.
     """
-    from llmjp_ds.io_utils import ensure_writable_dir, write_bytes_atomic
-    from llmjp_ds.data.inputs import resolve_inputs
-
     inputs = [s.path for s in resolve_inputs(inputs)]
     output_dir = Path(output_dir)
     if (output_dir / MODEL_FILE).exists() and not force:
@@ -218,7 +216,9 @@ def build_hf_backend(sp_model: str | Path):
     control/byte/unused pieces get the minimum normal score here, and control pieces are registered as special
     tokens so that they are never part of the lattice.
     """
-    from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, normalizers, processors
+    from tokenizers import AddedToken, Regex
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, normalizers, processors
     from tokenizers.models import Unigram
 
     proto = _load_proto(sp_model)
@@ -280,8 +280,6 @@ def build_hf_backend(sp_model: str | Path):
 def _train_model(inputs, text_key: str, vocab_size: int, max_sentences, seed_sentencepiece_size, num_threads,
                  quiet: bool) -> bytes:
     """SentencePiece's unigram model (the serialised bytes) trained on the texts of ``inputs``."""
-    import io
-
     import sentencepiece as spm
 
     chunks = _training_chunks(inputs, text_key)
@@ -323,8 +321,6 @@ def save_hf_tokenizer(sp_model: str | Path, output_dir: str | Path) -> None:
     tokenizer). One known difference: text that literally spells a control piece (``</s>``) is read as that
     special token by HF but as plain characters by SentencePiece; the data pipeline uses SentencePiece.
     """
-    from llmjp_ds.io_utils import ensure_writable_dir, write_bytes_atomic
-
     sp_model = Path(sp_model)
     if not sp_model.is_file():
         fail(f"tokenizer {sp_model} not found: pass a SentencePiece .model file")

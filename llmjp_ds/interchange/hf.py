@@ -13,13 +13,19 @@ import shutil
 from pathlib import Path
 
 import torch
+import yaml
 
+from llmjp_ds.checkpoint.branch import read_origin
 from llmjp_ds.checkpoint.lock import LOCK, refuse_if_held
 from llmjp_ds.checkpoint.readers import read_model_state
 from llmjp_ds.checkpoint.resume import verify_tag
 from llmjp_ds.checkpoint.store import checkpoint_dir, complete_tags, latest_tag, read_marker, vet_tag
+from llmjp_ds.config import merge, preset_dict
 from llmjp_ds.errors import fail
 from llmjp_ds.io_utils import atomic_file
+from llmjp_ds.model import LlamaForCausalLM
+from llmjp_ds.model.hf_io import check_hf_shapes, read_hf_config, save_hf_checkpoint
+from llmjp_ds.model.shapes import check_supported, rope_theta
 
 EXPORT_MARKER = "llmjp_ds_export.json"
 
@@ -78,9 +84,6 @@ def export(run_dir, output, tag: str | None = None, dtype: str = "bf16", force: 
     # transformers' modeling code loads only now (it takes seconds): the checks above answer a mistake at once
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from llmjp_ds.checkpoint.branch import read_origin
-    from llmjp_ds.model import LlamaForCausalLM
-    from llmjp_ds.model.hf_io import save_hf_checkpoint
 
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     config = LlamaConfig.from_dict(marker.model_config)
@@ -115,12 +118,6 @@ def export(run_dir, output, tag: str | None = None, dtype: str = "bf16", force: 
 
 def import_hf(model_dir, run_dir, preset: str = "llmjp3-1.8b", force: bool = False) -> Path:
     """Start a run directory for continued pretraining from an HF Llama checkpoint: writes its config.yaml."""
-    import yaml
-
-    from llmjp_ds.config import merge, preset_dict
-    from llmjp_ds.model.hf_io import check_hf_shapes, read_hf_config
-    from llmjp_ds.model.shapes import check_supported, rope_theta
-
     model_dir, run_dir = Path(model_dir).resolve(), Path(run_dir)
     base = preset_dict(preset)
     if not model_dir.is_dir():

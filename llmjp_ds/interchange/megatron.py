@@ -14,22 +14,31 @@ written; the run directory is built beside its place and renamed into it, and on
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
+import yaml
 
+from llmjp_ds.batch_schedule import changes_at_thresholds, megatron_step_schedule
 from llmjp_ds.checkpoint.client_state import ClientState
-from llmjp_ds.config import add_config_args
-from llmjp_ds.interchange.megatron_reader import MegatronCheckpoint
+from llmjp_ds.checkpoint.manifest import digest, save_hashed
+from llmjp_ds.checkpoint.readers import CLIENT_STATE
+from llmjp_ds.checkpoint.store import LATEST, MARKER, CheckpointMeta, tag_for
+from llmjp_ds.config import (DECAY_STYLES, WEIGHT_DECAY_INCR_STYLES, WSD_DECAY_STYLES, add_config_args, build_config,
+                             load_config, model_config_of, seq_len_of)
+from llmjp_ds.data.tokenizer import load_tokenizer
 from llmjp_ds.errors import fail
-
+from llmjp_ds.interchange import megatron_reader
+from llmjp_ds.interchange.megatron_adapter import from_megatron_state_dict, megatron_name
+from llmjp_ds.interchange.megatron_reader import MegatronCheckpoint
+from llmjp_ds.io_utils import atomic_directory
+from llmjp_ds.model.shapes import pad_vocab_size, rope_theta
+from llmjp_ds.parallel.reshape import CONVERTED, DONE
 
 
 def _shape_pairs(ckpt: MegatronCheckpoint, cfg, model_config) -> list[tuple[str, object, str, object]]:
     """(Megatron argument, its value, config key, the config's value) of everything that must agree."""
-    from llmjp_ds.config import seq_len_of
-    from llmjp_ds.model.shapes import rope_theta
-
     a = ckpt.arg
     heads = a("num_attention_heads")
     groups = a("num_query_groups") if a("group_query_attention", False) else heads
@@ -57,8 +66,6 @@ def _shape_pairs(ckpt: MegatronCheckpoint, cfg, model_config) -> list[tuple[str,
 def megatron_batch_changes(ckpt: MegatronCheckpoint) -> list[list[int]]:
     """Megatron-Core 0.19's ``--step-batch-size-schedule`` of the run as ``train.batch_changes`` (``[start_step,
     batch]`` each; none without one)."""
-    from llmjp_ds.batch_schedule import changes_at_thresholds, megatron_step_schedule
-
     text = ckpt.arg("step_batch_size_schedule")
     if not text:
         return []
@@ -85,9 +92,6 @@ def check_config(ckpt: MegatronCheckpoint, cfg, model_config) -> None:
 def _check_tokenizer(ckpt: MegatronCheckpoint, cfg) -> None:
     """The run's tokenizer pads (Megatron's rule: to a multiple of make_vocab_size_divisible_by x TP) to the
     checkpoint's embedding rows."""
-    from llmjp_ds.data.tokenizer import load_tokenizer
-    from llmjp_ds.model.shapes import pad_vocab_size
-
     if not cfg.data.tokenizer:
         fail("data.tokenizer is not set: pass the tokenizer the Megatron run trained with (a SentencePiece .model "
              "or an HF tokenizer directory), e.g. --set data.tokenizer=PATH")
@@ -110,8 +114,6 @@ def optim_settings(ckpt: MegatronCheckpoint, train_steps: int | None = None) -> 
     decay style (WSD with the length and style of its decay from the run's arguments, which the scheduler does not
     store), the warmup's first LR and the weight decay's increment (over ``train_steps``, the run's
     ``train.steps``, as Megatron's over ``--train-iters``)."""
-    from llmjp_ds.config import DECAY_STYLES, WEIGHT_DECAY_INCR_STYLES, WSD_DECAY_STYLES
-
     sched, gbs = ckpt.scheduler, int(ckpt.arg("global_batch_size"))
     where = f"{ckpt.directory}'s opt_param_scheduler"
     if not sched:
@@ -165,8 +167,6 @@ def optim_settings(ckpt: MegatronCheckpoint, train_steps: int | None = None) -> 
 def layout_free_states(ckpt: MegatronCheckpoint, model_config) -> dict[str, dict]:
     """Per parameter (our names): its fp32 master weight and Adam moments (zeros where the checkpoint has no
     optimizer state)."""
-    from llmjp_ds.interchange.megatron_adapter import from_megatron_state_dict, megatron_name
-
     weights = from_megatron_state_dict(ckpt.weights, model_config)
     out = {}
     for name, weight in weights.items():
@@ -186,10 +186,6 @@ def layout_free_states(ckpt: MegatronCheckpoint, model_config) -> dict[str, dict
 
 def _write_tag(tag_dir: Path, states: dict, step: int, client: dict) -> dict:
     """The checkpoint's files; returns their manifest (relative path -> size and xxh3)."""
-    from llmjp_ds.checkpoint.manifest import digest, save_hashed
-    from llmjp_ds.checkpoint.readers import CLIENT_STATE
-    from llmjp_ds.parallel.reshape import CONVERTED, DONE
-
     files = {}
     (tag_dir / CONVERTED).mkdir(parents=True)
     for name, state in states.items():
@@ -209,9 +205,6 @@ def import_megatron(load, run, iteration: int | None = None, config=None, preset
     """Write run directory ``run`` from the Megatron checkpoint ``load`` (``iteration``: default the newest)
     with the run config of ``config`` / ``preset`` / ``sets`` (as ``llmjp-ds train`` takes them). Every check
     runs before anything is written."""
-    from llmjp_ds.interchange import megatron_reader
-    from llmjp_ds.config import RunConfig, build_config, load_config, model_config_of
-
     run_dir = Path(run)
     if run_dir.exists() or run_dir.is_symlink():
         fail(f"{run_dir} already exists: import-megatron writes a new run directory (two runs never share one); "
@@ -244,13 +237,6 @@ def _write_run(run_dir: Path, data: dict, cfg, model_config, states: dict, clien
                megatron_layout: tuple[int, int, int], scheduler: dict) -> str:
     """The run directory, built beside its place and renamed into it: config.yaml, the checkpoint (its marker
     last), ``latest``. Returns the checkpoint's tag."""
-    import json
-
-    import yaml
-
-    from llmjp_ds.checkpoint.store import LATEST, MARKER, CheckpointMeta, tag_for
-    from llmjp_ds.io_utils import atomic_directory
-
     step = client["train_state"]["step"]
     tag = tag_for(step)
     pp, dp, tp = megatron_layout

@@ -26,10 +26,12 @@ from pathlib import Path
 
 import torch
 
-from llmjp_ds.interchange import megatron_optim as mo
 from llmjp_ds.checkpoint.safe_load import StandIn, load_megatron
 from llmjp_ds.errors import fail
 from llmjp_ds.interchange import megatron_adapter as ma
+from llmjp_ds.interchange import megatron_optim as mo
+from llmjp_ds.interchange.dcp_reader import DistCheckpoint
+from llmjp_ds.interchange.megatron_dist_optim import dist_optimizer, unstack
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _ITER = re.compile(r"^iter_(\d{7})$")
@@ -328,9 +330,6 @@ def _local_state(rank_dir: Path, opt: dict, chunks: list[dict]) -> list[dict]:
 # --- torch_dist ---------------------------------------------------------------------------------------------------
 
 def _read_torch_dist(directory: Path) -> MegatronCheckpoint:
-    from llmjp_ds.interchange.dcp_reader import DistCheckpoint
-    from llmjp_ds.interchange.megatron_dist_optim import dist_optimizer
-
     try:
         backend = json.loads((directory / "metadata.json").read_text()).get("sharded_backend")
     except (OSError, ValueError, AttributeError) as exc:
@@ -362,8 +361,6 @@ def _common_state(dcp) -> tuple[dict, Path]:
 
 
 def _dist_weights(dcp, num_layers: int) -> dict:
-    from llmjp_ds.interchange.megatron_dist_optim import unstack
-
     weights = {}
     for key in dcp.tensor_keys():
         if key.startswith("optimizer.") or ma.is_extra_state(key):

@@ -21,6 +21,7 @@ from pathlib import Path
 import psutil
 
 from llmjp_ds.errors import fail
+
 # deepspeed.launcher.runner._parse_hostfile's pattern, matched the same way (re.search on the stripped line)
 _LINE = re.compile(r"^(\S+)\s+slots=(\d+)")
 
@@ -123,8 +124,8 @@ def check_hosts(path, hosts: dict[str, int], env=None, ssh_timeout_s: float = 10
             fail(f"{path}: host {host} does not resolve here ({exc.strerror or exc}): fix the name, or add it to DNS "
                  "or /etc/hosts on every host")
     if len(hosts) > 1 and shutil.which("pdsh", path=env.get("PATH")) is None:
-        fail(f"pdsh is not installed: the deepspeed launcher starts the other {len(hosts) - 1} hosts of {path} with it; "
-             f"install it ({PDSH_INSTALL}), or launch with srun or mpirun (hostfiles/slurm.sbatch)")
+        fail(f"pdsh is not installed: the deepspeed launcher starts the other {len(hosts) - 1} hosts of {path} with "
+             f"it; install it ({PDSH_INSTALL}), or launch with srun or mpirun (hostfiles/slurm.sbatch)")
     if len(hosts) == 1 and next(iter(hosts)) in ("localhost", "127.0.0.1", socket.gethostname()):
         return "hosts OK (this host)"
     ssh = shutil.which("ssh", path=env.get("PATH"))

@@ -7,16 +7,16 @@ nothing reaches ``launch`` or the ranks, and a rank would train on unattended, h
 torchrun's agent forwards SIGTERM to its workers (each in its own session, so a signal to torchrun's process
 group does not reach them), but a SIGKILL of the agent leaves them alone too.
 
-:func:`identify` (called once when torch.distributed starts; the :class:`ParallelContext` keeps the result) walks up from this process's parent while the
-processes are launchers, recognised by their command line (the DeepSpeed runner, ``deepspeed.launcher.launch``,
-torchrun / ``torch.distributed.run``), and keeps each one's pid and ``/proc`` start time, so that a reused pid
-is not taken for the launcher. The walk stops at the first process that is not a launcher: the user's shell,
-nohup, sshd, a scheduler's step daemon are never watched (a shell that exits under nohup does not stop a run).
-When the parent is DeepSpeed's ``launch`` (which starts its ranks from its main thread), the kernel also sends
-this process SIGTERM when it dies (``PR_SET_PDEATHSIG``). :func:`watch` starts a thread that notices any of
-them gone (exited, killed, a zombie) and calls back: the trainer then stops exactly as on its own SIGTERM
-(save at the step boundary, every rank together, exit 0). Under a plain ``python -m llmjp_ds.train`` there is
-no launcher and nothing is watched.
+:func:`identify` (called once when torch.distributed starts; the :class:`ParallelContext` keeps the result) walks up
+from this process's parent while the processes are launchers, recognised by their command line (the DeepSpeed
+runner, ``deepspeed.launcher.launch``, torchrun / ``torch.distributed.run``), and keeps each one's pid and ``/proc``
+start time, so that a reused pid is not taken for the launcher. The walk stops at the first process that is not a
+launcher: the user's shell, nohup, sshd, a scheduler's step daemon are never watched (a shell that exits under nohup
+does not stop a run). When the parent is DeepSpeed's ``launch`` (which starts its ranks from its main thread), the
+kernel also sends this process SIGTERM when it dies (``PR_SET_PDEATHSIG``). :func:`watch` starts a thread that
+notices any of them gone (exited, killed, a zombie) and calls back: the trainer then stops exactly as on its own
+SIGTERM (save at the step boundary, every rank together, exit 0). Under a plain ``python -m llmjp_ds.train`` there
+is no launcher and nothing is watched.
 
 **A lost host's ssh session.** Over several hosts the deepspeed runner starts every host's ``launch`` with pdsh,
 one ssh session per host, and waits for pdsh, which waits for every session. A session to a host that went
@@ -39,11 +39,16 @@ would keep the job's processes alive.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import ctypes
+import json
 import os
+import signal
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -134,8 +139,6 @@ def identify() -> list[Launcher]:
 
 
 def _set_parent_death_signal(parent: Launcher) -> None:
-    import signal
-
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
@@ -189,10 +192,6 @@ def _flag(argv: list[str], name: str) -> str | None:
 def launch_world(argv: list[str]) -> tuple[str, str, list[int]] | None:
     """(``--world_info``, ``--master_port``, ranks of each node in node order) of a deepspeed ``launch`` command
     line; None when it has no world info (another launcher)."""
-    import base64
-    import binascii
-    import json
-
     info, port = _flag(argv, "--world_info"), _flag(argv, "--master_port")
     if not info or not port:
         return None
@@ -277,9 +276,6 @@ def end_launch_sessions(launchers: list[Launcher], lost: dict) -> list[int]:
     """Interrupt this rank's mpirun twice, then SIGTERM each process of this host (this user's) that holds the
     launcher's session to the silent host of ``lost`` ({rank: member with ``host`` and ``addr``}; module
     docstring); the pids signalled."""
-    import signal
-    import time
-
     sessions = _pdsh_sessions(launchers, list(lost)) + _mpi_sessions(lost.values())  # while mpirun is their parent
     ended = []
     parent, program = _parent_program()

@@ -35,6 +35,7 @@ marks a rank finished before the last barrier, so that a rank ending normally is
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 import threading
@@ -43,6 +44,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from llmjp_ds.errors import fail
+from llmjp_ds.launch.scheduler import route_interface
 
 PREFIX = "llmjp_ds/"
 LOST_EXIT = 3  # the exit status of a rank that ends the job for a lost peer (as the stall watchdog's)
@@ -100,7 +102,6 @@ def _ranks_text(ranks: list[int]) -> str:
 def join(store, rank: int, world: int, addr: str, port: int, timeout_s: float, namespace: str = "") -> list[Member]:
     """Announce this rank and wait for all ``world`` ranks (``timeout_s``); every rank's host and address."""
     ns = f"{PREFIX}{namespace}"
-    from llmjp_ds.launch.scheduler import route_interface
 
     me = Member(socket.gethostname(), route_interface(addr, port)[0])  # open_store resolved addr already
     store.set(f"{ns}member/{rank}", f"{me.host}\t{me.addr}")
@@ -244,8 +245,6 @@ class Heartbeat:
     def report_lost_peer(self, exc: BaseException) -> bool:
         """A collective of this rank failed because a connection to a peer closed (``exc``): when the message names
         the address of another host of the job, print once for the job which host that is; True when it does."""
-        import re
-
         lost: dict[tuple[str, str], list[int]] = {}
         for r, m in enumerate(self.members):
             if m.host != socket.gethostname() and re.search(rf"(?<![\d.]){re.escape(m.addr)}(?![\d])", str(exc)):

@@ -48,9 +48,13 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import shutil
 import socket
+import subprocess
 from dataclasses import dataclass
 from typing import Mapping, MutableMapping
+
+import psutil
 
 from llmjp_ds.errors import fail
 from llmjp_ds.launch.hostlist import HostlistError, expand_hostlist, expand_tasks_per_node
@@ -277,9 +281,6 @@ def hostnames(var: str, text: str) -> list[str]:
 
 
 def _scontrol_hostnames(text: str) -> list[str] | None:
-    import shutil
-    import subprocess
-
     exe = shutil.which("scontrol")
     if exe is None:
         return None
@@ -316,8 +317,6 @@ def export(job: JobEnv, environ: MutableMapping[str, str] = os.environ) -> None:
 
 def interface_of(address: str) -> str | None:
     """The interface of this host that holds ``address`` (psutil.net_if_addrs), or None."""
-    import psutil
-
     for name, addrs in psutil.net_if_addrs().items():
         if any(a.address.split("%")[0] == address for a in addrs):
             return name
@@ -338,8 +337,6 @@ def choose_interface(master_addr: str, port: int, others=(), env: Mapping[str, s
     """The interface this rank should advertise: LLMJP_DS_SOCKET_IFNAME, else GLOO_SOCKET_IFNAME or
     NCCL_SOCKET_IFNAME when one names an interface of this host, else the route's to the master, or (on the master,
     whose route to itself may be loopback) to the first of ``others`` with a route that is not; None if none."""
-    import psutil
-
     names = psutil.net_if_addrs()
     override = _get(env, IFNAME_OVERRIDE)
     if override:

@@ -30,6 +30,7 @@ from transformers import GenerationMixin, LlamaConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from llmjp_ds.model.backend import layers_module, resolve_backend
+from llmjp_ds.model.hf_io import load_hf_checkpoint, save_hf_checkpoint
 from llmjp_ds.model.loss import CausalLMLoss, LossParts
 from llmjp_ds.model.loss import shift_labels as shift_labels_of
 from llmjp_ds.model.main_grad import HeadLinear, TokenEmbedding
@@ -315,13 +316,9 @@ class LlamaForCausalLM(PreTrainedModel, GenerationMixin):
     def from_pretrained(cls, path, backend: str | None = None, dtype: torch.dtype | None = None,
                         **kwargs) -> "LlamaForCausalLM":
         """Load any HF ``LlamaForCausalLM`` safetensors checkpoint directory (sharded or not)."""
-        from llmjp_ds.model.hf_io import load_hf_checkpoint
-
         return load_hf_checkpoint(cls, Path(path), backend=backend, dtype=dtype, **kwargs)
 
     def save_pretrained(self, path, dtype: torch.dtype | None = None, max_shard_size: int = 5 * 2**30,
                         **_) -> None:
         """Write a plain ``model_type: llama`` checkpoint (safetensors + config.json + generation_config.json)."""
-        from llmjp_ds.model.hf_io import save_hf_checkpoint
-
         save_hf_checkpoint(self, Path(path), dtype=dtype, max_shard_size=max_shard_size)

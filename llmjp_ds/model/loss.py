@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from llmjp_ds.model.kernels import cross_entropy
 from llmjp_ds.model.tensor_parallel import TensorParallel, reduce_from
 
 IGNORE_INDEX = -100
@@ -144,7 +145,6 @@ class CausalLMLoss:
         """Whether this loss of ``logits`` runs the Triton kernels, whose backward reuses the logits' memory."""
         if not (self.fused and self.tp is None and logits.is_cuda and gpu_fused_loss() == "triton"):
             return False
-        from llmjp_ds.model.kernels import cross_entropy
 
         return cross_entropy.supported(logits)
 

@@ -11,17 +11,17 @@ backends, where ``TransformerLayer`` would hide them behind its own inference AP
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 import transformer_engine.pytorch as te
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformer_engine.pytorch.attention.rope import apply_fused_qkv_rotary_pos_emb, apply_rotary_pos_emb
 from transformer_engine.pytorch.module import layernorm_linear as _te_layernorm_linear
 from transformer_engine.pytorch.module import layernorm_mlp as _te_layernorm_mlp
 
 from llmjp_ds.model import residual_grad
 from llmjp_ds.model.torch_layers import apply_rope as torch_apply_rope
-from llmjp_ds.model.torch_layers import split_qkv
 from llmjp_ds.model.torch_layers import sdpa  # noqa: F401  (the masked / KV-cache path, shared by both backends)
+from llmjp_ds.model.torch_layers import split_qkv
 from llmjp_ds.model.weight_reuse import ReusesFP8Weights
 
 
@@ -131,8 +131,6 @@ def cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qkv_forma
     """Causal attention of ``[b, s, heads, d]`` (``bshd``) or ``[s, b, heads, d]`` (``sbhd``) tensors, strided views
     of the QKV buffer included, on torch's cuDNN backend only (it raises where cuDNN cannot run the case); the
     output in the same format, ``[*lead, heads, d]``. Grouped KV heads go to cuDNN as they are."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     to_bhsd, back = ((1, 2, 0, 3), (2, 0, 1, 3)) if qkv_format == "sbhd" else ((0, 2, 1, 3), (0, 2, 1, 3))
     q, k, v = (t.permute(*to_bhsd) for t in (q, k, v))
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):

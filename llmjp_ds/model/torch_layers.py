@@ -16,6 +16,7 @@ The communication is :mod:`llmjp_ds.model.tensor_parallel`'s.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -185,8 +186,6 @@ def attention_backends(device: torch.device, dtype: torch.dtype):
     AVX512 (``ATEN_CPU_CAPABILITY=default`` or ``avx2``) in 16 bits, where torch's (2.13) flash attention still
     packs its operands for the processor's AVX512 and fails (``pack_vnni2 is only supported when avx512 is
     supported``): there the math backend runs."""
-    import contextlib
-
     if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and \
             torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "AVX2"):
         from torch.nn.attention import SDPBackend, sdpa_kernel

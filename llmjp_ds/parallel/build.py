@@ -9,7 +9,14 @@ from pathlib import Path
 import torch
 
 from llmjp_ds.config import RunConfig
+from llmjp_ds.model import LlamaForCausalLM
+from llmjp_ds.model.backend import layers_module
+from llmjp_ds.model.hf_adapter import from_hf_state_dict
+from llmjp_ds.model.hf_io import read_hf_tensors
 from llmjp_ds.model.tensor_parallel import sum_sequence_parallel_grads
+from llmjp_ds.optim import build_optimizer
+from llmjp_ds.parallel.deepspeed_internals import fuse_grad_accumulation, fuse_optimizer_step, local_layers
+from llmjp_ds.parallel.ds_config import build_ds_config
 from llmjp_ds.parallel.layout import Layout
 from llmjp_ds.parallel.pipeline import our_names, pipeline_module, seeded_layer_specs, shard_of
 
@@ -19,9 +26,6 @@ def build_model(cfg: RunConfig, model_config, backend: str, checkpoint_fn=None, 
     function (None without a pipeline). ``checkpoint_fn``: the activation-checkpoint function (default: the
     backend's; the precision schedule hands the emulator's). ``tp``: this rank's tensor-parallel group
     (:class:`~llmjp_ds.model.tensor_parallel.TensorParallel`), or None."""
-    from llmjp_ds.model import LlamaForCausalLM
-    from llmjp_ds.model.backend import layers_module
-
     checkpoint_fn = checkpoint_fn or layers_module(backend).checkpoint
     loss_kwargs = {"z_loss_coeff": cfg.model.z_loss, "fused_loss": cfg.model.fused_loss and torch.cuda.is_available()}
     fp8_head = cfg.precision.fp8_lm_head
@@ -45,7 +49,6 @@ def build_model(cfg: RunConfig, model_config, backend: str, checkpoint_fn=None, 
         sum_sequence_parallel_grads(model, tp)
         return model, None
     from llmjp_ds.model.pipeline import PipelineLoss
-    from llmjp_ds.parallel.deepspeed_internals import local_layers
 
     loss = PipelineLoss(cfg.model.z_loss, loss_kwargs["fused_loss"], tp)
     module = pipeline_module(cfg, model_config, backend, checkpoint_fn, loss, tp, layout)
@@ -80,9 +83,6 @@ def init_like_pipeline(model, model_config, backend: str, seed: int, fp8_head: b
 
 def load_hf_into_layers(layers, hf_dir: str, model_config, tp=None) -> None:
     """HF weights into ``layers`` (pairs of pipeline layer index and module), this rank's TP shard of each."""
-    from llmjp_ds.model.hf_adapter import from_hf_state_dict
-    from llmjp_ds.model.hf_io import read_hf_tensors
-
     whole = from_hf_state_dict(read_hf_tensors(Path(hf_dir)), model_config)
     n = model_config.num_hidden_layers
     for idx, layer in layers:
@@ -94,10 +94,6 @@ def initialize(cfg: RunConfig, model, layout: Layout, mpu=None):
     """DeepSpeed's engine around ``model`` with the LLM-jp AdamW groups and the run's DeepSpeed JSON; ``mpu``:
     the layout's grid under TP without a pipeline (a pipeline module brings its own)."""
     import deepspeed
-
-    from llmjp_ds.optim import build_optimizer
-    from llmjp_ds.parallel.ds_config import build_ds_config
-    from llmjp_ds.parallel.deepspeed_internals import fuse_grad_accumulation, fuse_optimizer_step
 
     # fp32 + ZeRO-0 is the one layout where DeepSpeed steps our AdamW directly, with no overflow check: a
     # non-finite step must still be skipped (and reported through was_step_applied) there

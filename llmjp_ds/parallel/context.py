@@ -20,8 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from llmjp_ds.errors import fail
+from llmjp_ds.io_utils import write_bytes_atomic
+from llmjp_ds.launch import launcher, rendezvous, scheduler
+from llmjp_ds.launch.failure import PeerFailure, is_peer_failure
 from llmjp_ds.model.tensor_parallel import TensorParallel
 from llmjp_ds.parallel.layout import Layout
 
@@ -37,9 +41,7 @@ def init_distributed(rendezvous_timeout_s: float = 60.0, heartbeat_timeout_s: fl
     ``rendezvous_timeout_s``), which also starts the heartbeat over several hosts (``heartbeat_timeout_s``; 0:
     none)."""
     import deepspeed
-    import torch.distributed as dist
 
-    from llmjp_ds.launch import launcher
 
     launchers = launcher.identify()  # now, while the launcher is surely alive (setup may take minutes)
     if "WORLD_SIZE" not in os.environ and "MASTER_PORT" not in os.environ:
@@ -79,10 +81,7 @@ def _meet(backend: str, rank: int, world: int, addr: str, port: int, agent_store
     """The rendezvous of ``world`` ranks (:mod:`llmjp_ds.launch.rendezvous`), the socket interface of the
     master's host, the process group, then the heartbeat (returned; None on one host; ``on_lost``: what it does
     before it ends the job for a silent host)."""
-    import torch.distributed as dist
     from deepspeed.constants import default_pg_timeout
-
-    from llmjp_ds.launch import rendezvous, scheduler
 
     # under torchrun its agent serves the store (the agents met already); a restart of the workers meets in a
     # namespace of its own
@@ -123,8 +122,6 @@ class ParallelContext:
     def start(cls, layout: Layout, sequence_parallel: bool = False, parallel=None) -> "ParallelContext":
         """The process groups of ``layout`` (``parallel``: the config's ParallelConfig, for its rendezvous and
         heartbeat timeouts; None: their defaults)."""
-        import torch.distributed as dist
-
         timeouts = {} if parallel is None else {"rendezvous_timeout_s": parallel.rendezvous_timeout_s,
                                                 "heartbeat_timeout_s": parallel.heartbeat_timeout_s}
         launchers, heartbeat = init_distributed(**timeouts)
@@ -137,7 +134,6 @@ class ParallelContext:
 
     def _tensor_groups(self, sequence_parallel: bool) -> None:
         """Every rank makes every group, in the same order (torch.distributed requires it)."""
-        import torch.distributed as dist
         from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 
         topo = topology(self.layout)
@@ -186,8 +182,6 @@ class ParallelContext:
     def report_failure(self, exc: BaseException) -> None:
         """A collective failed on this rank with ``exc``: when a peer on another host closed its connections,
         say once for the job which host (:meth:`Heartbeat.report_lost_peer`)."""
-        from llmjp_ds.launch.failure import is_peer_failure
-
         if self.heartbeat is not None and is_peer_failure(exc):
             self.heartbeat.report_lost_peer(exc)
 
@@ -203,24 +197,15 @@ class ParallelContext:
 
     # --- collectives the trainer uses ----------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
         dist.all_reduce(tensor)
         return tensor
 
     def barrier(self) -> None:
-        import torch.distributed as dist
-
         dist.barrier()
 
     def check_shared_dir(self, path) -> None:
         """Every rank must see the same run directory (a node-local one would split checkpoints across nodes):
         rank 0 writes a fresh token into it and every rank reads it back, before anything else is written."""
-        import torch.distributed as dist
-
-        from llmjp_ds.io_utils import write_bytes_atomic
-        from llmjp_ds.launch.failure import PeerFailure
-
         path = Path(path)
         token = [secrets.token_hex(16) if self.rank == 0 else None]
         dist.broadcast_object_list(token, src=0)

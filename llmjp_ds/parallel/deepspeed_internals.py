@@ -67,6 +67,8 @@ from pathlib import Path
 
 import torch
 
+from llmjp_ds.model.kernels import adamw
+
 BF16_OPTIMIZER_INTERNALS = ("_update_hp_grad", "fp32_groups_gradients", "fp32_groups_has_gradients", "bf16_groups",
                             "immediate_grad_update")
 
@@ -145,7 +147,6 @@ def fuse_optimizer_step(optimizer) -> bool:
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer  # DeepSpeed 0.19.8
     from deepspeed.runtime.utils import all_gather_dp_groups, get_global_norm_of_tensors, is_invalid_grad_norm
 
-    from llmjp_ds.model.kernels import adamw
 
     if not isinstance(optimizer, BF16_Optimizer):
         return False

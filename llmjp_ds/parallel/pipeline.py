@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from llmjp_ds.model.hf_adapter import pipeline_name_to_ours
-from llmjp_ds.parallel.deepspeed_internals import partition_balanced
+from llmjp_ds.config import seq_len_of
+from llmjp_ds.model.hf_adapter import pipeline_name_to_ours, tp_shard
+from llmjp_ds.parallel.context import topology
+from llmjp_ds.parallel.deepspeed_internals import partition_balanced, pipeline_module_class
 
 
 def stage_bounds(weights: list[float], num_stages: int) -> list[int]:
@@ -22,8 +24,6 @@ def layer_seed(seed: int, layer_index: int) -> int:
 
 def shard_of(name: str, tensor: torch.Tensor, tp) -> torch.Tensor:
     """This rank's TP shard of the whole ``tensor`` of our ``name`` (all of it without tensor parallelism)."""
-    from llmjp_ds.model.hf_adapter import tp_shard
-
     return tensor if tp is None else tp_shard(name, tensor, tp.rank, tp.size)
 
 
@@ -67,10 +67,7 @@ def seeded_layer_specs(model_config, backend: str, seed: int, fp8_head: bool = F
 
 def pipeline_module(cfg, model_config, backend: str, checkpoint_fn, loss, tp=None, layout=None):
     """This stage's ``PipelineModule`` of the run's layers (``loss``: the last stage's loss function)."""
-    from llmjp_ds.config import seq_len_of
     from llmjp_ds.model.pipeline import flops_weights
-    from llmjp_ds.parallel.context import topology
-    from llmjp_ds.parallel.deepspeed_internals import pipeline_module_class
 
     full, selective = cfg.model.recompute == "full", cfg.model.recompute == "selective"
     return pipeline_module_class()(

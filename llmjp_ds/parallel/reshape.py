@@ -2,13 +2,13 @@
 with ZeRO-1.
 
 DeepSpeed's ZeRO-1 checkpoint is cut by the layout that wrote it: one optimizer file per (data, model-parallel)
-rank, each holding a flat slice of every parameter group, pipeline weights named by layer index, and under TP
-each rank's shard of the split weights. A relaunch on another layout converts it once into a layout-free form
-beside it, ``<tag>/layout-free/``: one file per parameter under our names (``hf_adapter``) with its whole fp32
-master weights and Adam moments (TP shards merged: the moments split as the weights do), plus the modules'
-``_extra_state`` (FP8 amax histories and scales; a TP slice shares them) and the optimizer step. Each rank of the
-new layout then reads the files of its own parameters, its TP shard of each, into its engine. The global batch is the run's, so the gradient
-accumulation follows the new data-parallel size and the samples of every step stay the same.
+rank, each holding a flat slice of every parameter group, pipeline weights named by layer index, and under TP each
+rank's shard of the split weights. A relaunch on another layout converts it once into a layout-free form beside it,
+``<tag>/layout-free/``: one file per parameter under our names (``hf_adapter``) with its whole fp32 master weights
+and Adam moments (TP shards merged: the moments split as the weights do), plus the modules' ``_extra_state`` (FP8
+amax histories and scales; a TP slice shares them) and the optimizer step. Each rank of the new layout then reads
+the files of its own parameters, its TP shard of each, into its engine. The global batch is the run's, so the
+gradient accumulation follows the new data-parallel size and the samples of every step stay the same.
 
 The DeepSpeed checkpoint format and optimizer internals this needs live in ``parallel/deepspeed_internals.py``.
 """
@@ -22,6 +22,7 @@ import torch
 
 from llmjp_ds.errors import fail
 from llmjp_ds.io_utils import write_bytes_atomic
+from llmjp_ds.model.hf_adapter import pipeline_name_to_ours, tp_merge, tp_shard
 from llmjp_ds.parallel.deepspeed_internals import (seed_optimizer_state, zero_checkpoint_params, zero_checkpoint_ranks,
                                                    zero_checkpoint_step)
 from llmjp_ds.parallel.layout import Layout
@@ -40,8 +41,6 @@ def saved_layout(tag_dir) -> tuple[int, int]:
 
 
 def _ours(name: str, pipeline: bool, num_layers: int) -> str:
-    from llmjp_ds.model.hf_adapter import pipeline_name_to_ours
-
     if not pipeline:
         return name
     index, _, rest = name.partition(".")
@@ -52,8 +51,6 @@ def convert(tag_dir, num_layers: int, read_extra_states, saved: Layout, load) ->
     """Write ``<tag>/layout-free/`` from the checkpoint in ``tag_dir`` (once: a finished conversion is kept),
     written on the layout ``saved``; ``read_extra_states()`` returns its modules' ``_extra_state`` entries under
     our names; ``load(path)`` reads a checkpoint file (the safe reader)."""
-    from llmjp_ds.model.hf_adapter import tp_merge
-
     tag_dir = Path(tag_dir)
     out = tag_dir / CONVERTED
     if (out / DONE).is_file():
@@ -80,7 +77,6 @@ def load_converted(engine, converted: Path, num_layers: int, load, tp=None) -> N
     each parameter it takes."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-    from llmjp_ds.model.hf_adapter import tp_shard
 
     pipeline = hasattr(engine, "grid") and engine.is_pipe_parallel
     meta = load(converted / "_extra_state.pt")

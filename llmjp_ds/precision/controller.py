@@ -26,7 +26,6 @@ from __future__ import annotations
 import math
 from typing import Callable, Iterator
 
-from llmjp_ds.errors import fail
 from llmjp_ds.precision.guards import DivergenceGuard, PenaltyMonitor, choose_recipe, penalty
 from llmjp_ds.precision.schedule import PrecisionSchedule, fp8_summary
 

@@ -35,14 +35,13 @@ from dataclasses import asdict, replace
 import torch
 
 from llmjp_ds.errors import fail
+from llmjp_ds.model.backend import te_importable
 from llmjp_ds.model.weight_reuse import ReusesFP8Weights
 from llmjp_ds.precision.recipes import AUTO, Phase, te_recipe
 from llmjp_ds.precision.weight_cache import WeightCache
 
 
 def fp8_hardware_available() -> bool:
-    from llmjp_ds.model.backend import te_importable
-
     if not (torch.cuda.is_available() and te_importable()):
         return False
     return torch.cuda.get_device_capability() >= (8, 9)

@@ -3,10 +3,13 @@ checkpoint and exit 0, once every rank has agreed at the end of a step (:func:`a
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
 import threading
+
+from llmjp_ds.launch import launcher
 
 
 class StopRequest:
@@ -21,10 +24,6 @@ class StopRequest:
 
     def __init__(self, grace_seconds: float, rank: int = 0, launchers: list = (), signals=SIGNALS,
                  on_request=None):
-        import atexit
-
-        from llmjp_ds.launch import launcher
-
         self.requested = False
         self.reason: str | None = None
         self.grace = grace_seconds

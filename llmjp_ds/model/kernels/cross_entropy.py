@@ -24,8 +24,9 @@ BLOCK_V = 4096
 
 def supported(logits: torch.Tensor) -> bool:
     """CUDA logits whose rows are contiguous, with Triton installed (it ships with CUDA builds of torch)."""
-    return logits.is_cuda and importlib.util.find_spec("triton") is not None and logits.dtype in (torch.bfloat16, torch.float16, torch.float32) and \
-        logits.stride(-1) == 1 and logits.view(-1, logits.shape[-1]).stride(0) == logits.shape[-1]
+    return (logits.is_cuda and importlib.util.find_spec("triton") is not None
+            and logits.dtype in (torch.bfloat16, torch.float16, torch.float32) and logits.stride(-1) == 1
+            and logits.view(-1, logits.shape[-1]).stride(0) == logits.shape[-1])
 
 
 def cross_entropy_z_loss(logits: torch.Tensor, targets: torch.Tensor, z_loss_coeff: float, ignore_index: int):

@@ -45,8 +45,9 @@ def supported(qkv: torch.Tensor, freqs: torch.Tensor, head_dim: int) -> bool:
     """The kernel's cases: CUDA (with Triton), contiguous QKV, angles shared by every sequence, half a head a power
     of two."""
     half = head_dim // 2
-    return (qkv.is_cuda and importlib.util.find_spec("triton") is not None and qkv.is_contiguous() and freqs.dim() == 2 and freqs.dtype == torch.float32
-            and freqs.stride(-1) == 1 and head_dim % 2 == 0 and half >= 4 and half & (half - 1) == 0)
+    return (qkv.is_cuda and importlib.util.find_spec("triton") is not None and qkv.is_contiguous()
+            and freqs.dim() == 2 and freqs.dtype == torch.float32 and freqs.stride(-1) == 1 and head_dim % 2 == 0
+            and half >= 4 and half & (half - 1) == 0)
 
 
 def rope_qkv(qkv: torch.Tensor, freqs: torch.Tensor, group: int, head_dim: int, qkv_format: str = "bshd"):

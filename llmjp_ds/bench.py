@@ -1,9 +1,9 @@
 """``llmjp-ds bench``: training throughput of the product's full step against Megatron-Core and transformers.
 
-Every variant runs in its own process (a clean GPU). The ``ours`` variants drive the trainer itself: a
-:class:`llmjp_ds.trainer.Trainer` of the shape's run preset builds the model and the engine (the bundled
+Every variant runs in its own process (a clean GPU). The ``ours`` variants drive the trainer's own step: a
+:class:`llmjp_ds.trainer.StepEngine` of the shape's run preset builds the model and the engine (the bundled
 ``ds_configs/zero1.json``: ZeRO-1, BF16 with FP32 gradient accumulation, the LLM-jp AdamW groups) and runs
-``Trainer.train_step`` (LR schedule, precision schedule, the step runner) over gradient accumulation 8 (as real
+``StepEngine.train_step`` (the LR, the precision schedule, the step runner) over gradient accumulation 8 (as real
 pretraining uses), on micro-batches of random token ids already on the GPU. One step = ``gas`` forward/backward
 passes + the optimizer step.
 

@@ -252,6 +252,11 @@ def test_config_file_oddities_are_one_line(tmp_path):
     ("precision.phases=[3]", "config section precision.phases[0] must be a mapping, got int"),
     ("model.overrides={1: 2}", "config key 1 in model.overrides is not a name (it is int)"),
     ("data.split=3", "config key 'data.split' must be list[float], got 3"),
+    ("precision.phases=[]", "precision.phases must be a non-empty list of PhaseConfig mappings"),
+    ("train.skip_steps=[[1, a]]", "config key 'train.skip_steps[0][1]' must be int (an item of train.skip_steps[0], a "
+                                  "list[int]), got 'a'"),
+    ("checkpoint.keep=[{below: 3}]", "config section checkpoint.keep[0] lacks every: set every: <value> there"),
+    ("optim.lr=true", "config key 'optim.lr' must be float, got True"),
 ])
 def test_bad_set_assignments_are_one_line(assignment, message):
     with pytest.raises(UserError) as info:

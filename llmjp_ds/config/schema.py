@@ -9,8 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Annotated, dataclass_transform
 
-from annotated_types import MinLen
-from pydantic import ConfigDict, WrapValidator
+from pydantic import ConfigDict, Field, WrapValidator
 
 from llmjp_ds.config.rules import (LR_MESSAGE, PENALTY_MESSAGE, SEED, above, at_least, input_path, one_of,
                                    output_path, within)
@@ -253,7 +252,7 @@ class GuardConfig:
 @section
 class PrecisionConfig:
     dtype: str = "bf16"  # parameter / compute dtype outside FP8 GEMMs: bf16 | fp32
-    phases: Annotated[list[PhaseConfig], MinLen(1)] = field(default_factory=lambda: [PhaseConfig()])
+    phases: Annotated[list[PhaseConfig], Field(min_length=1)] = field(default_factory=lambda: [PhaseConfig()])
     # keep the first N decoder layers in BF16 during FP8 phases, and the last N
     bf16_first_layers: int = field(default=0, metadata=at_least(0))
     bf16_last_layers: int = field(default=0, metadata=at_least(0))

@@ -61,33 +61,27 @@ class BatchSchedule:
     def _on_ramp(self, step: int, consumed: int) -> bool:
         return self.rampup is not None and consumed <= self.rampup[2] and not any(c <= step for c, _ in self.changes)
 
-    def consumed_at(self, step: int) -> int:
-        """The samples consumed before step ``step`` (the sum of the batches of steps ``0 .. step - 1``): stepped
-        through while the ramp is on, in closed form where the batch is constant."""
+    def _runs(self, until_step: int):
+        """``(first, end, batch)``: steps ``first .. end - 1`` of ``0 .. until_step - 1`` read ``batch`` samples
+        each; a step at a time while the ramp is on, else up to the next change."""
         consumed, s = 0, 0
-        while s < step:
+        while s < until_step:
             batch = self.batch(s, consumed)
-            if self._on_ramp(s, consumed):
-                consumed, s = consumed + batch, s + 1
-                continue
-            end = min([c for c, _ in self.changes if c > s] + [step])
+            end = s + 1 if self._on_ramp(s, consumed) else min([c for c, _ in self.changes if c > s] + [until_step])
+            yield s, end, batch
             consumed, s = consumed + batch * (end - s), end
-        return consumed
+
+    def consumed_at(self, step: int) -> int:
+        """The samples consumed before step ``step`` (the sum of the batches of steps ``0 .. step - 1``)."""
+        return sum(batch * (end - first) for first, end, batch in self._runs(step))
 
     def pieces(self, until_step: int) -> list[tuple[int, int]]:
         """``(first step, batch)`` of each run of equal batches among steps ``0 .. until_step - 1``: two schedules
         with the same pieces gave those steps the same batches."""
         out: list[tuple[int, int]] = []
-        consumed, s = 0, 0
-        while s < until_step:
-            batch = self.batch(s, consumed)
+        for first, _, batch in self._runs(until_step):
             if not out or out[-1][1] != batch:
-                out.append((s, batch))
-            if self._on_ramp(s, consumed):
-                consumed, s = consumed + batch, s + 1
-                continue
-            end = min([c for c, _ in self.changes if c > s] + [until_step])
-            consumed, s = consumed + batch * (end - s), end
+                out.append((first, batch))
         return out
 
     def step_of_sample(self, sample: int) -> int:

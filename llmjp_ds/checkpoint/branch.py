@@ -70,7 +70,6 @@ def branch_config(source: dict, step: int, overrides: dict) -> dict:
         data["train"]["global_batch_size"] = old_batch
         kept = [c for c in data["train"].get("batch_changes", []) if c["start_step"] < step]
         data["train"]["batch_changes"] = kept + [{"start_step": step, "global_batch_size": new_batch}]
-    data["optim"].setdefault("resume_schedule", "check")
     if "resume_schedule" not in overrides.get("optim", {}):
         data["optim"]["resume_schedule"] = "override"
     return data

@@ -18,6 +18,7 @@ From plain arguments (a plan per phase): the trainer makes them from the run con
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from llmjp_ds.batch_schedule import BatchSchedule
 from llmjp_ds.data.prepare import DataPlan

@@ -69,6 +69,12 @@ class TrainState:
     rollbacks: int = 0  # checkpoints after a rollback carry -rN in their tags
     skip_steps: list = field(default_factory=list)  # the step ranges [first, end) rollbacks skipped
 
+    def advance(self, batch: int, trained: bool) -> None:
+        """One step read (``batch`` samples consumed); one not ``trained`` leaves the LR schedule where it was."""
+        self.step, self.consumed_samples = self.step + 1, self.consumed_samples + batch
+        if not trained:
+            self.skipped_total, self.skipped_samples = self.skipped_total + 1, self.skipped_samples + batch
+
     def schedule_position(self) -> tuple[int, int]:
         """(steps, samples) the LR schedule has advanced over: the updates made."""
         return self.step - self.skipped_total, self.consumed_samples - self.skipped_samples
@@ -203,8 +209,7 @@ class Trainer:
         self.steps.watchdog.beat("data", step)
         batch = self.batches.batch(step, s.consumed_samples)
         if skipped(step, self.skip_steps()):  # read, not trained on: the LR schedule does not advance
-            s.step, s.consumed_samples = s.step + 1, s.consumed_samples + batch
-            s.skipped_total, s.skipped_samples = s.skipped_total + 1, s.skipped_samples + batch
+            s.advance(batch, trained=False)
             return False
         sched_step, sched_samples = s.schedule_position()
         lr = self.schedule.lr(sched_step, sched_samples)
@@ -229,10 +234,7 @@ class Trainer:
             return False  # rolled back: the loop goes on from the checkpoint
         if applied:
             s.skipped_in_a_row = 0
-        s.step += 1
-        s.consumed_samples += batch
-        if not applied:
-            s.skipped_total, s.skipped_samples = s.skipped_total + 1, s.skipped_samples + batch
+        s.advance(batch, trained=applied)
         self.last_loss = lm_loss
         metrics = {"loss": lm_loss, "z_loss": z_loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": step_time,
                    "global_batch_size": batch, "peak_memory_gib": peak_memory_gib(),
@@ -266,8 +268,7 @@ class Trainer:
         s.skipped_in_a_row += 1
         self.logger.event(step, "skipped_step", reason="non-finite loss or gradients", in_a_row=s.skipped_in_a_row)
         if s.skipped_in_a_row >= self.cfg.train.max_nonfinite_steps:
-            s.step, s.consumed_samples = s.step + 1, s.consumed_samples + self.batches.batch(step, s.consumed_samples)
-            s.skipped_total += 1
+            s.advance(self.batches.batch(step, s.consumed_samples), trained=False)
             self.save(wait=True)
             fail(f"{s.skipped_in_a_row} consecutive steps had non-finite loss or gradients (last: step {step}); a "
                  "checkpoint was saved. Lower optim.lr or check the data, then resume")

@@ -57,5 +57,11 @@ def test_n_nonfinite_steps_in_a_row_stop_the_run_with_one_line(bundled, tmp_path
     assert last == ("error: 3 consecutive steps had non-finite loss or gradients (last: step 3); a checkpoint was "
                     "saved. Lower optim.lr or check the data, then resume"), result.stderr[-2000:]
     assert [e["in_a_row"] for e in events(run_dir, "skipped_step")] == [1, 2, 3]
-    # the checkpoint it saved holds the state after step 4 (steps 2-4 skipped): complete and finite
+    # the checkpoint it saved holds the state after step 4 (steps 2-4 skipped): complete and finite, and the LR
+    # schedule's position in it counts the three skipped steps and their samples out (one update, 8 samples)
     assert assert_latest_complete(run_dir) == "step00000004"
+    import torch
+
+    state = torch.load(run_dir / "checkpoints" / "step00000004" / "mp_rank_00_model_states.pt", map_location="cpu",
+                       weights_only=False)["train_state"]
+    assert (state["skipped_total"], state["consumed_samples"], state["skipped_samples"]) == (3, 32, 24), state

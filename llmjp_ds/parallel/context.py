@@ -42,7 +42,6 @@ def init_distributed(rendezvous_timeout_s: float = 60.0, heartbeat_timeout_s: fl
     none)."""
     import deepspeed
 
-
     launchers = launcher.identify()  # now, while the launcher is surely alive (setup may take minutes)
     if "WORLD_SIZE" not in os.environ and "MASTER_PORT" not in os.environ:
         # a lone process (python -m llmjp_ds.train, llmjp-ds demo): its rendezvous port is private, so take a free
@@ -55,6 +54,8 @@ def init_distributed(rendezvous_timeout_s: float = 60.0, heartbeat_timeout_s: fl
         os.environ.setdefault(key, default)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    else:
+        check_build_lock()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -74,6 +75,26 @@ def init_distributed(rendezvous_timeout_s: float = 60.0, heartbeat_timeout_s: fl
             fail(launcher.port_in_use_message(addr, port))
         raise
     return launchers, heartbeat
+
+
+def check_build_lock(name: str = "deepspeed_shm_comm", stale_after_s: float = 1800.0) -> None:
+    """On the CPU DeepSpeed compiles its shared-memory op ``name`` at the first run, with torch's JIT build under a
+    lock file; an interrupted build (Ctrl-C, a killed job) leaves the lock, and every later run waits on it without
+    a word, forever. A lock older than ``stale_after_s`` (a build takes ~2 min) ends the run with one line naming
+    it; a younger one gets a warning line, since the run will wait on it."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > stale_after_s:
+        fail(f"{lock} is left from a build of DeepSpeed's {name} op interrupted {age / 60:.0f} min ago, and this run "
+             "would wait on it forever: if no other run is building it, remove that file and start again")
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"warning: waiting on {lock}: a build of DeepSpeed's {name} op started {age:.0f} s ago; if no other "
+              "run is building it, that build was interrupted: remove the file", flush=True)
 
 
 def _meet(backend: str, rank: int, world: int, addr: str, port: int, agent_store: bool, rendezvous_timeout_s: float,

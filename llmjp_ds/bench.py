@@ -35,7 +35,6 @@ runs well below its maximum clock, so rows of one call can differ in clock as we
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import statistics
@@ -147,11 +146,11 @@ def _engine_for(cfg, variant: str, shape: str, peer_sets=()):
     schedule, gbs = lr_schedule(cfg.optim, cfg.train.steps, cfg.train.global_batch_size), cfg.train.global_batch_size
     # under health.loss.action=skip the step asks the health monitor before its update, as training does: the cost
     # of the check (a reduction of the loss and a wait for it) shows beside the same row without it
-    health = HealthMonitor(cfg.health) if cfg.health.loss.action == "skip" else None
+    health = HealthMonitor(cfg.health)
 
     def step(i, batches):
-        gate = functools.partial(health.gate, i) if health is not None else None
-        return steps.train_step(i, batches, schedule.lr(i, i * gbs), schedule.weight_decay(i, i * gbs), gate)
+        return steps.train_step(i, batches, schedule.lr(i, i * gbs), schedule.weight_decay(i, i * gbs),
+                                health.gate_at(i))
 
     return step, config
 

@@ -19,15 +19,12 @@ Pure: the trainer hands values in and acts on the :class:`Verdict` that comes ba
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
-ACTIONS = ("warn", "skip", "rollback", "stop")
-KINDS = ("loss", "grad_norm", "valid_loss", "nonfinite")
-# the kinds measured after the update (DeepSpeed's optimizer step computes the gradient norm): no skip for them
-AFTER_UPDATE = ("grad_norm", "valid_loss")
 MAD_TO_SIGMA = 1.4826  # a normal distribution's standard deviation per median absolute deviation
 
 
@@ -97,6 +94,11 @@ class HealthMonitor:
         """Before the last micro-batch's backward, with the step's mean loss over every rank: True when the update
         is to be skipped (a loss spike under ``health.loss.action: skip``)."""
         return self.cfg.loss.action == "skip" and self._judge("loss", step, loss, record=False) is not None
+
+    def gate_at(self, step: int):
+        """:meth:`gate` at ``step`` for the step runner, or None when no action asks before the update (a runner
+        given none neither reduces the loss nor waits for it)."""
+        return functools.partial(self.gate, step) if self.cfg.loss.action == "skip" else None
 
     def after_step(self, step: int, loss: float, grad_norm: float | None, applied: bool,
                    gated: bool = False) -> Verdict | None:

@@ -299,7 +299,7 @@ class CheckpointConfig:
     stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT"])
 
 
-HEALTH_ACTIONS = ("warn", "skip", "rollback", "stop")  # llmjp_ds.health.ACTIONS
+HEALTH_ACTIONS = ("warn", "skip", "rollback", "stop")
 
 
 @section

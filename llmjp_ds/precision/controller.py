@@ -15,11 +15,10 @@ recipe runs or why:
   :meth:`~PrecisionController.rolled_back` continues the run in BF16 from there.
 
 ``choose_recipe`` and ``validation`` are generators: each yields once per loss it needs, inside the precision
-context that loss is measured in, and the loop sends the measured loss back (``trainer.evaluation.measured``), so
-nothing here knows DeepSpeed, the data or the step runner. Events go to ``event(step, kind, **fields)`` (the
-metrics log) and lines for people to ``say(line)`` (rank 0's stdout). A new guard or action is a change to this
-package only.
-"""
+context that loss is measured in, and the loop sends the measured loss back
+(``trainer.evaluation.Evaluator.decide``), so nothing here knows DeepSpeed, the data or the step runner. Events go
+to ``event(step, kind, **fields)`` (the metrics log) and lines for people to ``say(line)`` (rank 0's stdout). A new
+guard or action is a change to this package only."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Validation: the mean loss over fixed held-out batches in the precision of the moment. The loop measures it as
 often as the precision controller's decisions ask (the validation itself, FP8's penalty on the same batches, each
-recipe of ``recipe: auto``): :func:`measured` drives such a decision with these measurements."""
+recipe of ``recipe: auto``): :meth:`Evaluator.decide` drives such a decision with these measurements."""
 
 from __future__ import annotations
 
@@ -28,6 +28,12 @@ class Evaluator:
     def loss(self, batches) -> float:
         """The mean loss over ``batches`` of every rank, in the precision the schedule gives each micro-batch now."""
         return self.runner.eval_loss(batches).item()
+
+    def decide(self, decision, step: int):
+        """The result of the precision controller's ``decision`` (:func:`measured`), each loss it asks for measured
+        on the validation batches after ``step`` steps (read once)."""
+        batches = self.batches(step)
+        return measured(decision, lambda: self.loss(batches))
 
 
 def measured(decision, measure):

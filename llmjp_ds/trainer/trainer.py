@@ -32,7 +32,7 @@ from llmjp_ds.model.flops import flops_per_token_for
 from llmjp_ds.parallel.context import ParallelContext
 from llmjp_ds.parallel.layout import Layout
 from llmjp_ds.precision.controller import PrecisionController
-from llmjp_ds.trainer.evaluation import Evaluator, measured
+from llmjp_ds.trainer.evaluation import Evaluator
 from llmjp_ds.trainer.resuming import Resume
 from llmjp_ds.trainer.saving import Checkpointer
 from llmjp_ds.trainer.step import StepEngine, precision_schedule
@@ -202,8 +202,7 @@ class Trainer:
         """One step and what follows from it; True when the run stops here (a stop request)."""
         step, s = self.state.step, self.state
         if self.controller.choice_due(step):
-            batches = self.evaluator.batches(step)
-            measured(self.controller.choose_recipe(step), lambda: self.evaluator.loss(batches))
+            self.evaluator.decide(self.controller.choose_recipe(step), step)
         phase = self.controller.before_step(step)
         t0 = time.perf_counter()
         self.steps.watchdog.beat("data", step)
@@ -213,7 +212,7 @@ class Trainer:
             return False
         sched_step, sched_samples = s.schedule_position()
         lr = self.schedule.lr(sched_step, sched_samples)
-        gate = functools.partial(self.health.gate, step) if self.cfg.health.loss.action == "skip" else None
+        gate = self.health.gate_at(step)
         parts = self.steps.train_step(step, self.micro_batches(self.data.train_at(step), s.consumed_samples, batch),
                                       lr, self.schedule.weight_decay(sched_step, sched_samples), gate)
         lm_loss, z_loss, gated = parts.tolist()
@@ -313,8 +312,7 @@ class Trainer:
         """Validation, logging and checkpointing after a step; True when a stop request ends the run."""
         cfg, step = self.cfg, self.state.step
         if cfg.train.eval_interval and step % cfg.train.eval_interval == 0:
-            batches = self.evaluator.batches(step)
-            metrics.update(measured(self.controller.validation(step), lambda: self.evaluator.loss(batches)))
+            metrics.update(self.evaluator.decide(self.controller.validation(step), step))
             # the weights of the last step's update: a jump is that step's (or one since the last validation)
             verdict = self.health.after_validation(step - 1, metrics["valid_loss"])
             if verdict is not None and self._act(verdict, False):

@@ -86,7 +86,8 @@ def test_the_monitor_judges_each_kind_and_keeps_spikes_out_of_the_history():
     h = HealthMonitor(cfg)
     for step, (loss, norm) in enumerate([(5.0, 1.0), (4.9, 1.1), (4.8, 0.9), (4.85, 1.0)]):
         assert h.after_step(step, loss, norm, True) is None and not h.gate(step, loss)
-    assert h.gate(4, 50.0) and h.after_step(4, 50.0, 1.0, False, gated=True).action == "skip"
+    assert h.gate_at(4)(50.0) and h.after_step(4, 50.0, 1.0, False, gated=True).action == "skip"
+    assert HealthMonitor(HealthConfig(loss=SpikeRule(action="rollback"))).gate_at(4) is None  # the runner waits on none
     assert list(h.history["loss"]) == [5.0, 4.9, 4.8, 4.85]  # the spike stays out
     norm = h.after_step(5, 4.8, 30.0, True)
     assert (norm.kind, norm.action, norm.step) == ("grad_norm", "rollback", 5)

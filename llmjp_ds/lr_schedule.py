@@ -90,7 +90,7 @@ class LRSchedule:
         if self.decay_style == "inverse-square-root":
             return max(self.min_lr, self.max_lr * max(warmup, 1) ** 0.5 / max(step, 1) ** 0.5)
         progress = (step - warmup) / max(1, decay - warmup)
-        if self.decay_style == "cosine":  # as lr_at has always rounded it: recorded trails hold these values
+        if self.decay_style == "cosine":  # rounded as recorded trails hold it (tests/test_lr_schedule.py)
             return self.min_lr + 0.5 * (self.max_lr - self.min_lr) * (1.0 + math.cos(math.pi * progress))
         if self.decay_style == "WSD":
             coeff = wsd_coefficient(step, decay, self.wsd_decay / gbs, self.wsd_decay_style)
@@ -232,28 +232,6 @@ def _agrees(field_name: str, stored: dict, configured: LRSchedule, saved: dict) 
     if isinstance(value, float) or isinstance(ours, float):
         return math.isclose(value, ours, rel_tol=1e-12, abs_tol=1e-30)
     return value == ours
-
-
-def lr_at(step: int, *, lr: float, warmup_steps: int, decay_steps: int, min_lr_ratio: float) -> float:
-    """Linear warmup over ``warmup_steps`` to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at
-    ``decay_steps``, flat after (the ``llmjp`` convention of Megatron-LM's ``cosine`` style, as LLM-jp-3 used).
-    ``step`` counts from 0."""
-    return _cosine(lr, warmup_steps, decay_steps, min_lr_ratio, "llmjp").lr(step, step)
-
-
-def megatron_lr_at(step: int, *, lr: float, warmup_steps: int, decay_steps: int, min_lr_ratio: float) -> float:
-    """Megatron-LM's schedule (megatron-core's ``OptimizerParamScheduler``, cosine): the LR of the step after
-    ``step`` completed ones. Megatron sets the LR of an iteration from the count of iterations before it, so its
-    warmup runs ``lr * step / warmup_steps`` (its first step at LR 0, ``warmup_steps`` itself at ``lr``); the
-    cosine then reaches ``lr * min_lr_ratio`` at ``decay_steps``, flat after. Megatron counts in samples: these
-    are its counts divided by the global batch."""
-    return _cosine(lr, warmup_steps, decay_steps, min_lr_ratio, "megatron").lr(step, step)
-
-
-def _cosine(lr: float, warmup_steps: int, decay_steps: int, min_lr_ratio: float, convention: str) -> LRSchedule:
-    return LRSchedule(init_lr=0.0, max_lr=lr, min_lr=lr * min_lr_ratio, warmup=warmup_steps, decay=decay_steps,
-                      decay_style="cosine", wsd_decay=None, wsd_decay_style="exponential", start_wd=0.0, end_wd=0.0,
-                      wd_incr=decay_steps, wd_incr_style="constant", convention=convention)
 
 
 def schedule_lr(step: int, optim_cfg, total_steps: int) -> float:

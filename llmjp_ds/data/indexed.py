@@ -176,12 +176,6 @@ class IndexedDataset:
         return self.tokens[start:start + int(self.sequence_lengths[i])]
 
     # -- documents -------------------------------------------------------------------------------------
-    def attach(self, suffix: str, data: bytes) -> None:
-        """Write ``data`` as ``PREFIX + suffix`` in the same commit as the corpus: put in place after the ``.bin``
-        and before the ``.idx``, so an ``.idx`` under its final name always has it beside (an old one is removed
-        with the old ``.idx``)."""
-        self._sidecars[suffix] = data
-
     @property
     def num_documents(self) -> int:
         return len(self.document_indices) - 1

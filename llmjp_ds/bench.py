@@ -50,6 +50,7 @@ from llmjp_ds.config import (add_config_args, apply_set, build_config, merge, mo
                              sequence_parallel_of)
 from llmjp_ds.errors import did_you_mean, fail
 from llmjp_ds.health import HealthMonitor
+from llmjp_ds.io_utils import write_bytes_atomic
 from llmjp_ds.lr_schedule import lr_schedule
 from llmjp_ds.metrics import Throughput
 from llmjp_ds.model.backend import resolve_backend
@@ -137,8 +138,6 @@ def _engine_for(cfg, variant: str, shape: str, peer_sets=()):
     ctx = ParallelContext.start(layout, sequence_parallel_of(cfg), cfg.parallel)
     model = None
     if shape in STAGE_SHAPES:
-        import torch
-
         seq = cfg.data.seq_len or config.max_position_embeddings
         torch.manual_seed(cfg.train.seed)
         model = bench_peers.stage_model(config, backend, cfg.train.micro_batch_size, seq, ctx.device)
@@ -319,8 +318,6 @@ def cli_main(argv: list[str], verb: str = "bench") -> int:
         if "profile" in r:
             print(profile_table(r))
     if a.json:
-        from llmjp_ds.io_utils import write_bytes_atomic
-
         write_bytes_atomic(a.json, json.dumps(results, indent=2).encode())
     return 0
 

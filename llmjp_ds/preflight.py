@@ -37,7 +37,8 @@ from llmjp_ds.launch import scheduler
 from llmjp_ds.launch.hostfile import write_hostfile
 from llmjp_ds.launch.hosts import check_hosts, keepalive_warning, parse_hostfile
 from llmjp_ds.model.shapes import resolve_shape
-from llmjp_ds.parallel.memory import describe, layout_memory, stage_layers
+from llmjp_ds.parallel.memory import describe, layout_memory, node_snapshot_gib, snapshot_gib, stage_layers
+from llmjp_ds.validate import validate_run
 
 
 def launch_hostfile(a) -> str:
@@ -92,8 +93,6 @@ def cli_main(argv: list[str], verb: str = "preflight") -> int:
         if warning:
             print(warning, file=sys.stderr)
     if a.config or a.preset or a.sets:
-        from llmjp_ds.validate import validate_run
-
         cfg = config_from_args(a)
         # the launcher fills each host's slots with consecutive ranks: a TP group stays on one node when it
         # divides every host's slot count
@@ -130,8 +129,6 @@ def memory_line(cfg, layout, gas: int, capacity_gib: float, ranks_per_node: int 
     busiest = max(stages, key=lambda s: s.total)
     line = describe(busiest, capacity_gib)
     if cfg.checkpoint.async_save:
-        from llmjp_ds.parallel.memory import node_snapshot_gib, snapshot_gib
-
         dtype_bytes = 2 if cfg.precision.dtype == "bf16" else 4
         per_node = ranks_per_node or layout.world
         node = node_snapshot_gib(busiest, layout.data, dtype_bytes, per_node)

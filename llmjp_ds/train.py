@@ -20,6 +20,7 @@ if __package__ in (None, ""):  # run as a script by the deepspeed launcher
 
 from llmjp_ds.config import RunConfig, add_config_args, config_from_args  # noqa: E402
 from llmjp_ds.errors import fail, run_main  # noqa: E402
+from llmjp_ds.launch.failure import end_on_error
 from llmjp_ds.launch.scheduler import prepare_launch
 from llmjp_ds.validate import validate_run
 
@@ -69,8 +70,6 @@ def cli_main(argv: list[str] | None, verb: str = "train") -> int:
     try:
         summary = train(cfg, args.wait_for_run_dir)
     except BaseException as exc:
-        from llmjp_ds.launch.failure import end_on_error
-
         end_on_error(exc)  # a multi-rank job: every rank ends now, the failing one says why (no return)
         shutdown(clean=False)
         raise

@@ -2,13 +2,15 @@
 floors below them (nothing below the trainer imports it), DeepSpeed only where the parallel wiring lives (never in
 ``model/``, ``data/``, ``precision/`` or ``trainer/``, and the private names of DeepSpeed's objects only in
 ``parallel/deepspeed_internals.py``), no function longer than ~80 lines, no class longer than 250 and no module
-longer than 500, every room's ``__init__`` docstring naming each of its modules, and no module-level mutable state
+longer than 500, every room's ``__init__`` docstring naming each of its modules, imports at the top of their module
+unless an optional dependency, start-up time or a cycle needs them in a function, and no module-level mutable state
 (no ``global``, and no module-level name rebound or mutated after import). Each rule is also run on a planted
 violation, so a rule that stops seeing is noticed."""
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "llmjp_ds"
@@ -176,6 +178,78 @@ def test_every_room_names_its_modules():
         missing.update({f"{init.parent.name}/{m}.py": "unnamed" for m in
                         unlisted_modules(ast.get_docstring(ast.parse(init.read_text())), modules)})
     assert not missing, f"modules their room's __init__ docstring does not name: {sorted(missing)}"
+
+
+# third-party packages a module may import inside a function whatever else it loads: optional, absent where the
+# extra or the GPU is not
+OPTIONAL = {"transformer_engine", "triton", "megatron", "wandb", "zstandard", "pyarrow", "psutil", "matplotlib",
+            "datasets"}
+
+
+def _split_imports(tree: ast.Module) -> tuple[list, list]:
+    """(module-level, function-level) import statements; ``if TYPE_CHECKING:`` blocks import nothing."""
+    top, inner = [], []
+
+    def walk(node, in_function: bool):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and getattr(child.test, "id", None) == "TYPE_CHECKING":
+                continue
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                (inner if in_function else top).append(child)
+            walk(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    walk(tree, False)
+    return top, inner
+
+
+def _targets(node, known: set[str]) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if node.level or node.module == "__future__":
+        return []
+    return [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module for a in node.names]
+
+
+def needless_inner_imports(modules: dict[str, ast.Module]) -> list[str]:
+    """Function-level imports that buy nothing at the top of their module: a standard-library module, a package
+    module that neither closes a cycle nor brings a third-party module the importer does not load already, or a
+    third-party module (not :data:`OPTIONAL`) that the importer's module-level imports load already."""
+    known = set(modules)
+    tops = {m: [t for n in _split_imports(tree)[0] for t in _targets(n, known)] for m, tree in modules.items()}
+
+    def loaded(start: str) -> tuple[set, set]:  # (package modules, third-party modules) importing start runs
+        package, third, todo = set(), set(), [start]
+        while todo:
+            parts = todo.pop().split(".")
+            for name in (".".join(parts[:i]) for i in range(1, len(parts) + 1)):
+                if parts[0] != "llmjp_ds":
+                    third |= set() if parts[0] in sys.stdlib_module_names else {name}
+                elif name in known and name not in package:
+                    package.add(name)
+                    todo += tops[name]
+        return package, third
+
+    needless = []
+    for module, tree in sorted(modules.items()):
+        own = loaded(module)[1]
+        for node in _split_imports(tree)[1]:
+            for target in _targets(node, known):
+                root = target.split(".")[0]
+                if root == "llmjp_ds":
+                    package, third = loaded(target)
+                    why = None if module in package or third - own else "adds nothing to load"
+                elif root in sys.stdlib_module_names:
+                    why = "standard library"
+                else:
+                    why = None if root in OPTIONAL or target not in own else "loaded already"
+                if why:
+                    needless.append(f"{module}:{node.lineno} {target} ({why})")
+    return needless
+
+
+def test_imports_sit_at_the_top_unless_an_optional_dependency_or_start_up_time_needs_otherwise():
+    needless = needless_inner_imports(_modules())
+    assert not needless, f"function-level imports to move to the top of their module: {needless}"
 
 
 def _is_constant_name(name: str) -> bool:
@@ -347,6 +421,14 @@ def test_each_rule_sees_a_planted_violation():
     assert private == {"_update_hp_grad", "_uses_muon"}, private
     assert private_uses(ast.parse("def grad_norm(engine):\n    return engine.optimizer._update_hp_grad\n"), private)
     assert private_uses(ast.parse("def f(o):\n    return getattr(o, '_uses_muon')\n"), private)
+    planted = {"llmjp_ds.a": ast.parse("import torch\nfrom llmjp_ds.b import f\n"
+                                       "def g():\n    import json\n    import torch.nn\n    import torch\n"
+                                       "    import wandb\n    from llmjp_ds.c import h\n    from llmjp_ds.d import k\n"),
+               "llmjp_ds.b": ast.parse("import os\n"), "llmjp_ds.c": ast.parse("import os\n"),
+               "llmjp_ds.d": ast.parse("import deepspeed\n")}
+    assert needless_inner_imports(planted) == ["llmjp_ds.a:4 json (standard library)",
+                                               "llmjp_ds.a:6 torch (loaded already)",
+                                               "llmjp_ds.a:8 llmjp_ds.c (adds nothing to load)"]
     # a room below the trainer that imports it, and the trainer importing a verb above it
     assert imports_across_floors({"llmjp_ds.checkpoint.store": {"llmjp_ds.trainer.resuming"},
                                   "llmjp_ds.trainer.trainer": {"llmjp_ds.train"}}) == [

@@ -33,6 +33,7 @@ import torch
 
 from llmjp_ds.checkpoint.manifest import save_hashed
 from llmjp_ds.checkpoint.store import commit, report_failed_save
+from llmjp_ds.errors import fail
 from llmjp_ds.launch.failure import PeerFailure
 from llmjp_ds.parallel.memory import GIB, SHARDED_BYTES
 
@@ -244,8 +245,6 @@ def check_host_memory(nbytes: int, ranks_per_node: int) -> None:
     need = ranks_per_node * nbytes / GIB
     available = psutil.virtual_memory().available / 2**30
     if need > 0.9 * available:
-        from llmjp_ds.errors import fail
-
         fail(f"checkpoint.async_save needs ~{need:.1f} GiB of host memory on this node for its snapshots "
              f"({ranks_per_node} ranks), but {available:.1f} GiB are available: set checkpoint.async_save=false "
              "(saves then stop training while they write), or run on nodes with more memory")

@@ -21,6 +21,7 @@ from llmjp_ds.errors import fail
 from llmjp_ds.model.hf_adapter import pipeline_name_to_ours, tp_merge_state_dicts
 from llmjp_ds.parallel.deepspeed_internals import (MODEL_STATES_GLOB, PIPELINE_LAYER_GLOB, model_states_file,
                                                    pipeline_layer_ranks, route_checkpoint_io)
+from llmjp_ds.parallel.reshape import CONVERTED
 
 CLIENT_STATE = "client_state.pt"  # the trainer's state of a checkpoint that has no DeepSpeed files (an import)
 
@@ -67,8 +68,6 @@ def read_model_state(run_dir, tag: str, marker: CheckpointMeta) -> dict[str, tor
     read with weights_only=True, and one that names code is refused before anything of it is unpickled."""
     d = vet_tag(run_dir, tag)
     if marker.layout_free:  # an imported checkpoint: the fp32 master weights of the layout-free form
-        from llmjp_ds.parallel.reshape import CONVERTED
-
         return {f.name[:-3]: load_checkpoint_file(f)["fp32"] for f in sorted((d / CONVERTED).glob("*.pt"))
                 if f.name != "_extra_state.pt"}
     if marker.pipeline_stages > 1:

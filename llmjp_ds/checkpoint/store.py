@@ -36,8 +36,10 @@ from llmjp_ds.checkpoint.safe_load import load_checkpoint_file
 from llmjp_ds.config import seq_len_of
 from llmjp_ds.errors import fail
 from llmjp_ds.io_utils import atomic_file
+from llmjp_ds.launch.failure import is_peer_failure
 from llmjp_ds.parallel.deepspeed_internals import route_checkpoint_io
 from llmjp_ds.parallel.layout import Layout
+from llmjp_ds.parallel.reshape import saved_layout as from_files
 
 MARKER = "llmjp_ds.json"
 LATEST = "latest"
@@ -223,8 +225,6 @@ def saved_layout(run_dir, tag: str, marker: CheckpointMeta) -> Layout:
     if marker.data_parallel is not None:
         pipeline, data, tensor = marker.pipeline_stages, marker.data_parallel, marker.tensor_parallel
     else:
-        from llmjp_ds.parallel.reshape import saved_layout as from_files
-
         (pipeline, data), tensor = from_files(checkpoint_dir(run_dir) / tag), 1
     return Layout(world=pipeline * data * tensor, pipeline=pipeline, tensor=tensor)
 
@@ -256,8 +256,6 @@ def save(engine, run_dir, step: int, client_state: dict, meta: CheckpointMeta, k
     try:
         engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
     except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError
-        from llmjp_ds.launch.failure import is_peer_failure
-
         if is_peer_failure(exc):  # another rank died inside DeepSpeed's save: that rank says why
             raise
         report_failed_save(run_dir, tag, exc, cut=writing[0] if writing else None, peers_writing=True)

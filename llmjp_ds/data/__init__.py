@@ -21,7 +21,10 @@ is its module's (use ``from llmjp_ds.data.preprocess import preprocess``).
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
+
+from llmjp_ds.errors import fail
 
 CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
 
@@ -39,8 +42,6 @@ def bundled_corpus_files() -> list[Path]:
     files = [CORPUS_DIR / f"{name}.jsonl.gz" for name in ("ja", "en", "code")]
     missing = [f for f in files if not f.exists()]
     if missing:
-        from llmjp_ds.errors import fail
-
         fail(f"bundled corpus file {missing[0]} is missing: reinstall llmjp-ds, or regenerate it with "
              f"`python -m benchmarks.corpus_gen` in a repository checkout")
     return files
@@ -48,7 +49,5 @@ def bundled_corpus_files() -> list[Path]:
 
 def __getattr__(name: str):
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(f"llmjp_ds.data.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'llmjp_ds.data' has no attribute {name!r}")

@@ -17,6 +17,7 @@ import numpy as np
 from llmjp_ds.data.columnar import Slice, plan_arrow, plan_parquet, read_rows
 from llmjp_ds.data.inputs import Source
 from llmjp_ds.data.jsonl import BadLine, iter_lines, text_of_line
+from llmjp_ds.data.tokenizer import load_tokenizer
 from llmjp_ds.errors import fail
 
 ENCODE_CHARS = 1 << 18
@@ -119,8 +120,6 @@ class ChunkEncoder:
     @property
     def tok(self):
         if self._tok is None:
-            from llmjp_ds.data.tokenizer import load_tokenizer
-
             self._tok = load_tokenizer(self.model_path)
         return self._tok
 

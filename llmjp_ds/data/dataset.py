@@ -25,6 +25,7 @@ Resuming a run is ``dataset[consumed_samples + k]``: nothing about the order dep
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import math
@@ -35,9 +36,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from llmjp_ds.io_utils import fsync_dir, remove_quietly
 from llmjp_ds.data.indexed import IndexedDataset, split_prefix
 from llmjp_ds.errors import fail
+from llmjp_ds.io_utils import fsync_dir, remove_quietly
 
 INDEX_FORMAT = 1  # bump when the index layout or the sampling rule changes: old caches are then ignored
 CACHE_DIR_NAME = "_llmjp_index"
@@ -135,10 +136,8 @@ def index_root(prefix: str, cache_dir: str | Path | None) -> Path:
 def _build_lock(path: Path):
     """An exclusive flock on ``path`` if the filesystem supports it; correctness never depends on it."""
     try:
-        import fcntl
-
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except (ImportError, OSError):
+    except OSError:
         yield
         return
     try:

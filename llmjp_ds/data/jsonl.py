@@ -10,9 +10,11 @@ become a corpus holding only the first part of the documents.
 
 from __future__ import annotations
 
+import bz2
 import io
 import json
 import lzma
+import zlib
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
@@ -59,16 +61,12 @@ class _ReadError(Exception):
 
 def _new_decompressor(codec: str):
     if codec == "gzip":
-        import zlib
-
         return zlib.decompressobj(wbits=16 + 15)  # gzip wrapper: the trailer's CRC-32 and size are checked
     if codec == "zstd":
         import zstandard
 
         return zstandard.ZstdDecompressor().decompressobj()
     if codec == "bzip2":
-        import bz2
-
         return bz2.BZ2Decompressor()
 
     return lzma.LZMADecompressor(format=lzma.FORMAT_XZ)

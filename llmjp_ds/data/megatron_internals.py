@@ -19,6 +19,8 @@ the windows (0.19 loads cached indices through ``safe_numpy_load`` and returns t
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import importlib.util
 import sys
 import types
 import warnings
@@ -33,9 +35,6 @@ FIX = "pip install 'llmjp-ds[megatron]', or set data.order=llmjp"
 def megatron_core_problem() -> str | None:
     """Why megatron-core's dataset code cannot serve ``data.order: megatron`` here (one clause), or None. Finds
     the package without importing it (megatron.core's import takes seconds)."""
-    import importlib.metadata
-    import importlib.util
-
     try:
         found = importlib.util.find_spec("megatron.core") is not None
     except (ImportError, ValueError) as exc:
@@ -56,8 +55,6 @@ def megatron_core_problem() -> str | None:
 
 
 def version() -> str:
-    import importlib.metadata
-
     try:
         return importlib.metadata.version("megatron-core")
     except importlib.metadata.PackageNotFoundError:

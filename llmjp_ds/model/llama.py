@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import GenerationMixin, LlamaConfig, PreTrainedModel
+from transformers import DynamicCache, GenerationMixin, LlamaConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from llmjp_ds.model.backend import layers_module, resolve_backend
@@ -287,8 +287,6 @@ class LlamaForCausalLM(PreTrainedModel, GenerationMixin):
         use_cache = self.config.use_cache if use_cache is None else use_cache
         use_cache = use_cache and self.tp is None  # a tensor-parallel model does not generate
         if use_cache and cache is None and not self.training:
-            from transformers import DynamicCache
-
             cache = DynamicCache(config=self.config)
         hidden = self.hidden_states(input_ids, position_ids, attention_mask, cache, inputs_embeds)
         if logits_to_keep:

@@ -23,7 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from llmjp_ds.errors import fail
 from llmjp_ds.model.kernels import cross_entropy
+from llmjp_ds.model.kernels.cross_entropy import cross_entropy_z_loss
 from llmjp_ds.model.tensor_parallel import TensorParallel, reduce_from
 
 IGNORE_INDEX = -100
@@ -97,8 +99,6 @@ GPU_FUSED_LOSS = ("triton", "compiled")
 def gpu_fused_loss() -> str:
     name = os.environ.get("LLMJP_DS_FUSED_LOSS", GPU_FUSED_LOSS[0])
     if name not in GPU_FUSED_LOSS:
-        from llmjp_ds.errors import fail
-
         fail(f"LLMJP_DS_FUSED_LOSS must be one of {', '.join(GPU_FUSED_LOSS)}, got {name!r}")
     return name
 
@@ -123,8 +123,6 @@ class CausalLMLoss:
         if self.tp is not None:
             return LossParts(*_vocab_parallel_terms(logits, targets, self.z_loss_coeff, self.tp))
         if self.overwrites(logits):
-            from llmjp_ds.model.kernels.cross_entropy import cross_entropy_z_loss
-
             return LossParts(*cross_entropy_z_loss(logits, targets, self.z_loss_coeff, IGNORE_INDEX))
         if self.fused and self.compiled is not False:
             try:

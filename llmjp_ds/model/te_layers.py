@@ -19,6 +19,7 @@ from transformer_engine.pytorch.module import layernorm_linear as _te_layernorm_
 from transformer_engine.pytorch.module import layernorm_mlp as _te_layernorm_mlp
 
 from llmjp_ds.model import residual_grad
+from llmjp_ds.model.kernels import rope
 from llmjp_ds.model.torch_layers import apply_rope as torch_apply_rope
 from llmjp_ds.model.torch_layers import sdpa  # noqa: F401  (the masked / KV-cache path, shared by both backends)
 from llmjp_ds.model.torch_layers import split_qkv
@@ -162,8 +163,6 @@ def split_qkv_rope(qkv: torch.Tensor, freqs: torch.Tensor, group: int, head_dim:
     rotates Q and K in place in the QKV output and leaves V where it is (:mod:`llmjp_ds.model.kernels.rope`;
     TE's kernel where ours has no case). Either way no strided copies, no concatenation."""
     if fused == "triton":
-        from llmjp_ds.model.kernels import rope
-
         if rope.supported(qkv, freqs, head_dim):
             return rope.rope_qkv(qkv, freqs, group, head_dim, qkv_format)
     if fused and freqs.dim() == 2 and qkv.is_contiguous():

@@ -423,7 +423,8 @@ def test_each_rule_sees_a_planted_violation():
     assert private_uses(ast.parse("def f(o):\n    return getattr(o, '_uses_muon')\n"), private)
     planted = {"llmjp_ds.a": ast.parse("import torch\nfrom llmjp_ds.b import f\n"
                                        "def g():\n    import json\n    import torch.nn\n    import torch\n"
-                                       "    import wandb\n    from llmjp_ds.c import h\n    from llmjp_ds.d import k\n"),
+                                       "    import wandb\n    from llmjp_ds.c import h\n"
+                                       "    from llmjp_ds.d import k\n"),
                "llmjp_ds.b": ast.parse("import os\n"), "llmjp_ds.c": ast.parse("import os\n"),
                "llmjp_ds.d": ast.parse("import deepspeed\n")}
     assert needless_inner_imports(planted) == ["llmjp_ds.a:4 json (standard library)",

@@ -25,7 +25,6 @@ import torch.nn.functional as F
 
 from llmjp_ds.errors import fail
 from llmjp_ds.model.kernels import cross_entropy
-from llmjp_ds.model.kernels.cross_entropy import cross_entropy_z_loss
 from llmjp_ds.model.tensor_parallel import TensorParallel, reduce_from
 
 IGNORE_INDEX = -100
@@ -123,7 +122,7 @@ class CausalLMLoss:
         if self.tp is not None:
             return LossParts(*_vocab_parallel_terms(logits, targets, self.z_loss_coeff, self.tp))
         if self.overwrites(logits):
-            return LossParts(*cross_entropy_z_loss(logits, targets, self.z_loss_coeff, IGNORE_INDEX))
+            return LossParts(*cross_entropy.cross_entropy_z_loss(logits, targets, self.z_loss_coeff, IGNORE_INDEX))
         if self.fused and self.compiled is not False:
             try:
                 if self.compiled is None:

@@ -12,7 +12,8 @@
   after), to rehearse the health monitor's actions (:mod:`llmjp_ds.health`).
 
 A drill wraps the step runner; the runner itself only multiplies its loss by ``loss_scale`` (and its gradients by
-``grad_scale``).
+``grad_scale``). Each drill multiplies those for its step and puts them back after, so drills compose (a planted
+spike and a NaN in one run).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class RunnerDrill:
     """A step runner wrapped: what it does not change is the runner's, and what the trainer sets on it (the gate)
     reaches the runner."""
 
-    FORWARDED = ("gate", "beat")
+    FORWARDED = ("gate", "beat", "loss_scale", "grad_scale")
 
     def __getattr__(self, name):
         return getattr(self.runner, name)
@@ -42,6 +43,15 @@ class RunnerDrill:
             setattr(self.runner, name, value)
         else:
             super().__setattr__(name, value)
+
+    def scaled_step(self, batches, loss: float = 1.0, grad: float = 1.0):
+        """The runner's step with its loss and gradients ``loss`` and ``grad`` times larger, for this step only."""
+        saved = self.runner.loss_scale, self.runner.grad_scale
+        self.runner.loss_scale, self.runner.grad_scale = saved[0] * loss, saved[1] * grad
+        try:
+            return self.runner.train_step(batches)
+        finally:
+            self.runner.loss_scale, self.runner.grad_scale = saved
 
 
 class NanDrill(RunnerDrill):
@@ -53,8 +63,7 @@ class NanDrill(RunnerDrill):
     def train_step(self, batches):
         step = self.precision.step
         drilled = step in self.steps and (self.any_phase or self.precision.phase_at(step).precision == "fp8")
-        self.runner.loss_scale = float("nan") if drilled else 1.0
-        return self.runner.train_step(batches)
+        return self.scaled_step(batches, loss=float("nan") if drilled else 1.0)
 
 
 class PenaltyDrill(RunnerDrill):
@@ -78,12 +87,11 @@ class SpikeDrill(RunnerDrill):
         step = self.precision.step
         drilled = self.scale if step in self.steps else 1.0
         self.steps = self.steps - {step}  # once a process: the step a rollback brings back finds clean data
-        self.runner.loss_scale, self.runner.grad_scale = (drilled, 1.0) if self.on == "loss" else \
-            (1.0, drilled if self.on == "grad" else 1.0)
         if self.on == "lr" and drilled != 1.0:  # the step's LR, set just before: a real cause, for real weights
             for group in self.runner.engine.optimizer.param_groups:
                 group["lr"] *= drilled
-        return self.runner.train_step(batches)
+        return self.scaled_step(batches, loss=drilled if self.on == "loss" else 1.0,
+                                grad=drilled if self.on == "grad" else 1.0)
 
 
 def with_drills(runner, precision):

@@ -92,8 +92,8 @@ class HealthMonitor:
 
     def gate(self, step: int, loss: float) -> bool:
         """Before the last micro-batch's backward, with the step's mean loss over every rank: True when the update
-        is to be skipped (a loss spike under ``health.loss.action: skip``)."""
-        return self.cfg.loss.action == "skip" and self._judge("loss", step, loss, record=False) is not None
+        is to be skipped (a loss spike; :meth:`gate_at` hands the gate out under ``health.loss.action: skip``)."""
+        return self._judge("loss", step, loss, record=False) is not None
 
     def gate_at(self, step: int):
         """:meth:`gate` at ``step`` for the step runner, or None when no action asks before the update (a runner

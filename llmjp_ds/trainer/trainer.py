@@ -122,7 +122,8 @@ class Trainer:
             self.lock.check_peer(wait_s=wait_for_run_dir)
         if self.lock.waited:  # the holder's last save came after the check above
             checkpoint.check_resume(self.run_dir, self.model_config.to_dict(), cfg, layout)
-        self.ctx = ParallelContext.start(layout, sequence_parallel_of(cfg), cfg.parallel)
+        with self.lock.undone_on_refusal():  # a start refused as the process group starts (a port in use)
+            self.ctx = ParallelContext.start(layout, sequence_parallel_of(cfg), cfg.parallel)
         # a host gone without a word: named once for the job; a start refused (one line) leaves the run directory
         # as it was found
         with self.ctx.reporting_failures(), self.lock.undone_on_refusal():

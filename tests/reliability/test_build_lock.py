@@ -27,6 +27,7 @@ def plant(extensions, age_s: float):
 @pytest.mark.timeout(150)
 def test_a_run_refuses_a_stale_build_lock_in_one_line(bundled, tmp_path):
     lock = plant(tmp_path / "extensions", 2 * 3600)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     result = run(train_argv(tmp_path / "run", TINY, "train.steps=1"), timeout=120,
                  env=subprocess_env(TORCH_EXTENSIONS_DIR=str(tmp_path / "extensions")))
     assert result.returncode == 2, result.stderr[-3000:]
@@ -34,7 +35,9 @@ def test_a_run_refuses_a_stale_build_lock_in_one_line(bundled, tmp_path):
     assert result.stderr.strip().splitlines()[-1] == (
         f"error: {lock} is left from a build of DeepSpeed's deepspeed_shm_comm op interrupted 120 min ago, and this "
         "run would wait on it forever: if no other run is building it, remove that file and start again")
-    assert lock.is_file()
+    # nothing written or removed: the lock stays (it is torch's), and the refused run leaves no run directory
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_lock_of_a_build_in_progress_gets_a_warning(tmp_path, monkeypatch, capsys):

@@ -369,6 +369,9 @@ def test_the_recipe_runs_say_the_same_to_both_stacks(monkeypatch):
     stable = megatron_lrs(*megatron_scheduler(wb), megatron_batches(wb))
     assert stable[-1] == setup.lr and stable[recipe.branch] == setup.lr
     assert d1.override_opt_param_scheduler and d1.min_lr == 0 and d1.lr_wsd_decay_style == "minus_sqrt"
+    # the distributed optimizer loads a checkpoint's parameter groups by their max and min LR
+    assert all((megatron_reads(pretrain_args(commands[n])).lr, megatron_reads(pretrain_args(commands[n])).min_lr)
+               == (d1.lr, d1.min_lr) for n in ("W-A1", "W-A2", "W-B", "D2"))
     ran = next(j for j in harness.jobs(setup, Path("/w"), Path("/w/runs"), MLM, CORPORA, "t") if j.name == "A1")
     new_flags = {x for n in ("W-A1", "W-B", "D1") for x in pretrain_args(commands[n]) if x.startswith("--")} - \
         {x for x in ran.cmd if x.startswith("--")}

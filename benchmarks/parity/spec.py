@@ -47,6 +47,9 @@ class Recipe:
     says the same with ``train.global_batch_size: 1`` (steps of one sample count the schedule),
     ``train.batch_changes`` from the step schedule, and ``train.steps``: the iterations Megatron-LM's
     ``update_train_iters`` takes to consume ``--train-samples``, whose count is the batches' sum at the last step.
+    Every run's minimum LR is the branch's 0: Megatron-Core's distributed optimizer finds a checkpoint's parameter
+    groups by their max and min LR (distrib_optimizer.py, load_state_dict), so a branch with another ``--min-lr``
+    fails to load its source's optimizer (run AH, a KeyError). The stable run's LR never reaches its minimum.
     """
 
     steps: int = 140
@@ -126,7 +129,7 @@ def _schedule_args(setup: Setup, recipe: Recipe | None, decay: bool) -> list[str
         wsd = ["--override-opt_param-scheduler", "--min-lr", "0", "--lr-wsd-decay-style", recipe.decay_style,
                "--lr-wsd-decay-samples", str(recipe.decay_samples(s.seq_len))]
     else:
-        wsd = ["--min-lr", str(s.min_lr), "--lr-wsd-decay-style", recipe.wsd_decay_style,
+        wsd = ["--min-lr", "0", "--lr-wsd-decay-style", recipe.wsd_decay_style,
                "--lr-wsd-decay-samples", str(recipe.stable_wsd_samples(s.seq_len))]
     return ["--step-batch-size-schedule", recipe.batch_schedule, "--train-samples", str(samples), "--lr", str(s.lr),
             "--lr-decay-style", "WSD", "--lr-warmup-samples", str(recipe.warmup_samples),
@@ -190,7 +193,8 @@ def ours_sets(setup: Setup, blend: list[tuple[float, str]], tokenizer: str, cach
                             for step, batch in recipe.batch_changes(s.seq_len))
         sets.update({"train.steps": recipe.steps, "train.global_batch_size": 1, "train.batch_changes": f"[{changes}]",
                      "optim.warmup_steps": recipe.warmup_samples, "optim.decay_steps": samples,
-                     "optim.decay_style": "WSD", "optim.wsd_decay_style": recipe.wsd_decay_style,
+                     "optim.min_lr_ratio": 0, "optim.decay_style": "WSD",
+                     "optim.wsd_decay_style": recipe.wsd_decay_style,
                      "optim.wsd_decay_steps": recipe.stable_wsd_samples(s.seq_len)})
     if init_hf:
         sets["model.init_from_hf"] = init_hf

@@ -1,5 +1,5 @@
-"""The parity check's report (benchmarks/parity/__main__.py) on the H200's raw curves in docs/perf-raw: run AE's and
-run AF's calls give docs/performance.md's figures, each run from A's checkpoint compared only within its own call.
+"""The parity check's report (benchmarks/parity/__main__.py) on the H200's raw curves in docs/perf-raw: the calls of
+runs AE, AF and AH give docs/performance.md's figures, each run from A's checkpoint compared only within its own call.
 
 LLM-jp-4's recipe (``--recipe``): its Megatron-LM command lines, read as Megatron-LM core_v0.19 reads them, and ours,
 read by llmjp_ds's own functions, give every step the same batch, LR and run length, W-A1's checkpoint imports and
@@ -46,6 +46,18 @@ def test_run_af_gives_the_documented_gap_from_step_1(order, tmp_path):
     assert got["BF16, 1..end (against B, uninterrupted like ours)"] == ["0.0296", "0.0629", "0.47", "+0.032 %",
                                                                          "+1.267 %", "yes"]
     assert got["FP8 from the flip (both from A's checkpoint)"][0] == "not run"
+
+
+def test_run_ah_gives_the_documented_recipe_rows(tmp_path):
+    """LLM-jp-4's recipe: the stable run and its spread in call 1, the decay branch and its spread in call 2."""
+    calls = [RAW / "run-ah" / name for name in ("call-1", "call-2")]
+    assert harness.main(["--report-from", *map(str, calls), "--out", str(tmp_path)]) == 0
+    got = rows(tmp_path)
+    assert got["recipe: stable WSD, batch 1 to 4, 1..end (against W-B)"] == ["0.0417", "0.0648", "0.64", "+0.444 %",
+                                                                             "+2.214 %", "NO"]
+    assert got["recipe: decay branch of W-A's checkpoint, another blend (against D1)"] == [
+        "0.0004", "0.0009", "0.46", "-0.010 %", "+0.032 %", "yes"]
+    assert all((tmp_path / png).read_bytes()[:4] == b"\x89PNG" for png in ("parity-wsd.png", "parity-decay.png"))
 
 
 def test_a_comparison_whose_spread_no_call_has_is_not_run(tmp_path):

@@ -105,10 +105,6 @@ class Tokenizer:
         framed = chain.from_iterable(chain.from_iterable(zip(repeat(head), pieces, repeat(tail))))
         return np.fromiter(framed, dtype=np.int32, count=int(lengths.sum())), lengths
 
-    def encode_document(self, text: str) -> list[int]:
-        """One text framed as a corpus document, ``[bos] + pieces + [eod]`` (see ``encode_documents``)."""
-        return self.encode_documents([text])[0].tolist()
-
     def decode(self, ids) -> str:
         return self.sp.DecodeIds([int(i) for i in ids])
 

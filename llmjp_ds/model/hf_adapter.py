@@ -176,10 +176,6 @@ def tp_merge(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(shards, dim=dim)
 
 
-def tp_shard_state_dict(state: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.Tensor]:
-    return {name: tp_shard(name, t, rank, size) for name, t in state.items()}
-
-
 def tp_merge_state_dicts(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """One state dict from the TP ranks' ones (rank order). ``_extra_state`` entries are rank 0's."""
     return {name: tp_merge(name, [s[name] for s in shards]) for name in shards[0]}

@@ -60,7 +60,8 @@ def test_trained_layout(trained_tokenizer):
     # whitespace is kept as is (runs of spaces, tabs, newlines): decode(encode(x)) == x
     for text in TRICKY:
         assert tok.decode(tok.encode(text)) == text
-    assert tok.encode_document("abc") == [1, *tok.encode("abc"), 2]
+    flat, lengths = tok.encode_documents(["abc", ""])  # an empty text is [bos, eod], as Megatron's --append-eod
+    assert flat.tolist() == [1, *tok.encode("abc"), 2, 1, 2] and lengths.tolist() == [len(tok.encode("abc")) + 2, 2]
 
 
 def test_trained_scores_are_quantized(trained_tokenizer):

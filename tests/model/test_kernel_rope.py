@@ -16,12 +16,26 @@ import pytest
 import torch
 
 from llmjp_ds.model.llama import rope_freqs
+from llmjp_ds.model.torch_layers import rotate_half, split_qkv
 
 needs_te = pytest.mark.skipif(
     not torch.cuda.is_available() or not __import__("llmjp_ds.model.backend", fromlist=["x"]).te_importable(),
     reason="needs CUDA and Transformer Engine (run on the H200)")
 
 CASES = [(4, 1, 32), (2, 3, 16)]  # (kv groups, query heads per group, head_dim)
+
+
+def reference(qkv, freqs, group, head_dim, qkv_format):
+    """The formula: Q and K of ``qkv`` rotated by ``freqs`` (``[s, head_dim]`` fp32 angles shared by every sequence)
+    in fp32, as TE's kernel does, and V."""
+    q, k, v = split_qkv(qkv, group, head_dim)
+    f = freqs[None, :, None, :] if qkv_format == "bshd" else freqs[:, None, None, :]
+
+    def rotate(t):
+        x = t.float()
+        return (x * f.cos() + rotate_half(x) * f.sin()).to(t.dtype)
+
+    return rotate(q), rotate(k), v
 
 
 def _run(fn, qkv, upstream, grads_as_views: bool = False):
@@ -71,7 +85,7 @@ def check_rope_under_the_interpreter():
     for fmt in ("bshd", "sbhd"):
         for kv, group, d in CASES:
             qkv, freqs, upstream = _inputs(kv, group, d, fmt, "cpu", b=8)
-            want = _run(lambda t: rope.rope_qkv_reference(t, freqs, group, d, fmt), qkv, upstream)
+            want = _run(lambda t: reference(t, freqs, group, d, fmt), qkv, upstream)
             for views in (False, True) if group == 1 else (False,):
                 out, grad = _run(lambda t: rope.rope_qkv(t, freqs, group, d, fmt), qkv, upstream, views)
                 _close(out + [grad], want[0] + [want[1]], f"interpreter {fmt} kv={kv} group={group} views={views}")
@@ -91,11 +105,10 @@ def test_kernel_matches_te_and_the_reference(fmt, kv, group, d):
     """Q, K, V and the QKV gradient of the Triton kernel equal TE's fused QKV RoPE's and the fp32 formula's, with
     the upstream gradients as separate tensors and as views of one buffer (the in-place backward)."""
     from llmjp_ds.model import te_layers
-    from llmjp_ds.model.kernels import rope
 
     qkv, freqs, upstream = _inputs(kv, group, d, fmt, "cuda")
     te_out, te_grad = _run(lambda t: te_layers.split_qkv_rope(t, freqs, group, d, fmt, fused="te"), qkv, upstream)
-    ref_out, ref_grad = _run(lambda t: rope.rope_qkv_reference(t, freqs, group, d, fmt), qkv, upstream)
+    ref_out, ref_grad = _run(lambda t: reference(t, freqs, group, d, fmt), qkv, upstream)
     for views in (False, True) if group == 1 else (False,):
         out, grad = _run(lambda t: te_layers.split_qkv_rope(t, freqs, group, d, fmt, fused="triton"), qkv,
                          upstream, views)

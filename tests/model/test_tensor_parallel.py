@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from llmjp_ds.model import model_config
-from llmjp_ds.model.hf_adapter import tp_merge, tp_merge_state_dicts, tp_shard, tp_shard_state_dict, tp_split_dim
+from llmjp_ds.model.hf_adapter import tp_merge, tp_merge_state_dicts, tp_shard, tp_split_dim
 from llmjp_ds.model.loss import IGNORE_INDEX, causal_lm_loss
 from tests.launch import free_port
 
@@ -66,7 +66,7 @@ def test_tp_shard_and_merge_cut_every_weight_where_te_does(size):
     config = tiny_config(num_attention_heads=heads, num_key_value_heads=kv, hidden_size=h, ffn_hidden_size=ffn,
                          vocab_size=vocab)
     full = _full_state(config)
-    shards = [tp_shard_state_dict(full, r, size) for r in range(size)]
+    shards = [{name: tp_shard(name, t, r, size) for name, t in full.items()} for r in range(size)]
     kinds = set()
     for name, tensor in full.items():
         parts = [s[name] for s in shards]

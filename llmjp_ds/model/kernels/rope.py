@@ -12,9 +12,8 @@ back as views of one buffer in the same layout, the backward rotates those in pl
 QKV gradient from the three, in one pass). With several query heads per group the heads of one group's queries
 are not one view, and under tensor parallelism (sequence-first tokens) the ``sbh3d`` views have not been
 measured through TE's attention: there Q, K and V are written out as TE does, by the same kernel. cos and sin
-are taken in fp32 once per position and shared by every head of it (``rope_triton``).
-
-:func:`rope_qkv_reference` is the formula in PyTorch (fp32 rotation of bf16 inputs, as TE's kernel does).
+are taken in fp32 once per position and shared by every head of it (``rope_triton``), and the rotation is done
+in fp32 on the bf16 inputs, as TE's kernel does.
 """
 
 from __future__ import annotations
@@ -22,23 +21,6 @@ from __future__ import annotations
 import importlib.util
 
 import torch
-
-from llmjp_ds.model.torch_layers import rotate_half, split_qkv
-
-
-def rope_qkv_reference(qkv: torch.Tensor, freqs: torch.Tensor, group: int, head_dim: int,
-                       qkv_format: str = "bshd"):
-    """Q and K of ``qkv`` rotated by ``freqs`` (``[s, head_dim]`` fp32 angles shared by every sequence) in fp32,
-    and V, as ``[*lead, heads, head_dim]`` tensors."""
-    q, k, v = split_qkv(qkv, group, head_dim)
-    f = freqs[None, :, None, :] if qkv_format == "bshd" else freqs[:, None, None, :]
-    cos, sin = f.cos(), f.sin()
-
-    def rotate(t):
-        x = t.float()
-        return (x * cos + rotate_half(x) * sin).to(t.dtype)
-
-    return rotate(q), rotate(k), v
 
 
 def supported(qkv: torch.Tensor, freqs: torch.Tensor, head_dim: int) -> bool:
@@ -51,9 +33,9 @@ def supported(qkv: torch.Tensor, freqs: torch.Tensor, head_dim: int) -> bool:
 
 
 def rope_qkv(qkv: torch.Tensor, freqs: torch.Tensor, group: int, head_dim: int, qkv_format: str = "bshd"):
-    """``(q, k, v)`` of :func:`rope_qkv_reference`, by the Triton kernel; ``qkv`` ``[*lead, kv, (group + 2) *
-    head_dim]`` is rotated in place when ``group == 1`` and ``qkv_format == "bshd"`` (Q, K and V are then views
-    of it)."""
+    """Q and K of ``qkv`` rotated by ``freqs`` (``[s, head_dim]`` fp32 angles shared by every sequence), and V, as
+    ``[*lead, heads, head_dim]`` tensors, by the Triton kernel; ``qkv`` ``[*lead, kv, (group + 2) * head_dim]`` is
+    rotated in place when ``group == 1`` and ``qkv_format == "bshd"`` (Q, K and V are then views of it)."""
     return _RopeQKV.apply(qkv, freqs, group, head_dim, qkv_format)
 
 

@@ -126,13 +126,13 @@ def _schedule_args(setup: Setup, recipe: Recipe | None, decay: bool) -> list[str
                 "--lr-decay-iters", str(s.steps)]
     samples = recipe.train_samples(s.seq_len)
     if decay:
-        wsd = ["--override-opt_param-scheduler", "--min-lr", "0", "--lr-wsd-decay-style", recipe.decay_style,
+        wsd = ["--override-opt_param-scheduler", "--lr-wsd-decay-style", recipe.decay_style,
                "--lr-wsd-decay-samples", str(recipe.decay_samples(s.seq_len))]
     else:
-        wsd = ["--min-lr", "0", "--lr-wsd-decay-style", recipe.wsd_decay_style,
+        wsd = ["--lr-wsd-decay-style", recipe.wsd_decay_style,
                "--lr-wsd-decay-samples", str(recipe.stable_wsd_samples(s.seq_len))]
     return ["--step-batch-size-schedule", recipe.batch_schedule, "--train-samples", str(samples), "--lr", str(s.lr),
-            "--lr-decay-style", "WSD", "--lr-warmup-samples", str(recipe.warmup_samples),
+            "--min-lr", "0", "--lr-decay-style", "WSD", "--lr-warmup-samples", str(recipe.warmup_samples),
             "--lr-decay-samples", str(samples), *wsd]
 
 

@@ -1,6 +1,10 @@
 """The global batch of each step, as Megatron-LM's microbatch calculator gives it: constant, ramped up
 (``--rampup-batch-size``), or changed at given steps. Pure arithmetic on step and sample counts; the samples each
-rank reads of a step are :mod:`llmjp_ds.batching`'s."""
+rank reads of a step are :mod:`llmjp_ds.batching`'s.
+
+Steps here are indices from 0 (step ``s`` starts after ``s`` steps); the config, the progress line and the records
+number them from 1, as Megatron-LM's log does: the config's ``start_step: S`` is index ``S - 1``
+(:func:`step_index`)."""
 
 from __future__ import annotations
 
@@ -17,9 +21,10 @@ class BatchSchedule:
     and before any change. ``rampup``: ``(start, increment, samples)``, Megatron's ``--rampup-batch-size``
     (megatron-core's ``RampupBatchsizeNumMicroBatchesCalculator``): while at most ``samples`` samples are consumed
     the batch is ``start + int(consumed / (samples / increments)) * increment``, then ``global_batch``.
-    ``changes``: ``((start_step, batch), ...)``, increasing: from ``start_step`` on the batch is ``batch`` (a run
-    restarted there with another ``--global-batch-size``, or Megatron-Core 0.19's ``--step-batch-size-schedule``
-    with a threshold at the samples consumed before that step); a change at step 0 replaces the start.
+    ``changes``: ``((first, batch), ...)``, increasing step indices: from index ``first`` on the batch is ``batch``
+    (a run restarted after ``first`` iterations with another ``--global-batch-size``, or Megatron-Core 0.19's
+    ``--step-batch-size-schedule`` with a threshold at the samples consumed before that step); a change at index 0
+    replaces the start.
     """
 
     global_batch: int
@@ -30,7 +35,7 @@ class BatchSchedule:
     def of(cls, train_cfg) -> "BatchSchedule":
         ramp = train_cfg.batch_rampup
         return cls(train_cfg.global_batch_size, tuple(int(x) for x in ramp) if ramp else None,
-                   tuple((c.start_step, c.global_batch_size) for c in train_cfg.batch_changes))
+                   tuple((step_index(c.start_step), c.global_batch_size) for c in train_cfg.batch_changes))
 
     @property
     def constant(self) -> bool:
@@ -102,6 +107,11 @@ class BatchSchedule:
         return lo
 
 
+def step_index(step: int) -> int:
+    """The index from 0 of step ``step`` as the config, the progress line and the records number it (from 1)."""
+    return step - 1
+
+
 def check_batches(train_cfg, data_parallel: int) -> BatchSchedule:
     """``train``'s batch schedule, refused in one line where Megatron's calculator would assert or a batch would
     not split into micro-batches over ``data_parallel`` ranks."""
@@ -118,8 +128,8 @@ def check_batches(train_cfg, data_parallel: int) -> BatchSchedule:
     starts = [c.start_step for c in t.batch_changes]
     if starts != sorted(set(starts)):
         fail(f"train.batch_changes start at steps {starts}: list each step once, in increasing order")
-    if starts and starts[-1] >= t.steps:
-        fail(f"train.batch_changes changes the batch at step {starts[-1]}, but the run ends after train.steps="
+    if starts and starts[-1] > t.steps:
+        fail(f"train.batch_changes changes the batch at step {starts[-1]}, but the run ends with step train.steps="
              f"{t.steps}: start it earlier or lengthen the run")
     schedule = BatchSchedule.of(t)
     unit = t.micro_batch_size * data_parallel
@@ -156,14 +166,15 @@ def megatron_step_schedule(text: str, seq_length: int | None) -> list[tuple[int,
 
 
 def changes_at_thresholds(entries: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
-    """``train.batch_changes`` of a schedule given by consumed-sample thresholds (each batch from the first step
-    whose consumed samples reach its threshold, as megatron-core's step schedule picks it)."""
+    """``train.batch_changes`` (``(start_step, batch)``, steps from 1) of a schedule given by consumed-sample
+    thresholds: each batch from the first step whose consumed samples reach its threshold, as megatron-core's step
+    schedule picks it."""
     if not entries or entries[0][0] != 0:
         fail(f"a step batch-size schedule starts at threshold 0 (megatron-core asserts it), got {entries}")
-    (_, batch), out = entries[0], [(0, entries[0][1])]
+    (_, batch), out = entries[0], [(1, entries[0][1])]
     step = consumed = 0
     for threshold, nxt in entries[1:]:
         steps = -(-(threshold - consumed) // batch)  # ceil: the first step starting at or after the threshold
         step, consumed, batch = step + steps, consumed + steps * batch, nxt
-        out.append((step, nxt))
+        out.append((step + 1, nxt))
     return tuple(out)

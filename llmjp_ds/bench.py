@@ -51,7 +51,7 @@ from llmjp_ds.config import (add_config_args, apply_set, build_config, merge, mo
 from llmjp_ds.errors import did_you_mean, fail
 from llmjp_ds.health import HealthMonitor
 from llmjp_ds.io_utils import write_bytes_atomic
-from llmjp_ds.lr_schedule import lr_schedule
+from llmjp_ds.lr_schedule import run_schedule
 from llmjp_ds.metrics import Throughput
 from llmjp_ds.model.backend import resolve_backend
 from llmjp_ds.model.flops import flops_per_token_for, layer_and_logits_flops_for
@@ -92,7 +92,7 @@ def bench_config(shape: str, variant: str, gas: int, sets: list[str] = ()):
     """The run config of one variant: the shape's preset on one device, no pipeline, no recompute."""
     preset, overrides, micro = {**SHAPES, **TEST_SHAPES}[shape]
     if variant.startswith("ours-fp8"):  # the peers set their precision themselves
-        phases = [{"precision": "fp8", "start_step": 0, "recipe": variant.rsplit("-", 1)[1], "fp8_format": "hybrid"}]
+        phases = [{"precision": "fp8", "start_step": 1, "recipe": variant.rsplit("-", 1)[1], "fp8_format": "hybrid"}]
     else:
         phases = [{"precision": "bf16"}]
     data = merge(preset_dict(preset), {
@@ -142,14 +142,14 @@ def _engine_for(cfg, variant: str, shape: str, peer_sets=()):
         torch.manual_seed(cfg.train.seed)
         model = bench_peers.stage_model(config, backend, cfg.train.micro_batch_size, seq, ctx.device)
     steps = StepEngine(cfg, layout, ctx, precision, model)
-    schedule, gbs = lr_schedule(cfg.optim, cfg.train.steps, cfg.train.global_batch_size), cfg.train.global_batch_size
+    schedule, gbs = run_schedule(cfg), cfg.train.global_batch_size
     # under health.loss.action=skip the step asks the health monitor before its update, as training does: the cost
     # of the check (a reduction of the loss and a wait for it) shows beside the same row without it
     health = HealthMonitor(cfg.health)
 
-    def step(i, batches):
-        return steps.train_step(i, batches, schedule.lr(i, i * gbs), schedule.weight_decay(i, i * gbs),
-                                health.gate_at(i))
+    def step(i, batches):  # after i steps: step i + 1, as training numbers it
+        return steps.train_step(i + 1, batches, schedule.lr(i, i * gbs), schedule.weight_decay(i, i * gbs),
+                                health.gate_at(i + 1))
 
     return step, config
 

@@ -1,12 +1,13 @@
 """Fault drills for tests and rehearsals, set from the environment (never from the run config):
 
-* ``LLMJP_DS_DRILL_NAN_STEPS=3,4``: the losses of those step indices are NaN, so their gradients are too;
+* ``LLMJP_DS_DRILL_NAN_STEPS=3,4``: the losses of those steps (numbered from 1, as the records show them) are NaN,
+  so their gradients are too;
 * ``LLMJP_DS_DRILL_NAN_PHASE=fp8`` (default: only in FP8 phases, to rehearse the divergence guard) or ``any``
   (to rehearse skipped steps);
 * ``LLMJP_DS_DRILL_FP8_PENALTY=0.05``: validation losses measured in FP8 come out 5 % higher, so FP8's measured
   penalty rises by that much (to rehearse the penalty guard's actions);
 * ``LLMJP_DS_DRILL_SPIKE_STEPS=5,9`` with ``LLMJP_DS_DRILL_SPIKE_SCALE=20`` (default 20): a planted spike at those
-  step indices, the first time a process runs each (a step that a rollback brings back runs clean, as after bad data
+  steps, the first time a process runs each (a step that a rollback brings back runs clean, as after bad data
   skipped), ``LLMJP_DS_DRILL_SPIKE_ON=loss`` (default: the loss and its gradients are that many times larger),
   ``grad`` (the gradients alone) or ``lr`` (the step's LR: a real cause, whose spike shows in the loss of the steps
   after), to rehearse the health monitor's actions (:mod:`llmjp_ds.health`).
@@ -111,7 +112,7 @@ def _steps(var: str) -> set[int]:
     try:
         return {int(s) for s in raw.replace(" ", "").split(",") if s}
     except ValueError:
-        fail(f"{var}={raw!r} must be a comma list of step indices, e.g. 3,4")
+        fail(f"{var}={raw!r} must be a comma list of step numbers, e.g. 3,4")
 
 
 def _spike_drill(runner, precision):

@@ -142,12 +142,13 @@ class HealthMonitor:
 # --- the steps a rollback skips --------------------------------------------------------------------------------
 
 def skip_window(checkpoint_step: int, spike_step: int, before: int | None, after: int) -> list[int]:
-    """The steps ``[first, end)`` a rollback to ``checkpoint_step`` skips for a spike at ``spike_step``: from the
-    checkpoint (``before`` None) or ``before`` steps ahead of the spike, through it and ``after`` steps more."""
-    first = checkpoint_step if before is None else max(checkpoint_step, spike_step - before)
-    return [first, spike_step + 1 + after]
+    """The steps ``[first, last]`` a rollback to the checkpoint after step ``checkpoint_step`` skips for a spike at
+    step ``spike_step``: from the checkpoint's next step (``before`` None) or ``before`` steps ahead of the spike,
+    through it and ``after`` steps more."""
+    first = checkpoint_step + 1 if before is None else max(checkpoint_step + 1, spike_step - before)
+    return [first, spike_step + after]
 
 
 def skipped(step: int, ranges) -> bool:
-    """Whether step ``step`` lies in one of the ``[first, end)`` ranges."""
-    return any(first <= step < end for first, end in ranges)
+    """Whether step ``step`` lies in one of the ``[first, last]`` ranges."""
+    return any(first <= step <= last for first, last in ranges)

@@ -31,7 +31,7 @@ def describe(event: dict) -> tuple[str, str]:
     if kind == "rollback":
         skipped = event.get("skipped_steps")
         return "rollback", (f"to {event.get('tag')} (step {event.get('to_step')})"
-                            + (f", steps {skipped[0]}..{skipped[1] - 1} skipped" if skipped else "")
+                            + (f", steps {skipped[0]}..{skipped[1]} skipped" if skipped else "")
                             + (f", {event['fallback']} from there" if event.get("fallback") else "")
                             + f": {event.get('reason', '')}")
     if kind == "precision_flip":
@@ -58,7 +58,7 @@ def report(run_dir) -> list[str]:
     ranges = (read_marker(run_dir, tag).skip_steps or []) if tag else []
     lines += ["", f"{len(steps)} steps logged, {sum(e['event'] == 'rollback' for e in events)} rollbacks, "
               f"{skipped_updates} updates skipped; steps whose samples were not trained on: "
-              + (", ".join(f"{a}..{b - 1}" for a, b in ranges) or "none")]
+              + (", ".join(f"{a}..{b}" for a, b in ranges) or "none")]
     return lines
 
 

@@ -13,6 +13,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from llmjp_ds.batch_schedule import BatchSchedule
 from llmjp_ds.config import RESUME_SCHEDULES
 from llmjp_ds.errors import fail
 
@@ -128,19 +129,32 @@ def wsd_coefficient(position: float, decay_end: float, wsd_decay: float, wsd_dec
     return decay_coefficient(wsd_decay_style, float(position - anneal_start) / float(wsd_decay))
 
 
-def lr_schedule(optim_cfg, train_steps: int, global_batch_size: int) -> LRSchedule:
-    """The config's schedule, its iterations converted to samples as Megatron-LM's
-    ``get_optimizer_param_scheduler`` converts ``--lr-decay-iters`` (default ``--train-iters``),
-    ``--lr-warmup-iters``, ``--lr-wsd-decay-iters`` and ``--train-iters`` (the weight decay's increment)."""
-    o, gbs = optim_cfg, global_batch_size
+def lr_schedule(optim_cfg, train_steps: int, batches: BatchSchedule) -> LRSchedule:
+    """The config's schedule. Under ``megatron`` its step counts are samples: a count of ``k`` steps is the
+    samples the run's batch schedule ``batches`` reads in its first ``k`` steps, so the warmup ends, the WSD decay
+    begins and the decay ends at the steps the config names, whatever the batch does on the way. With a constant
+    batch that is Megatron-LM's ``get_optimizer_param_scheduler`` for ``--lr-*-iters`` (``k x
+    --global-batch-size``); with a ramp or batch changes it is Megatron-LM's sample-based arguments
+    (``--train-samples``, ``--lr-warmup-samples``, ``--lr-decay-samples``, ``--lr-wsd-decay-samples``) for the same
+    plan, which a restart with another ``--global-batch-size`` keeps as they are. ``llmjp`` counts steps."""
+    o = optim_cfg
+    gbs = batches.global_batch
+    samples = batches.consumed_at if o.schedule == "megatron" else (lambda steps: steps * gbs)
     decay_steps = train_steps if o.decay_steps is None else o.decay_steps
+    decay = samples(decay_steps)  # the WSD decay: from the samples before its first step to the decay's end
     return LRSchedule(
-        init_lr=o.warmup_init_lr, max_lr=float(o.lr), min_lr=o.lr * o.min_lr_ratio, warmup=o.warmup_steps * gbs,
-        decay=decay_steps * gbs, decay_style=o.decay_style,
-        wsd_decay=None if o.wsd_decay_steps is None else o.wsd_decay_steps * gbs, wsd_decay_style=o.wsd_decay_style,
+        init_lr=o.warmup_init_lr, max_lr=float(o.lr), min_lr=o.lr * o.min_lr_ratio, warmup=samples(o.warmup_steps),
+        decay=decay, decay_style=o.decay_style,
+        wsd_decay=None if o.wsd_decay_steps is None else decay - samples(decay_steps - o.wsd_decay_steps),
+        wsd_decay_style=o.wsd_decay_style,
         start_wd=o.weight_decay, end_wd=o.weight_decay if o.end_weight_decay is None else o.end_weight_decay,
-        wd_incr=train_steps * gbs, wd_incr_style=o.weight_decay_incr_style, convention=o.schedule,
+        wd_incr=samples(train_steps), wd_incr_style=o.weight_decay_incr_style, convention=o.schedule,
         global_batch_size=gbs)
+
+
+def run_schedule(cfg) -> LRSchedule:
+    """The LR schedule of run config ``cfg``, its counts in the samples of its batch schedule."""
+    return lr_schedule(cfg.optim, cfg.train.steps, BatchSchedule.of(cfg.train))
 
 
 def check_schedule(optim_cfg, train_steps: int) -> None:
@@ -181,15 +195,15 @@ _SAVED_LR_VALUES = (
     ("max_lr", ("start_lr", "max_lr"), "max_lr", "optim.lr"),
     ("min_lr", ("min_lr",), "min_lr", "optim.lr x optim.min_lr_ratio"),
     ("lr_warmup_steps", ("warmup_iter", "warmup_steps", "lr_warmup_steps"), "warmup",
-     "samples: optim.warmup_steps x train.global_batch_size"),
+     "samples: the batches of the first optim.warmup_steps steps"),
     ("lr_decay_steps", ("end_iter", "decay_steps", "lr_decay_steps"), "decay",
-     "samples: optim.decay_steps (default train.steps) x train.global_batch_size"),
+     "samples: the batches of the first optim.decay_steps steps (default train.steps)"),
     ("lr_decay_style", ("decay_style", "lr_decay_style"), "decay_style", "optim.decay_style"),
 )
 _SAVED_WD_VALUES = (  # stored together since Megatron-LM added weight-decay increments
     ("start_wd", ("start_wd",), "start_wd", "optim.weight_decay"),
     ("end_wd", ("end_wd",), "end_wd", "optim.end_weight_decay"),
-    ("wd_incr_steps", ("wd_incr_steps",), "wd_incr", "samples: train.steps x train.global_batch_size"),
+    ("wd_incr_steps", ("wd_incr_steps",), "wd_incr", "samples: the batches of the run's train.steps steps"),
     ("wd_incr_style", ("wd_incr_style",), "wd_incr_style", "optim.weight_decay_incr_style"),
 )
 
@@ -237,4 +251,41 @@ def _agrees(field_name: str, stored: dict, configured: LRSchedule, saved: dict) 
 def schedule_lr(step: int, optim_cfg, total_steps: int) -> float:
     """The config's LR at ``step`` of a run of ``total_steps`` whose global batch never changes (its consumed
     samples ``step`` global batches)."""
-    return lr_schedule(optim_cfg, total_steps, 1).lr(step, step)
+    return lr_schedule(optim_cfg, total_steps, BatchSchedule(1)).lr(step, step)
+
+
+def plan_line(cfg, schedule: LRSchedule | None = None) -> str:
+    """The run's schedule as a person checks it before spending GPUs on it: where the warm-up, the stable phase and
+    the decay end, the LR of the last step, each batch change and data phase, each as a step (numbered from 1, as
+    the progress line shows it) and the samples consumed by its end. ``schedule``: a resumed one, which may keep a
+    checkpoint's values (default: the config's)."""
+    s = schedule or run_schedule(cfg)
+    batches, last = BatchSchedule.of(cfg.train), cfg.train.steps
+    if s.convention == "megatron":
+        steps_within = batches.step_at  # the steps that start before a count of samples is consumed
+    else:
+        steps_within = lambda samples: -(-samples // s.global_batch_size)  # noqa: E731
+
+    def at(samples: int) -> str:
+        step = steps_within(samples)
+        return f"step {step} ({batches.consumed_at(step)} samples)"
+
+    parts = [f"warm-up to {at(s.warmup)}" if s.warmup else "no warm-up"]
+    if s.decay_style == "WSD":
+        parts += [f"stable to {at(s.decay - s.wsd_decay)}", f"{s.wsd_decay_style} decay to {at(s.decay)}"]
+    elif s.decay_style != "constant":
+        parts.append(f"{s.decay_style} decay to {at(s.decay)}")
+    parts.append(f"LR {s.lr(last - 1, batches.consumed_at(last - 1)):.3g} at step {last}, the last "
+                 f"({batches.consumed_at(last)} samples)")
+    (_, first_batch), *pieces = batches.pieces(last)
+    changes = [f"batch {first_batch} from step 1"]
+    if batches.rampup:
+        ramp_end = min([steps_within(batches.rampup[2] + 1)] + [c for c, _ in batches.changes if c > 0] + [last])
+        changes.append(f"ramping to {batches.batch(ramp_end, batches.consumed_at(ramp_end))} by step {ramp_end + 1} "
+                       f"(after {batches.consumed_at(ramp_end)} samples)")
+        pieces = [p for p in pieces if p[0] > ramp_end]
+    changes += [f"batch {b} from step {first + 1} (after {batches.consumed_at(first)} samples)"
+                for first, b in pieces]
+    changes += [f"data.phases[{i}] from step {p.start_step} (after {batches.consumed_at(p.start_step - 1)} samples)"
+                for i, p in enumerate(cfg.data.phases)]
+    return f"plan: {', '.join(parts)}; {', '.join(changes)}"

@@ -36,6 +36,7 @@ from llmjp_ds.errors import fail
 from llmjp_ds.launch import scheduler
 from llmjp_ds.launch.hostfile import write_hostfile
 from llmjp_ds.launch.hosts import check_hosts, keepalive_warning, parse_hostfile
+from llmjp_ds.lr_schedule import plan_line
 from llmjp_ds.model.shapes import resolve_shape
 from llmjp_ds.parallel.memory import describe, layout_memory, node_snapshot_gib, snapshot_gib, stage_layers
 from llmjp_ds.validate import validate_run
@@ -100,6 +101,7 @@ def cli_main(argv: list[str], verb: str = "preflight") -> int:
         gas = layout.gradient_accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size)
         line += f"; config OK: {layout.describe(cfg.parallel.zero_stage)}, gradient accumulation {gas}"
         print(line)
+        print(plan_line(cfg))
         line = memory_line(cfg, layout, gas, a.gpu_gib, ranks_per_node=max(hosts.values()), disk_gbps=a.disk_gbps,
                            step_s=a.step_seconds)
     print(line)

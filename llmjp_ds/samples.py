@@ -6,8 +6,8 @@ are written as an int64 array of shape ``(N, seq_len + 1)`` (inputs ``[:, :-1]``
 No DeepSpeed engine, no process group beyond the one-process group megatron-core's builder asks for, no run
 directory lock, nothing written into the run directory; the index caches are built or reused as a run would. Under
 ``data.order: megatron`` these are megatron-core's windows: a Megatron-LM run with the same blend, seq_len, seed,
-split and length can be compared with it window by window. Step ``s`` of a run reads train samples
-``[s * gbs, (s + 1) * gbs)`` (with a ramped or changed batch, from ``BatchSchedule.consumed_at(s)``); which valid
+split and length can be compared with it window by window. Step ``s`` of a run (numbered from 1) reads train
+samples ``[(s - 1) * gbs, s * gbs)`` (with a ramped or changed batch, from ``BatchSchedule.consumed_at(s - 1)``); which valid
 samples a validation reads: :func:`llmjp_ds.batching.validation_starts` (of ``data.blend``'s valid split).
 """
 
@@ -99,7 +99,7 @@ def cli_main(argv: list[str], verb: str = "samples") -> int:
     # a train sample from the data phase of the step that reads it; valid samples of data.blend's valid split
     wanted = range(args.start, end)
     if args.split == "train" and skips:  # the samples of skipped steps were read, not trained on
-        wanted = [i for i in wanted if not skipped(data.batches.step_of_sample(i), skips)]
+        wanted = [i for i in wanted if not skipped(data.batches.step_of_sample(i) + 1, skips)]  # steps from 1
     sample = data.train_sample if args.split == "train" else data.valid_at(0).__getitem__
     windows = np.stack([np.asarray(sample(i), dtype=np.int64) for i in wanted]) if wanted else \
         np.zeros((0, seq_len + 1), dtype=np.int64)

@@ -254,12 +254,12 @@ def _check_data(cfg: RunConfig) -> None:
 
 
 def _check_phases(cfg: RunConfig) -> None:
-    """``data.phases`` start after step 0, each once and in order, before the run ends, each with a blend."""
+    """``data.phases`` start after step 1, each once and in order, by the run's last step, each with a blend."""
     starts = [p.start_step for p in cfg.data.phases]
     if starts != sorted(set(starts)):
         fail(f"data.phases start at steps {starts}: list each step once, in increasing order")
-    if starts and starts[-1] >= cfg.train.steps:
-        fail(f"data.phases changes the blend at step {starts[-1]}, but the run ends after train.steps="
+    if starts and starts[-1] > cfg.train.steps:
+        fail(f"data.phases changes the blend at step {starts[-1]}, but the run ends with step train.steps="
              f"{cfg.train.steps}: start it earlier or lengthen the run")
     for i, phase in enumerate(cfg.data.phases):
         if not phase.blend:
@@ -279,9 +279,9 @@ def _check_health(cfg: RunConfig) -> None:
                  "rollback or stop")
     ranges = cfg.train.skip_steps
     for i, r in enumerate(ranges):
-        if len(r) != 2 or not r[0] < r[1]:
-            fail(f"train.skip_steps[{i}] {r} is not a range [first, end) of step indices with first < end: write "
-                 "it as [first, end] (Megatron-LM's --iterations-to-skip N is [N - 1, N])")
+        if len(r) != 2 or not r[0] <= r[1]:
+            fail(f"train.skip_steps[{i}] {r} is not a range [first, last] of steps with first <= last: write it as "
+                 "[first, last] (Megatron-LM's --iterations-to-skip N is [N, N])")
 
 
 def _check_logging(cfg: RunConfig) -> None:

@@ -191,7 +191,8 @@ def read_json(path) -> dict:
     return json.loads(Path(path).read_text())
 
 
-FLIP_AT = N - 1  # FP8 from step N - 1: a resume at N restarts after one FP8 step
+FLIP_AT = N  # the first FP8 step, as its record shows it: a resume at N restarts after one FP8 step
+BF16_STEPS = FLIP_AT - 1  # the steps before it
 FLIP = (f"precision.phases=[{{precision: bf16}}, {{precision: fp8, start_step: {FLIP_AT}, recipe: delayed, "
         "amax_history_len: 4, calibration_steps: 1}]",
         "precision.emulate_fp8=true")

@@ -229,7 +229,7 @@ def test_fp8_variant_is_one_fp8_phase_from_step_0(recipe):
     phases = cfg.precision.phases
     assert len(phases) == 1
     ph = phases[0]
-    assert (ph.precision, ph.start_step, ph.start_tokens, ph.recipe, ph.fp8_format) == ("fp8", 0, None, recipe,
+    assert (ph.precision, ph.start_step, ph.start_tokens, ph.recipe, ph.fp8_format) == ("fp8", 1, None, recipe,
                                                                                        "hybrid")
     assert cfg.precision.dtype == "bf16"
 
@@ -237,7 +237,7 @@ def test_fp8_variant_is_one_fp8_phase_from_step_0(recipe):
 @pytest.mark.parametrize("variant", ["ours-bf16", "peer-bf16"])
 def test_bf16_variants_have_one_bf16_phase(variant):
     cfg = bench.bench_config("172b-slice", variant, 8)
-    assert [(p.precision, p.start_step) for p in cfg.precision.phases] == [("bf16", 0)]
+    assert [(p.precision, p.start_step) for p in cfg.precision.phases] == [("bf16", 1)]
     assert cfg.precision.dtype == "bf16"
 
 

@@ -143,9 +143,9 @@ def test_multi_summary_fails_a_layout_that_drifts_or_did_not_run(tmp_path):
         for r in lines:
             r.update(tokens_per_s=1000.0, tflops_per_gpu=100.0)
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
-    assert summary("multi_summary.py", 2, tmp_path / "single", f"{tmp_path / 'near'}:2").returncode == 0
-    assert summary("multi_summary.py", 2, tmp_path / "single", f"{tmp_path / 'far'}:2").returncode == 1
-    assert summary("multi_summary.py", 2, tmp_path / "single", f"{tmp_path / 'none'}:2").returncode == 1
+    assert summary("multi_summary.py", 3, tmp_path / "single", f"{tmp_path / 'near'}:2").returncode == 0
+    assert summary("multi_summary.py", 3, tmp_path / "single", f"{tmp_path / 'far'}:2").returncode == 1
+    assert summary("multi_summary.py", 3, tmp_path / "single", f"{tmp_path / 'none'}:2").returncode == 1
 
 
 def test_the_python_helpers_import_on_cpu():

@@ -13,7 +13,7 @@ import warnings
 import pytest
 
 from llmjp_ds.errors import UserError
-from llmjp_ds.lr_schedule import LRSchedule, lr_schedule, resumed, schedule_lr
+from llmjp_ds.lr_schedule import LRSchedule, resumed, run_schedule, schedule_lr
 
 
 def megatron_lrs(iterations: int, gbs: int, lr: float, min_lr: float, warmup: int, decay: int) -> list[float]:
@@ -144,7 +144,7 @@ def our_schedule(args: dict) -> LRSchedule:
 
     cfg = config_of(args)
     check_schedule(cfg.optim, cfg.train.steps)
-    return lr_schedule(cfg.optim, cfg.train.steps, cfg.train.global_batch_size)
+    return run_schedule(cfg)
 
 
 def same(ours: list[float], theirs: list[float]) -> bool:
@@ -322,6 +322,166 @@ def test_no_stored_schedule_resumes_with_the_configured_one():
         resumed(our_schedule({**SMALL, "lr_decay_style": "linear"}), legacy, "checkpoint")
 
 
+# --- a batch that ramps or changes: the plan in samples, as Megatron-LM's sample-based arguments ------------------
+
+def sample_scheduler(args: dict, **flags):
+    """megatron-core's scheduler as Megatron-LM's get_optimizer_param_scheduler builds it from sample-based
+    arguments (``train_samples``, ``lr_warmup_samples``, ``lr_decay_samples`` (default ``train_samples``),
+    ``lr_wsd_decay_samples``): what a restart with another ``--global-batch-size`` keeps unchanged."""
+    a = {"lr_decay_samples": None, "lr_wsd_decay_samples": None, "lr_warmup_init": 0.0, "lr_decay_style": "WSD",
+         "lr_wsd_decay_style": "linear", **args}
+    decay = a["train_samples"] if a["lr_decay_samples"] is None else a["lr_decay_samples"]
+    opt = MegatronOptimizer()
+    return opt, _scheduler_class()(
+        opt, init_lr=a["lr_warmup_init"], max_lr=a["lr"], min_lr=a["min_lr"], lr_warmup_steps=a["lr_warmup_samples"],
+        lr_decay_steps=decay, lr_decay_style=a["lr_decay_style"], start_wd=0.1, end_wd=0.1,
+        wd_incr_steps=a["train_samples"], wd_incr_style="constant", wsd_decay_steps=a["lr_wsd_decay_samples"],
+        lr_wsd_decay_style=a["lr_wsd_decay_style"], **flags)
+
+
+def megatron_batches(iterations: int, gbs: int, rampup=None, restarts=()) -> list[int]:
+    """The global batch of each iteration: megatron-core's calculator for ``--rampup-batch-size`` (0.16's
+    RampupBatchsizeNumMicroBatchesCalculator, as Megatron-LM updates it from the consumed samples before each
+    iteration), then ``restarts``: ``(iterations done, new --global-batch-size)`` of a restarted run."""
+    from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
+
+    calc = None if rampup is None else RampupBatchsizeNumMicroBatchesCalculator(gbs, 1, 1, False, 0, *rampup)
+    out, consumed = [], 0
+    for i in range(iterations):
+        batch = gbs
+        if calc is not None:
+            calc.update(consumed, consistency_check=False)
+            batch = calc.get_current_global_batch_size()
+        batch = next((b for done, b in reversed(restarts) if i >= done), batch)
+        out.append(batch)
+        consumed += batch
+    return out
+
+
+def our_plan(sets: list[str]) -> tuple[LRSchedule, "BatchSchedule"]:
+    from llmjp_ds.batch_schedule import BatchSchedule
+    from llmjp_ds.config import load_config
+
+    cfg = load_config(None, ["optim.schedule=megatron", "optim.lr=3e-4", "optim.min_lr_ratio=0.1", *sets])
+    return run_schedule(cfg), BatchSchedule.of(cfg.train)
+
+
+def plan_trail(schedule: LRSchedule, batches, first: int, last: int) -> list[float]:
+    """Our LR of step indices ``first .. last - 1``, as the trainer asks for it."""
+    return [schedule.lr(i, batches.consumed_at(i)) for i in range(first, last)]
+
+
+def _stepped(opt, sched, batches: list[int]) -> list[float]:
+    """The LR of each iteration, the scheduler stepped by its batch after each (Megatron-LM's train_step)."""
+    out = []
+    for batch in batches:
+        out.append(opt.param_groups[0]["lr"])
+        sched.step(increment=batch)
+    return out
+
+
+# LLM-jp's phase 2 scaled down: a batch of 8 (512), then 32 (2048) from step 31 (after 30 iterations)
+PHASE2 = ["train.steps=100", "train.global_batch_size=8", "optim.warmup_steps=10", "optim.decay_style=WSD",
+          "optim.wsd_decay_style=linear", "optim.wsd_decay_steps=1",
+          "train.batch_changes=[{start_step: 31, global_batch_size: 32}]"]
+PHASE2_SAMPLES = 30 * 8 + 70 * 32  # Megatron-LM's --train-samples for the same plan
+
+
+def test_phase_2_in_one_config_is_megatrons_two_runs():
+    """The 512 -> 2048 plan as one config, and as Megatron-LM's two runs with its sample-based arguments (the second
+    restarted after 30 iterations with another --global-batch-size, its scheduler loaded from the first's
+    checkpoint as it is: the arguments did not change): the same LR at every step, at the peak through the last."""
+    ours, batches = our_plan(PHASE2)
+    args = {"lr": 3e-4, "min_lr": 3e-5, "train_samples": PHASE2_SAMPLES, "lr_warmup_samples": 80,
+            "lr_wsd_decay_samples": 32}
+    megatron = megatron_batches(100, 8, restarts=[(30, 32)])
+    assert [batches.batch(i, batches.consumed_at(i)) for i in range(100)] == megatron
+    opt, first = sample_scheduler(args)
+    theirs = _stepped(opt, first, megatron[:30])
+    saved = first.state_dict()
+    opt, second = sample_scheduler(args)  # the restart: --global-batch-size 2048, the samples unchanged
+    second.load_state_dict(saved)
+    theirs += _stepped(opt, second, megatron[30:])
+    assert same(plan_trail(ours, batches, 0, 100), theirs)
+    assert theirs[10:] == pytest.approx([3e-4] * 90, rel=1e-15)  # the stable run at its peak to its last step
+    assert ours.lr(100, batches.consumed_at(100)) == pytest.approx(3e-5)  # its decay ends with the run
+
+
+@pytest.mark.parametrize("sets, rampup, restarts", [
+    (["train.batch_rampup=[2, 2, 40]"], (2, 2, 40), []),  # a ramp: the decay over the samples it reads
+    (["train.batch_rampup=[2, 2, 40]", "train.batch_changes=[{start_step: 41, global_batch_size: 16}]"],
+     (2, 2, 40), [(40, 16)]),  # a ramp, then a change
+    (["train.batch_changes=[{start_step: 61, global_batch_size: 4}]"], None, [(60, 4)]),  # a smaller batch
+], ids=["ramp", "ramp-then-change", "change-down"])
+@pytest.mark.parametrize("style", ["cosine", "WSD"])
+def test_ramps_and_changes_are_megatron_cores_in_samples(sets, rampup, restarts, style):
+    """Every combination against megatron-core's scheduler and calculator: the warm-up ends, the WSD decay begins
+    and the decay ends at the config's steps, in the samples the batches read up to them (a cosine decay to the
+    run's end; WSD over its last 20 steps)."""
+    wsd = ["optim.decay_style=WSD", "optim.wsd_decay_style=minus_sqrt", "optim.wsd_decay_steps=20"]
+    ours, batches = our_plan(["train.steps=100", "train.global_batch_size=8", "optim.warmup_steps=10", *sets,
+                              *(wsd if style == "WSD" else ["optim.decay_style=cosine"])])
+    megatron = megatron_batches(100, 8, rampup, restarts)
+    total = sum(megatron)
+    args = {"lr": 3e-4, "min_lr": 3e-5, "train_samples": total, "lr_warmup_samples": sum(megatron[:10]),
+            "lr_decay_style": style, "lr_wsd_decay_style": "minus_sqrt", "lr_wsd_decay_samples": sum(megatron[80:])}
+    theirs = _stepped(*sample_scheduler(args), megatron + [8] * 3)  # and past the end
+    assert [batches.batch(i, batches.consumed_at(i)) for i in range(100)] == megatron
+    assert same(plan_trail(ours, batches, 0, 103), theirs)
+    if style == "WSD":
+        assert theirs[80] == pytest.approx(3e-4, rel=1e-15) and theirs[81] < theirs[80]  # stable to step 81
+    assert theirs[100] == pytest.approx(3e-5)  # the minimum right after the last step
+
+
+@pytest.mark.parametrize("new_batch", [None, 16], ids=["same-batch", "new-batch"])
+def test_a_branch_after_a_change_decays_over_its_own_steps(new_batch):
+    """A decay branch from step 60 of the phase-2 run (after its change to 32), 80 steps in all, minus_sqrt to LR 0
+    over its last 20, against Megatron-LM restarted from the stable run's scheduler with
+    --override-opt_param-scheduler and the branch's sample-based arguments; ``new_batch``: the branch also changes
+    the global batch (llmjp-ds branch --set train.global_batch_size), counting its steps in it."""
+    from llmjp_ds.batch_schedule import BatchSchedule
+    from llmjp_ds.checkpoint.branch import branch_config
+    from llmjp_ds.config import build_config, load_config
+
+    stable = load_config(None, ["optim.schedule=megatron", "optim.lr=3e-4", "optim.min_lr_ratio=0.1", *PHASE2])
+    stable_schedule, stable_batches = run_schedule(stable), BatchSchedule.of(stable.train)
+    saved = stable_schedule.state_dict(stable_batches.consumed_at(60))
+    overrides = {"train": {"steps": 80}, "optim": {"wsd_decay_style": "minus_sqrt", "wsd_decay_steps": 20,
+                                                   "min_lr_ratio": 0.0}}
+    if new_batch:
+        overrides["train"]["global_batch_size"] = new_batch
+    branched = build_config(branch_config(stable.to_dict(), 60, overrides))
+    ours = resumed(run_schedule(branched), saved, branched.optim.resume_schedule)
+    batches = BatchSchedule.of(branched.train)
+
+    after = new_batch or 32
+    megatron = megatron_batches(80, 8, restarts=[(30, 32), (60, after)])
+    total = sum(megatron)
+    opt, sched = sample_scheduler({"lr": 3e-4, "min_lr": 0.0, "train_samples": total, "lr_warmup_samples": 80,
+                                   "lr_wsd_decay_style": "minus_sqrt", "lr_wsd_decay_samples": 20 * after},
+                                  override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sched.load_state_dict(dict(saved))
+    theirs = _stepped(opt, sched, megatron[60:] + [after])
+    assert same(plan_trail(ours, batches, 60, 81), theirs)
+    assert theirs[0] == pytest.approx(3e-4, rel=1e-15) and theirs[-1] == 0.0  # the decay ends with the branch
+    assert [batches.batch(i, batches.consumed_at(i)) for i in range(80)] == megatron
+    if new_batch:
+        return
+    # Megatron-LM's iteration-based arguments (--train-iters 80 --lr-wsd-decay-iters 20) restarted with
+    # --global-batch-size 32 count all 80 iterations in batches of 32 while the first 30 read 8: its schedule lags
+    # by 30 x 24 samples, and this branch's last step would still be at the peak (docs/llmjp4-recipe.md)
+    opt, sched = megatron_lm_scheduler({**STABLE, "train_iters": 80, "global_batch_size": after, "min_lr_ratio": 0.0,
+                                        "lr_warmup_iters": 10, "lr_wsd_decay_iters": 20,
+                                        "lr_wsd_decay_style": "minus_sqrt"},
+                                       override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sched.load_state_dict(dict(saved))
+    assert _stepped(opt, sched, megatron[60:])[-1] == pytest.approx(3e-4, rel=1e-15)
+
+
 # --- the llmjp convention: in steps, its warmup one step ahead ------------------------------------------------
 
 def test_llmjp_cosine_is_the_recorded_formula_bit_for_bit():
@@ -340,7 +500,7 @@ def test_llmjp_cosine_is_the_recorded_formula_bit_for_bit():
     for warmup, decay, gbs in [(20, 200, 8), (0, 50, 3), (2000, 5000, 1024)]:
         cfg = load_config(None, [f"optim.warmup_steps={warmup}", "optim.lr=3e-3", f"train.steps={decay}",
                                  f"train.global_batch_size={gbs}"], "demo")
-        schedule = lr_schedule(cfg.optim, cfg.train.steps, gbs)
+        schedule = run_schedule(cfg)
         for step in range(decay + 3):
             want = recorded(step, 3e-3, warmup, decay, 0.1)
             assert schedule.lr(step, step * gbs) == want
@@ -354,7 +514,7 @@ def test_llmjp_wsd_and_weight_decay_in_steps():
                              "optim.decay_style=WSD", "optim.wsd_decay_steps=4", "optim.wsd_decay_style=minus_sqrt",
                              "optim.warmup_init_lr=0.2", "train.global_batch_size=8", "optim.weight_decay=0.0",
                              "optim.end_weight_decay=0.2", "optim.weight_decay_incr_style=linear"])
-    schedule = lr_schedule(cfg.optim, 20, 8)
+    schedule = run_schedule(cfg)
     lrs = [schedule.lr(s, s * 8) for s in range(22)]
     assert lrs[:4] == [0.2 + 0.8 * (s + 1) / 4 for s in range(4)] and lrs[3] == 1.0
     assert lrs[4:17] == [1.0] * 13
@@ -447,7 +607,7 @@ def test_import_megatron_continues_its_schedule(args):
     settings = optim_settings(ckpt, args["train_iters"])
     cfg = load_config(None, [f"optim.{k}={'null' if v is None else v}" for k, v in settings.items()] +
                       [f"train.steps={args['train_iters']}", f"train.global_batch_size={gbs}"])
-    schedule = lr_schedule(cfg.optim, cfg.train.steps, gbs)
+    schedule = run_schedule(cfg)
     assert resumed(schedule, sched.state_dict(), "check") == schedule
     assert same(our_trail(schedule, 1010 - at, gbs, at, at * gbs)[0], megatron_trail(opt, sched, 1010 - at, gbs)[0])
     if args.get("weight_decay_incr_style", "constant") != "constant":  # its increment ends at --train-iters

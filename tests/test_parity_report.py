@@ -270,9 +270,9 @@ def ours_lrs(cfg, first: int, saved: dict | None = None) -> list[float]:
     """Our LR of steps ``first`` .. the end: the config's schedule (reconciled with a checkpoint's ``saved``
     schedule under ``optim.resume_schedule``, as a resume does)."""
     from llmjp_ds.batch_schedule import BatchSchedule
-    from llmjp_ds.lr_schedule import lr_schedule, resumed
+    from llmjp_ds.lr_schedule import resumed, run_schedule
 
-    sched = lr_schedule(cfg.optim, cfg.train.steps, cfg.train.global_batch_size)
+    sched = run_schedule(cfg)
     if saved is not None:
         sched = resumed(sched, saved, cfg.optim.resume_schedule)
     batches = BatchSchedule.of(cfg.train)
@@ -336,7 +336,8 @@ def recipe_disagreements(commands: dict[str, list[str]], monkeypatch) -> list[st
     try:
         megatron_import.check_config(ckpt, imported_cfg, model_config)
         data = imported_cfg.to_dict()  # as import_megatron writes config.yaml
-        data["optim"].update(megatron_import.optim_settings(ckpt, imported_cfg.train.steps))
+        data["optim"].update(megatron_import.optim_settings(ckpt, imported_cfg.train.steps,
+                                                            BatchSchedule.of(imported_cfg.train)))
         imported = build_config(data)
         ours_lrs(imported, branch_step, saved)  # a resume of the imported run checks its schedule against W-A1's
     except UserError as exc:
@@ -355,7 +356,7 @@ def recipe_disagreements(commands: dict[str, list[str]], monkeypatch) -> list[st
         out.append(f"the branch's past: {exc}")
     phases = [(p.start_step, p.blend, p.count) for p in branched.data.phases]
     other = [x for w, p in zip(d1.data_path[::2], d1.data_path[1::2]) for x in (float(w), p)]
-    if phases != [(branch_step, other, "run")] or d2.data_path != d1.data_path:
+    if phases != [(branch_step + 1, other, "run")] or d2.data_path != d1.data_path:  # the step after the branch's
         out.append("the branch's blend against D1's --data-path")
     sched, group = megatron_scheduler(d1)
     sched.load_state_dict(saved)  # --override-opt_param-scheduler: its own values, the stored count
@@ -393,13 +394,13 @@ def test_the_recipe_runs_say_the_same_to_both_stacks(monkeypatch):
 
 
 @pytest.mark.parametrize("command, change, names", [
-    ("ours-wsd", "optim.decay_steps=140", "the stable run's LR"),  # left at train.steps: 140 samples
-    ("ours-wsd", "train.batch_changes=[{start_step: 0, global_batch_size: 1}, {start_step: 16, global_batch_size: 2},"
-                 " {start_step: 31, global_batch_size: 4}]", "the batch of each step"),
+    ("ours-wsd", "optim.decay_steps=139", "the stable run's LR"),  # the decay one step early
+    ("ours-wsd", "train.batch_changes=[{start_step: 1, global_batch_size: 1}, {start_step: 17, global_batch_size: 2},"
+                 " {start_step: 32, global_batch_size: 4}]", "the batch of each step"),
     ("ours-wsd", "train.steps=139", "train.steps against update_train_iters"),
-    ("import-w", "train.batch_changes=[{start_step: 0, global_batch_size: 1}, {start_step: 15, global_batch_size: 2}]",
+    ("import-w", "train.batch_changes=[{start_step: 1, global_batch_size: 1}, {start_step: 16, global_batch_size: 2}]",
      "the import of W-A1's checkpoint"),
-    ("branch", "optim.wsd_decay_steps=396", "the decay's LR"),
+    ("branch", "optim.wsd_decay_steps=99", "the decay's LR"),
     ("branch", "data.blend=[0.2, /w/corpus/python-1_text_document, 0.8, /w/corpus/python-3_text_document]",
      "the branch's blend against D1's --data-path"),
 ])

@@ -38,7 +38,7 @@ def max_rel(recs: dict, ref: dict, steps: list) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("flip", type=int)
+    p.add_argument("flip", type=int, help="the first FP8 step")
     p.add_argument("reference")
     p.add_argument("runs", nargs="*", metavar="RUN:GPUS")
     p.add_argument("--tolerance", type=float, default=1e-2)
@@ -50,11 +50,11 @@ def main() -> int:
         return 1
     ok = True
     last = max(ref)
-    bf16_steps, fp8_steps = list(range(1, flip + 1)), list(range(flip + 1, last + 1))
+    bf16_steps, fp8_steps = list(range(1, flip)), list(range(flip, last + 1))
     timed_bf16, timed_fp8 = bf16_steps[1:], fp8_steps[1:]
     ref_tok = (phase_stats(ref, timed_bf16)[0], phase_stats(ref, timed_fp8)[0])
-    print(f"| run | GPUs | max rel loss diff vs {Path(ref_dir).name}, BF16 steps 1-{flip} | same, FP8 steps "
-          f"{flip + 1}-{last} | BF16 tokens/s | BF16 TFLOP/s per GPU | BF16 scaling | FP8 tokens/s | "
+    print(f"| run | GPUs | max rel loss diff vs {Path(ref_dir).name}, BF16 steps 1-{flip - 1} | same, FP8 steps "
+          f"{flip}-{last} | BF16 tokens/s | BF16 TFLOP/s per GPU | BF16 scaling | FP8 tokens/s | "
           "FP8 TFLOP/s per GPU | FP8 scaling | FP8/BF16 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for spec in [f"{ref_dir}:1", *runs]:

@@ -73,14 +73,24 @@ class Recipe:
 
         return changes_at_thresholds(megatron_step_schedule(self.batch_schedule, seq_len))
 
+    def batches(self, seq_len: int):
+        """The batch schedule of the step schedule (its changes at step indices from 0)."""
+        from llmjp_ds.batch_schedule import BatchSchedule, step_index
+
+        return BatchSchedule(1, None, tuple((step_index(s), b) for s, b in self.batch_changes(seq_len)))
+
     def consumed(self, step: int, seq_len: int) -> int:
         """The samples steps ``1 .. step`` read."""
-        from llmjp_ds.batch_schedule import BatchSchedule
-
-        return BatchSchedule(1, None, self.batch_changes(seq_len)).consumed_at(step)
+        return self.batches(seq_len).consumed_at(step)
 
     def train_samples(self, seq_len: int) -> int:
         return self.consumed(self.steps, seq_len)
+
+    def warmup_steps(self, seq_len: int) -> int:
+        """The steps whose samples make the warm-up's (``optim.warmup_steps``: the config counts steps)."""
+        steps = self.batches(seq_len).step_at(self.warmup_samples)
+        assert self.consumed(steps, seq_len) == self.warmup_samples, "the warm-up ends inside a step"
+        return steps
 
     def stable_wsd_samples(self, seq_len: int) -> int:
         """The stable run's WSD decay: its last step's samples (LLM-jp's ``--lr-wsd-decay-iters 1``), so its LR
@@ -174,9 +184,10 @@ def _blend_value(blend: list[tuple[float, str]]) -> str:
 
 def ours_sets(setup: Setup, blend: list[tuple[float, str]], tokenizer: str, cache: str, init_hf: str | None,
               fp8_from: int | None = None, recipe: Recipe | None = None) -> list[str]:
-    """``llmjp-ds train --preset llmjp3-1.8b`` overrides for the same setup; ``fp8_from``: the FP8 phase's first
-    step (delayed scaling, hybrid, LLM-jp's amax settings, no calibration: Megatron's restart has none either);
-    ``recipe``: its stable run, counted in samples as Megatron's (steps of one sample count the LR schedule)."""
+    """``llmjp-ds train --preset llmjp3-1.8b`` overrides for the same setup; ``fp8_from``: the step whose
+    checkpoint the FP8 phase starts from, as Megatron's restart (delayed scaling, hybrid, LLM-jp's amax settings, no
+    calibration: the restart has none either); ``recipe``: its stable run, whose step counts the LR schedule turns
+    into the samples its batches read, as Megatron's sample-based arguments give them."""
     s = setup
     sets = {"data.blend": _blend_value(blend), "data.tokenizer": tokenizer,
             "data.order": "megatron", "data.split": "[" + s.split + "]", "data.seed": s.seed,
@@ -188,19 +199,17 @@ def ours_sets(setup: Setup, blend: list[tuple[float, str]], tokenizer: str, cach
             "checkpoint.interval": 0, "checkpoint.save_at_end": "false", "checkpoint.async_save": "false",
             "logging.wandb": "disabled"}
     if recipe is not None:
-        samples = recipe.train_samples(s.seq_len)
         changes = ", ".join(f"{{start_step: {step}, global_batch_size: {batch}}}"
                             for step, batch in recipe.batch_changes(s.seq_len))
         sets.update({"train.steps": recipe.steps, "train.global_batch_size": 1, "train.batch_changes": f"[{changes}]",
-                     "optim.warmup_steps": recipe.warmup_samples, "optim.decay_steps": samples,
+                     "optim.warmup_steps": recipe.warmup_steps(s.seq_len), "optim.decay_steps": recipe.steps,
                      "optim.min_lr_ratio": 0, "optim.decay_style": "WSD",
-                     "optim.wsd_decay_style": recipe.wsd_decay_style,
-                     "optim.wsd_decay_steps": recipe.stable_wsd_samples(s.seq_len)})
+                     "optim.wsd_decay_style": recipe.wsd_decay_style, "optim.wsd_decay_steps": 1})
     if init_hf:
         sets["model.init_from_hf"] = init_hf
     if fp8_from is not None:
         sets["precision.phases"] = (
-            f"[{{precision: bf16}}, {{precision: fp8, start_step: {fp8_from}, recipe: delayed, fp8_format: hybrid, "
+            f"[{{precision: bf16}}, {{precision: fp8, start_step: {fp8_from + 1}, recipe: delayed, fp8_format: hybrid, "
             "amax_history_len: 1, amax_compute_algo: most_recent, calibration_steps: 0}]")
     return [x for key, value in sets.items() for x in ("--set", f"{key}={value}")]
 
@@ -210,5 +219,5 @@ def branch_sets(setup: Setup, recipe: Recipe, blend: list[tuple[float, str]]) ->
     over the rest of the run, to an LR of 0, and the other blend (a data phase from the branch's step). The branch
     follows its own schedule from its first step (``optim.resume_schedule: override``, the branch's default)."""
     sets = {"optim.min_lr_ratio": 0, "optim.wsd_decay_style": recipe.decay_style,
-            "optim.wsd_decay_steps": recipe.decay_samples(setup.seq_len), "data.blend": _blend_value(blend)}
+            "optim.wsd_decay_steps": recipe.steps - recipe.branch, "data.blend": _blend_value(blend)}
     return [x for key, value in sets.items() for x in ("--set", f"{key}={value}")]

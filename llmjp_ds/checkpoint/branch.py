@@ -63,13 +63,13 @@ def branch_config(source: dict, step: int, overrides: dict) -> dict:
     new_blend, old_blend = data["data"]["blend"], source["data"]["blend"]
     if [str(x) for x in new_blend] != [str(x) for x in old_blend]:
         data["data"]["blend"] = old_blend
-        kept = [p for p in data["data"].get("phases", []) if p["start_step"] < step]
-        data["data"]["phases"] = kept + [{"start_step": step, "blend": new_blend, "count": "run"}]
+        kept = [p for p in data["data"].get("phases", []) if p["start_step"] <= step]
+        data["data"]["phases"] = kept + [{"start_step": step + 1, "blend": new_blend, "count": "run"}]
     new_batch, old_batch = data["train"]["global_batch_size"], source["train"]["global_batch_size"]
     if new_batch != old_batch:
         data["train"]["global_batch_size"] = old_batch
-        kept = [c for c in data["train"].get("batch_changes", []) if c["start_step"] < step]
-        data["train"]["batch_changes"] = kept + [{"start_step": step, "global_batch_size": new_batch}]
+        kept = [c for c in data["train"].get("batch_changes", []) if c["start_step"] <= step]
+        data["train"]["batch_changes"] = kept + [{"start_step": step + 1, "global_batch_size": new_batch}]
     if "resume_schedule" not in overrides.get("optim", {}):
         data["optim"]["resume_schedule"] = "override"
     return data

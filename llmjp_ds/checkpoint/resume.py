@@ -17,7 +17,7 @@ from llmjp_ds.checkpoint.store import (LATEST, MARKER, SHAPE_KEYS, CheckpointMet
 from llmjp_ds.config import blend_history, build_config
 from llmjp_ds.errors import UserError, fail
 from llmjp_ds.io_utils import atomic_file
-from llmjp_ds.lr_schedule import lr_schedule, resumed
+from llmjp_ds.lr_schedule import resumed, run_schedule
 
 DAMAGED = ".damaged"
 
@@ -70,7 +70,7 @@ def check_resume(run_dir, model_config: dict, cfg=None, layout=None) -> str | No
 def resumed_schedule(marker: CheckpointMeta, cfg):
     """The LR schedule a resume from ``marker``'s checkpoint continues with: the config's, reconciled with the one
     the checkpoint stored under ``optim.resume_schedule`` (a disagreement under ``check`` fails in one line)."""
-    configured = lr_schedule(cfg.optim, cfg.train.steps, cfg.train.global_batch_size)
+    configured = run_schedule(cfg)
     return resumed(configured, marker.lr_schedule if marker is not None else None, cfg.optim.resume_schedule)
 
 
@@ -92,13 +92,13 @@ def check_same_past(marker: CheckpointMeta, cfg, where: str, fix: str) -> None:
                        if i >= len(before) or i >= len(now) or before[i] != now[i])
         at = (now if changed < len(now) else before)[changed][0]
         fail(f"the config changes the blend of step {at}, which {where} already trained: give a new blend from "
-             f"step {step} on (data.phases with start_step >= {step}), or {fix}")
+             f"step {step + 1} on (data.phases with start_step > {step}), or {fix}")
     ours, theirs = BatchSchedule.of(cfg.train), BatchSchedule.of(then.train)
     if ours.pieces(step) != theirs.pieces(step):
         at = next(s for (s, b), other in zip(ours.pieces(step) + [(step, 0)], theirs.pieces(step) + [(step, 0)])
-                  if (s, b) != other)
+                  if (s, b) != other) + 1  # the step as the records number it
         fail(f"the config changes the global batch of step {at}, which {where} already trained with another: change "
-             f"it from step {step} on (train.batch_changes with start_step >= {step}), or {fix}")
+             f"it from step {step + 1} on (train.batch_changes with start_step > {step}), or {fix}")
     if marker.consumed_samples is not None and ours.consumed_at(step) != marker.consumed_samples:
         fail(f"{where} consumed {marker.consumed_samples} samples, but the config's batches give "
              f"{ours.consumed_at(step)} for its {step} steps: resume with the batch settings that trained it, or {fix}")

@@ -142,7 +142,7 @@ class CheckpointMeta:
     # the LR schedule at this checkpoint (megatron-core's opt_param_scheduler state_dict; lr_schedule.LRSchedule):
     # a resume reconciles the config's with it under optim.resume_schedule before anything else runs
     lr_schedule: dict | None = None
-    # the steps the run skipped before this checkpoint ([first, end) each: train.skip_steps and its rollbacks'):
+    # the steps the run skipped before this checkpoint ([first, last] each: train.skip_steps and its rollbacks'):
     # `llmjp-ds samples --run` leaves their samples out, a branch keeps them skipped
     skip_steps: list | None = None
 
@@ -180,7 +180,7 @@ class CheckpointMeta:
             raise ValueError(f"consumed_samples must be a non-negative integer, got {meta.consumed_samples!r}")
         if meta.skip_steps is not None and not (isinstance(meta.skip_steps, list) and all(
                 isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r) for r in meta.skip_steps)):
-            raise ValueError("skip_steps must be a list of [first, end] step ranges")
+            raise ValueError("skip_steps must be a list of [first, last] step ranges")
         for name in ("run_config", "lr_schedule"):
             if getattr(meta, name) is not None and not isinstance(getattr(meta, name), dict):
                 raise ValueError(f"{name} must be an object, got {type(getattr(meta, name)).__name__}")

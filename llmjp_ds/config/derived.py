@@ -40,10 +40,11 @@ def megatron_sample_counts(cfg: RunConfig) -> tuple[int, int, int]:
 
 
 def blend_history(cfg: RunConfig, until_step: int) -> list[list]:
-    """``[start_step, blend, count]`` of each data phase that governs a step before ``until_step`` (data.blend's
-    as step 0's): two configs with the same history gave those steps the same samples' blends."""
-    phases = [[0, [str(x) for x in cfg.data.blend], "run"]]
-    phases += [[p.start_step, [str(x) for x in p.blend], p.count] for p in cfg.data.phases if p.start_step < until_step]
+    """``[start_step, blend, count]`` of each data phase that governs one of the first ``until_step`` steps
+    (data.blend's as step 1's): two configs with the same history gave those steps the same samples' blends."""
+    phases = [[1, [str(x) for x in cfg.data.blend], "run"]]
+    phases += [[p.start_step, [str(x) for x in p.blend], p.count] for p in cfg.data.phases
+               if p.start_step <= until_step]
     return phases
 
 

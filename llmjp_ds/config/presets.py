@@ -44,9 +44,9 @@ def _preset_172b() -> RunConfig:
     # the fastest layout that fits 80 GB (docs/172b-layout.md)
     cfg.parallel = ParallelConfig(zero_stage=1, pipeline_stages=16, tensor_parallel=4)
     cfg.model.recompute = "selective"
-    # LLM-jp exp1: BF16, then FP8 hybrid delayed scaling from iteration 7000
+    # LLM-jp exp1: BF16, then FP8 hybrid delayed scaling from its iteration-7000 checkpoint on (step 7001 the first)
     cfg.precision.phases = [PhaseConfig(precision="bf16"),
-                            PhaseConfig(precision="fp8", start_step=7000, recipe="delayed", fp8_format="hybrid",
+                            PhaseConfig(precision="fp8", start_step=7001, recipe="delayed", fp8_format="hybrid",
                                         amax_history_len=1, amax_compute_algo="most_recent")]
     return cfg
 

@@ -80,7 +80,7 @@ class DataPhase:
     consumed-sample count, sized to the whole run (Megatron-LM restarted with another --data-path); ``phase``: from
     the new blend's first sample, sized to the phase (Megatron-LM's --phase-transition-iterations)."""
 
-    start_step: int = field(default=1, metadata=at_least(1, "the first step of the phase; step 0 is data.blend's"))
+    start_step: int = field(default=2, metadata=at_least(2, "the first step of the phase; step 1 is data.blend's"))
     blend: list[Real | str] = field(default_factory=list, metadata=at_least(0, "a corpus weight"))
     count: str = field(default="run", metadata=one_of(*PHASE_COUNTS, why="where the new blend's samples start"))
 
@@ -162,9 +162,10 @@ OPTIM_CHOICES = {"schedule": LR_SCHEDULES, "decay_style": DECAY_STYLES, "wsd_dec
 
 @section
 class BatchChange:
-    """From ``start_step`` on, the global batch is ``global_batch_size`` (a step 0 change sets the first batch)."""
+    """From step ``start_step`` on, the global batch is ``global_batch_size`` (a change at step 1 sets the first
+    batch)."""
 
-    start_step: int = field(default=0, metadata=at_least(0))
+    start_step: int = field(default=1, metadata=at_least(1, "a step number; the first step is 1"))
     global_batch_size: int = field(default=1, metadata=at_least(1, says="positive"))
 
 
@@ -181,9 +182,9 @@ class TrainConfig:
     # with another --global-batch-size, or Megatron-Core 0.19's --step-batch-size-schedule
     batch_changes: list[BatchChange] = field(default_factory=list)
     micro_batch_size: int = field(default=1, metadata=at_least(1, says="positive"))
-    # ranges [first, end) of step indices whose samples are read and not trained on, the LR schedule not advancing
-    # over them: Megatron-LM's --iterations-to-skip (its iteration N is step N - 1); a rollback adds its own
-    skip_steps: list[list[int]] = field(default_factory=list, metadata=at_least(0, "a step index"))
+    # ranges [first, last] of steps whose samples are read and not trained on, the LR schedule not advancing over
+    # them: Megatron-LM's --iterations-to-skip N is [N, N]; a rollback adds its own
+    skip_steps: list[list[int]] = field(default_factory=list, metadata=at_least(1, "a step number; the first is 1"))
     seed: int = field(default=42, metadata=SEED)
     eval_interval: int = field(default=0, metadata=at_least(0, "0 = no validation"))
     eval_batches: int = field(default=4, metadata=at_least(0))
@@ -220,7 +221,7 @@ class PhaseConfig:
     """One precision phase, starting at ``start_step`` (or at ``start_tokens`` consumed, whichever is given)."""
 
     precision: str = "bf16"  # bf16 | fp8
-    start_step: int = field(default=0, metadata=at_least(0))
+    start_step: int = field(default=1, metadata=at_least(1, "a step number; the first step is 1"))
     start_tokens: int | None = field(default=None, metadata=at_least(0))
     recipe: str = "delayed"  # delayed | current | block | auto (chosen at the flip by measured penalty)
     candidates: list[str] = field(default_factory=lambda: ["delayed", "current", "block"])  # for recipe: auto

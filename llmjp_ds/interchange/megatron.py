@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from llmjp_ds.batch_schedule import changes_at_thresholds, megatron_step_schedule
+from llmjp_ds.batch_schedule import BatchSchedule, changes_at_thresholds, megatron_step_schedule
 from llmjp_ds.checkpoint.client_state import ClientState
 from llmjp_ds.checkpoint.manifest import digest, save_hashed
 from llmjp_ds.checkpoint.readers import CLIENT_STATE
@@ -109,12 +109,15 @@ def consumed_samples(ckpt: MegatronCheckpoint) -> int:
     return int(ckpt.arg("consumed_train_samples") or ckpt.iteration * int(ckpt.arg("global_batch_size")))
 
 
-def optim_settings(ckpt: MegatronCheckpoint, train_steps: int | None = None) -> dict:
-    """The ``optim`` section that continues Megatron's schedule and AdamW: its counts in samples as steps, its
-    decay style (WSD with the length and style of its decay from the run's arguments, which the scheduler does not
-    store), the warmup's first LR and the weight decay's increment (over ``train_steps``, the run's
-    ``train.steps``, as Megatron's over ``--train-iters``)."""
+def optim_settings(ckpt: MegatronCheckpoint, train_steps: int | None = None,
+                   batches: BatchSchedule | None = None) -> dict:
+    """The ``optim`` section that continues Megatron's schedule and AdamW: its counts in samples as the steps of
+    ``batches`` (the run's batch schedule; default Megatron's constant global batch) that read them, its decay
+    style (WSD with the length and style of its decay from the run's arguments, which the scheduler does not store),
+    the warmup's first LR and the weight decay's increment (over ``train_steps``, the run's ``train.steps``, as
+    Megatron's over ``--train-iters``)."""
     sched, gbs = ckpt.scheduler, int(ckpt.arg("global_batch_size"))
+    batches = batches or BatchSchedule(gbs)
     where = f"{ckpt.directory}'s opt_param_scheduler"
     if not sched:
         fail(f"{ckpt.directory} holds no opt_param_scheduler: the LR schedule cannot be continued")
@@ -136,20 +139,24 @@ def optim_settings(ckpt: MegatronCheckpoint, train_steps: int | None = None) -> 
              f"{', '.join(WEIGHT_DECAY_INCR_STYLES)}: the checkpoint is not Megatron-LM's")
     if wd_style != "constant":
         counts["wd_incr_steps"] = int(sched["wd_incr_steps"])
+    steps = {}
     for key, value in counts.items():
-        if value % gbs:
-            fail(f"{where} has {key}={value} samples, not a whole number of steps of the global batch {gbs}: "
-                 "llmjp-ds schedules in steps")
+        if key == "wsd_decay_steps":  # a length at the decay's end: below, from where it starts
+            continue
+        steps[key] = batches.step_at(value)
+        if batches.consumed_at(steps[key]) != value:
+            fail(f"{where} has {key}={value} samples, which end inside step {steps[key]} of the run's batches "
+                 "(train.global_batch_size, batch_rampup, batch_changes): llmjp-ds counts its schedule in steps")
     if counts["num_steps"] != consumed_samples(ckpt):
         fail(f"{where} is at {counts['num_steps']} samples, but the run consumed {consumed_samples(ckpt)}: the "
              "schedule was overridden; it cannot be continued step for step")
-    if wd_style != "constant" and train_steps is not None and counts["wd_incr_steps"] != train_steps * gbs:
-        fail(f"{where} raises the weight decay over {counts['wd_incr_steps'] // gbs} iterations (Megatron's "
+    if wd_style != "constant" and train_steps is not None and steps["wd_incr_steps"] != train_steps:
+        fail(f"{where} raises the weight decay over {steps['wd_incr_steps']} iterations (Megatron's "
              f"--train-iters), the run config over train.steps={train_steps}: set train.steps="
-             f"{counts['wd_incr_steps'] // gbs}")
+             f"{steps['wd_incr_steps']}")
     max_lr, min_lr = float(sched["max_lr"]), float(sched["min_lr"])
     out = {"schedule": "megatron", "lr": max_lr, "min_lr_ratio": min_lr / max_lr,
-           "warmup_steps": counts["lr_warmup_steps"] // gbs, "decay_steps": counts["lr_decay_steps"] // gbs,
+           "warmup_steps": steps["lr_warmup_steps"], "decay_steps": steps["lr_decay_steps"],
            "decay_style": style, "warmup_init_lr": float(ckpt.arg("lr_warmup_init", 0.0) or 0.0),
            "beta1": float(ckpt.arg("adam_beta1", 0.9)), "beta2": float(ckpt.arg("adam_beta2", 0.999)),
            "eps": float(ckpt.arg("adam_eps", 1e-8)), "weight_decay": start_wd,
@@ -160,7 +167,12 @@ def optim_settings(ckpt: MegatronCheckpoint, train_steps: int | None = None) -> 
         if wsd_style not in WSD_DECAY_STYLES:
             fail(f"the Megatron run's lr_wsd_decay_style {wsd_style!r} is not one of megatron-core's "
                  f"{', '.join(WSD_DECAY_STYLES)}: the checkpoint is not Megatron-LM's")
-        out.update(wsd_decay_steps=counts["wsd_decay_steps"] // gbs, wsd_decay_style=wsd_style)
+        # the decay's first step: the one after the last that starts within its stable samples
+        stable_end = batches.step_at(counts["lr_decay_steps"] - counts["wsd_decay_steps"])
+        if batches.consumed_at(stable_end) != counts["lr_decay_steps"] - counts["wsd_decay_steps"]:
+            fail(f"{where}'s WSD decay starts inside step {stable_end} of the run's batches: llmjp-ds counts its "
+                 "schedule in steps")
+        out.update(wsd_decay_steps=steps["lr_decay_steps"] - stable_end, wsd_decay_style=wsd_style)
     return out
 
 
@@ -213,7 +225,7 @@ def import_megatron(load, run, iteration: int | None = None, config=None, preset
     model_config = model_config_of(cfg)
     ckpt = megatron_reader.read(load, iteration)
     check_config(ckpt, cfg, model_config)
-    optim = optim_settings(ckpt, cfg.train.steps)
+    optim = optim_settings(ckpt, cfg.train.steps, BatchSchedule.of(cfg.train))
     states = layout_free_states(ckpt, model_config)
     data = cfg.to_dict()
     data["optim"].update(optim)

@@ -83,8 +83,9 @@ class PrecisionController:
 
     # --- after a validation -----------------------------------------------------------------------------
     def validation(self, step: int) -> Iterator[None]:
-        """The validation after ``step`` steps (a generator of the losses it needs, returning ``valid_loss`` and
-        in an FP8 phase ``valid_loss_bf16`` and ``fp8_penalty``), and what FP8's penalty asks for."""
+        """The validation after step ``step`` (a generator of the losses it needs, returning ``valid_loss`` and
+        in an FP8 phase ``valid_loss_bf16`` and ``fp8_penalty``), and what FP8's penalty asks for from the next
+        step on."""
         s = self.schedule
         out = {"valid_loss": (yield)}
         if s.in_fp8():
@@ -99,16 +100,16 @@ class PrecisionController:
         """FP8's penalty too high for ``penalty_patience`` validations: warn, fall back along the chain, or BF16."""
         if "fp8_penalty" not in metrics or not self.penalty.observe(metrics["fp8_penalty"]):
             return
-        guard = self.cfg.guard
-        now = self.schedule.phase_at(step).label
+        guard, following = self.cfg.guard, step + 1
+        now = self.schedule.phase_at(following).label
         action = guard.penalty_action
         reason = (f"FP8 penalty {100 * metrics['fp8_penalty']:+.2f}% above max_penalty {100 * guard.max_penalty:.3g}%"
                   f" for {guard.penalty_patience} validation{'s' if guard.penalty_patience > 1 else ''} in a row")
         if action == "warn":
             self.event(step, "fp8_penalty", reason=reason, recipe=now)
         else:
-            target = "bf16" if action == "bf16" else self.schedule.next_fallback(step)
-            self.schedule.switch_recipe(step, target, reason)
+            target = "bf16" if action == "bf16" else self.schedule.next_fallback(following)
+            self.schedule.switch_recipe(following, target, reason)
             self.event(step, "precision_fallback", reason=reason, to=target, **{"from": now})
         self.say(f"[llmjp-ds] step {step}: {reason}" + ("" if action == "warn" else f"; from {now} to {target}"))
 
@@ -122,13 +123,13 @@ class PrecisionController:
         return ("non-finite loss" if not math.isfinite(lm_loss) else "loss spike"), first_bad
 
     def rolled_back(self, failed_step: int, good_step: int, good_tag: str, reason: str, client: dict) -> None:
-        """The weights of checkpoint ``good_tag`` (its trainer state ``client``) are loaded: the guard resumes
-        from them, and from ``good_step`` on every FP8 phase runs in BF16."""
+        """The weights of checkpoint ``good_tag`` (after step ``good_step``; its trainer state ``client``) are
+        loaded: the guard resumes from them, and from the step after it on every FP8 phase runs in BF16."""
         s = self.schedule
         rollbacks = s.rollbacks + 1
         s.weights_changed()
         self.guard.load_state_dict(client.get("guard", {}))
-        s.fallback_from_step, s.rollbacks = good_step, rollbacks
+        s.fallback_from_step, s.rollbacks = good_step + 1, rollbacks
         self.event(failed_step, "rollback", reason=reason, to_step=good_step, tag=good_tag, fallback="bf16")
         self.say(f"[llmjp-ds] FP8 divergence at step {failed_step} ({reason}): rolled back to {good_tag}, "
                  "continuing in BF16")

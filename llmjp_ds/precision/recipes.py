@@ -22,8 +22,9 @@ PENALTY_ACTIONS = ("warn", "fallback", "bf16")
 
 def validate_phases(cfg, num_layers: int) -> None:
     phases = cfg.phases
-    if phases[0].start_step != 0 or phases[0].start_tokens not in (None, 0):
-        fail("precision.phases[0] must start at step 0 (it is the precision the run begins in)")
+    if phases[0].start_step != 1 or phases[0].start_tokens not in (None, 0):
+        fail("precision.phases[0] must start at step 1 (it is the precision the run begins in; steps are numbered "
+             "from 1, as the progress line shows them)")
     previous = -1
     for i, ph in enumerate(phases):
         where = f"precision.phases[{i}]"

@@ -48,15 +48,16 @@ def fp8_hardware_available() -> bool:
 
 
 class PrecisionSchedule:
-    """Phases resolved to start steps (token thresholds become steps: every rank computes the same)."""
+    """Phases resolved to start steps (token thresholds become steps: every rank computes the same). Steps are
+    numbered from 1, as the config, the progress line and the records number them."""
 
     def __init__(self, cfg, backend: str, tokens_per_step):
         """``tokens_per_step``: the global batch in tokens, or (a batch that ramps or changes) a function giving the
-        first step that starts after a count of tokens."""
+        first step (its number) that starts after a count of tokens."""
         self.cfg = cfg
         self.backend = backend
         self.amax_reduction_group = None  # set by attach(): the stage's data-parallel group under pipelines
-        step_at = tokens_per_step if callable(tokens_per_step) else lambda n: math.ceil(n / tokens_per_step)
+        step_at = tokens_per_step if callable(tokens_per_step) else lambda n: math.ceil(n / tokens_per_step) + 1
         phases = []
         for i, ph in enumerate(cfg.phases):
             start = ph.start_step if ph.start_tokens is None else step_at(ph.start_tokens)
@@ -117,7 +118,7 @@ class PrecisionSchedule:
         return None
 
     def is_flip_step(self, step: int) -> bool:
-        return step > 0 and self.phase_at(step).label != self.phase_at(step - 1).label
+        return step > 1 and self.phase_at(step).label != self.phase_at(step - 1).label
 
     def describe(self, step: int) -> dict:
         ph = self.phase_at(step)

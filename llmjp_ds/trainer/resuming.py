@@ -72,11 +72,11 @@ class Resume:
         return client
 
     def rollback(self, first_bad_step: int, why: str) -> tuple[int, str, dict]:
-        """Load the newest intact checkpoint at or before step ``first_bad_step`` (a tag's number counts completed
-        steps: tag N holds the state before step index N ran); its step, tag and client state. ``why`` words the
-        line when there is none."""
+        """Load the newest intact checkpoint saved before step ``first_bad_step`` ran (a tag's number counts the
+        steps it holds: tag N holds steps 1..N); its step, tag and client state. ``why`` words the line when there
+        is none."""
         self.watchdog.beat("checkpoint")  # loading the good checkpoint
-        good = [(s, t) for s, t in checkpoint.complete_tags(self.run_dir) if s <= first_bad_step]
+        good = [(s, t) for s, t in checkpoint.complete_tags(self.run_dir) if s < first_bad_step]
         if not good:
             fail(f"{why} at step {first_bad_step}, and there is no checkpoint before it to roll back to: lower "
                  "checkpoint.interval so that one is saved before it, or choose another action")

@@ -24,9 +24,9 @@ from llmjp_ds.precision.schedule import PrecisionSchedule
 
 def precision_schedule(cfg: RunConfig, backend: str) -> PrecisionSchedule:
     """The run's precision schedule; a phase given in tokens starts at the first step after them (the batch may
-    ramp). Validates FP8's availability, before any process group exists."""
+    ramp; steps numbered from 1). Validates FP8's availability, before any process group exists."""
     batches, seq_len = BatchSchedule.of(cfg.train), seq_len_of(cfg, model_config_of(cfg))
-    return PrecisionSchedule(cfg.precision, backend, lambda tokens: batches.step_at(math.ceil(tokens / seq_len)))
+    return PrecisionSchedule(cfg.precision, backend, lambda tokens: batches.step_at(math.ceil(tokens / seq_len)) + 1)
 
 
 class StepEngine:

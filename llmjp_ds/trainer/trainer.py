@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from llmjp_ds import checkpoint
-from llmjp_ds.batch_schedule import BatchSchedule
+from llmjp_ds.batch_schedule import BatchSchedule, step_index
 from llmjp_ds.batching import step_micro_batches
 from llmjp_ds.checkpoint.branch import read_origin
 from llmjp_ds.checkpoint.client_state import ClientState
@@ -25,7 +25,7 @@ from llmjp_ds.data.phases import RunData
 from llmjp_ds.data.prepare import resolve_data
 from llmjp_ds.errors import fail
 from llmjp_ds.health import HealthMonitor, Verdict, skip_window, skipped
-from llmjp_ds.lr_schedule import lr_schedule
+from llmjp_ds.lr_schedule import plan_line, run_schedule
 from llmjp_ds.metrics import MetricsLogger, Throughput, format_log_line, peak_memory_gib, reset_peak_memory
 from llmjp_ds.model.backend import resolve_backend
 from llmjp_ds.model.flops import flops_per_token_for
@@ -53,7 +53,7 @@ def run_data(cfg, model_config, seq_len: int, barrier=None) -> RunData:
     """The run's samples phase by phase: data.blend from step 0, each of data.phases from its start; every blend is
     opened and checked now, before any process group."""
     plans = [(0, data_plan(cfg, model_config), "run")]
-    plans += [(p.start_step, data_plan(cfg, model_config, p.blend), p.count) for p in cfg.data.phases]
+    plans += [(step_index(p.start_step), data_plan(cfg, model_config, p.blend), p.count) for p in cfg.data.phases]
     return RunData(plans, BatchSchedule.of(cfg.train), train_samples(cfg), sample_counts(cfg)[1], seq_len, barrier)
 
 
@@ -67,13 +67,18 @@ class TrainState:
     skipped_total: int = 0  # steps whose update was skipped: the LR schedule does not advance over them
     skipped_samples: int = 0  # their samples
     rollbacks: int = 0  # checkpoints after a rollback carry -rN in their tags
-    skip_steps: list = field(default_factory=list)  # the step ranges [first, end) rollbacks skipped
+    skip_steps: list = field(default_factory=list)  # the step ranges [first, last] rollbacks skipped
 
     def advance(self, batch: int, trained: bool) -> None:
         """One step read (``batch`` samples consumed); one not ``trained`` leaves the LR schedule where it was."""
         self.step, self.consumed_samples = self.step + 1, self.consumed_samples + batch
         if not trained:
             self.skipped_total, self.skipped_samples = self.skipped_total + 1, self.skipped_samples + batch
+
+    @property
+    def number(self) -> int:
+        """The number of the step to run next (steps are numbered from 1, as the records show them)."""
+        return self.step + 1
 
     def schedule_position(self) -> tuple[int, int]:
         """(steps, samples) the LR schedule has advanced over: the updates made."""
@@ -138,12 +143,13 @@ class Trainer:
             client = ClientState.from_dict(self.resume.latest())
             self.state = TrainState(**client.train_state)
             self.data.train_at(self.state.step)  # a corpus too small for the run is refused here
-            self.schedule = lr_schedule(cfg.optim, cfg.train.steps, cfg.train.global_batch_size)
+            self.schedule = run_schedule(cfg)
             if self.resume.tag:
                 marker = checkpoint.read_marker(self.run_dir, self.resume.tag)
                 self.schedule = checkpoint.resumed_schedule(marker, cfg)
             self.logger = open_logger(cfg, client, self.resume.tag, self.state.step, self.ctx.rank)
             self.say = say_on_rank0(self.ctx.rank)
+            self.say(f"[llmjp-ds] {plan_line(cfg, self.schedule)}")
             self.controller = PrecisionController(precision, cfg.precision, event=self.logger.event, say=self.say)
             self.controller.load_state_dict(client.to_dict())
             self.health = HealthMonitor(cfg.health)
@@ -167,7 +173,8 @@ class Trainer:
                                                                          self.layout.data)
 
     def skip_steps(self) -> list:
-        """The step ranges whose samples the run reads and does not train on: train.skip_steps and its rollbacks'."""
+        """The step ranges ``[first, last]`` whose samples the run reads and does not train on: train.skip_steps
+        and its rollbacks'."""
         return [list(r) for r in self.cfg.train.skip_steps] + [list(r) for r in self.state.skip_steps]
 
     def micro_batches(self, dataset, first: int, batch: int):
@@ -200,21 +207,25 @@ class Trainer:
                 "rollbacks": self.state.rollbacks, "skipped_steps": self.state.skipped_total}
 
     def _loop_step(self) -> bool:
-        """One step and what follows from it; True when the run stops here (a stop request)."""
-        step, s = self.state.step, self.state
+        """One step and what follows from it; True when the run stops here (a stop request). The step is
+        ``s.number`` to the controllers, the events and people, as its record shows it; the batch schedule and the
+        data count the ``s.step`` steps before it."""
+        s = self.state
+        step = s.number
         if self.controller.choice_due(step):
-            self.evaluator.decide(self.controller.choose_recipe(step), step)
+            self.evaluator.decide(self.controller.choose_recipe(step), s.step)
         phase = self.controller.before_step(step)
         t0 = time.perf_counter()
         self.steps.watchdog.beat("data", step)
-        batch = self.batches.batch(step, s.consumed_samples)
+        batch = self.batches.batch(s.step, s.consumed_samples)
         if skipped(step, self.skip_steps()):  # read, not trained on: the LR schedule does not advance
             s.advance(batch, trained=False)
             return False
         sched_step, sched_samples = s.schedule_position()
         lr = self.schedule.lr(sched_step, sched_samples)
         gate = self.health.gate_at(step)
-        parts = self.steps.train_step(step, self.micro_batches(self.data.train_at(step), s.consumed_samples, batch),
+        parts = self.steps.train_step(step, self.micro_batches(self.data.train_at(s.step), s.consumed_samples,
+                                                               batch),
                                       lr, self.schedule.weight_decay(sched_step, sched_samples), gate)
         lm_loss, z_loss, gated = parts.tolist()
         applied = not gated and self.steps.runner.step_applied() and math.isfinite(lm_loss)
@@ -239,6 +250,8 @@ class Trainer:
         metrics = {"loss": lm_loss, "z_loss": z_loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": step_time,
                    "global_batch_size": batch, "peak_memory_gib": peak_memory_gib(),
                    "consumed_samples": s.consumed_samples, "skipped_steps": s.skipped_total,
+                   **({"data_phase": self.data.phases.index(self.data.phase_at(step - 1))}
+                      if self.cfg.data.phases else {}),
                    **self.controller.step_metrics(phase), **self.throughput.update(step_time, batch * self.seq_len),
                    **self.controller.amax_metrics(self.steps.engine.module), **self.checkpointer.take_metrics()}
         return self._after_step(metrics)
@@ -254,7 +267,7 @@ class Trainer:
         elif verdict.action in ("warn", "skip"):
             self.say(f"[llmjp-ds] warning: {verdict.describe()}")
         elif verdict.action == "stop":
-            self.checkpointer.commit(verdict.step, block=True)
+            self.checkpointer.commit(self.state.step, block=True)
             fail(f"{verdict.describe()}; health.{verdict.kind}{'.action' if verdict.kind != 'nonfinite' else ''} "
                  f"is stop: the run ends here, and {checkpoint.latest_tag(self.run_dir) or 'no checkpoint'} is its "
                  "latest checkpoint; look at the data around it, or choose another action")
@@ -268,7 +281,7 @@ class Trainer:
         s.skipped_in_a_row += 1
         self.logger.event(step, "skipped_step", reason="non-finite loss or gradients", in_a_row=s.skipped_in_a_row)
         if s.skipped_in_a_row >= self.cfg.train.max_nonfinite_steps:
-            s.advance(self.batches.batch(step, s.consumed_samples), trained=False)
+            s.advance(self.batches.batch(s.step, s.consumed_samples), trained=False)
             self.save(wait=True)
             fail(f"{s.skipped_in_a_row} consecutive steps had non-finite loss or gradients (last: step {step}); a "
                  "checkpoint was saved. Lower optim.lr or check the data, then resume")
@@ -291,14 +304,14 @@ class Trainer:
         self.controller.load_state_dict(resumed.to_dict())
         self.logger.event(verdict.step, "rollback", reason=verdict.describe(), to_step=good_step, tag=good_tag,
                           skipped_steps=window, kind=verdict.kind, skipped_before=skips_before)
-        self.say(f"[llmjp-ds] {verdict.describe()}: rolled back to {good_tag}, steps {window[0]}..{window[1] - 1} "
+        self.say(f"[llmjp-ds] {verdict.describe()}: rolled back to {good_tag}, steps {window[0]}..{window[1]} "
                  "skipped (their samples not trained on)")
         self.save(wait=True)
 
     def rollback(self, first_bad_step: int, why: str) -> tuple[int, str, dict]:
-        """Back to the newest checkpoint at or before ``first_bad_step``: a background save of the diverging timeline
-        lands first, then every later checkpoint is discarded; the run's state is the checkpoint's (one more
-        rollback counted)."""
+        """Back to the newest checkpoint saved before step ``first_bad_step`` ran: a background save of the diverging
+        timeline lands first, then every later checkpoint is discarded; the run's state is the checkpoint's (one
+        more rollback counted)."""
         self.checkpointer.commit(self.state.step, block=True)
         rollbacks = self.state.rollbacks + 1
         good_step, good_tag, client = self.resume.rollback(first_bad_step, why)
@@ -315,7 +328,7 @@ class Trainer:
         if cfg.train.eval_interval and step % cfg.train.eval_interval == 0:
             metrics.update(self.evaluator.decide(self.controller.validation(step), step))
             # the weights of the last step's update: a jump is that step's (or one since the last validation)
-            verdict = self.health.after_validation(step - 1, metrics["valid_loss"])
+            verdict = self.health.after_validation(step, metrics["valid_loss"])
             if verdict is not None and self._act(verdict, False):
                 return False
         if step % cfg.logging.interval == 0 or step == cfg.train.steps:

@@ -128,12 +128,12 @@ def megatron_lm_datasets_of_size(megatron, blend, cache, train_samples: int):
 
 @pytest.mark.parametrize("count", ["run", "phase"])
 def test_a_blend_change_reads_megatron_lms_samples(megatron, corpora, tmp_path, count):
-    """The blend changes at step 5 (blend A, then B): from then on the samples are those of Megatron-LM restarted
-    at iteration 5 with B's --data-path (``run``: B built for all STEPS x GBS samples, read from 5 x GBS;
+    """The blend changes at step 6 (blend A, then B): from then on the samples are those of Megatron-LM restarted
+    after iteration 5 with B's --data-path (``run``: B built for all STEPS x GBS samples, read from 5 x GBS;
     ``phase``: B built for the phase's (STEPS - 5) x GBS, read from its first), and the validation after the change
     reads B's valid split at the same valid count."""
     a, b = BLENDS["weighted"](corpora), ["10", corpora[2], "90", corpora[0]]
-    phases = f"[{{start_step: 5, count: {count}, blend: [{', '.join(b)}]}}]"
+    phases = f"[{{start_step: 6, count: {count}, blend: [{', '.join(b)}]}}]"
     cfg = run_config(a, tmp_path / "ours", f"train.global_batch_size={GBS}", f"data.phases={phases}")
     data = run_data(cfg)
     ref_a, valid_a = megatron_lm_datasets_of_size(megatron, a, tmp_path / "meg-a", STEPS * GBS)
@@ -159,11 +159,11 @@ def test_the_samples_verb_follows_the_phases(megatron, corpora, tmp_path):
     a, b = BLENDS["weighted"](corpora), ["10", corpora[2], "90", corpora[0]]
     sets = ["data.order=megatron", f"data.blend=[{', '.join(a)}]", f"data.seq_len={SEQ}", f"data.split={SPLIT}",
             f"data.cache_dir={tmp_path / 'ours'}", f"train.steps={STEPS}", f"train.global_batch_size={GBS}",
-            f"data.phases=[{{start_step: 5, blend: [{', '.join(b)}]}}]", f"run_dir={tmp_path / 'run'}"]
+            f"data.phases=[{{start_step: 6, blend: [{', '.join(b)}]}}]", f"run_dir={tmp_path / 'run'}"]
     out = tmp_path / "w.npy"
     assert cli_main([x for s in sets for x in ("--set", s)] + ["--start", "36", "--count", "8", "--output",
                                                                str(out)]) == 0
     ref_a, _ = megatron_lm_datasets_of_size(megatron, a, tmp_path / "meg-a", STEPS * GBS)
     ref_b, _ = megatron_lm_datasets_of_size(megatron, b, tmp_path / "meg-b", STEPS * GBS)
     want = [public_window(ref_a, i) for i in range(36, 40)] + [public_window(ref_b, i) for i in range(40, 44)]
-    assert np.array_equal(np.load(out), np.stack(want))  # samples 36-39 are step 4's, 40-43 step 5's
+    assert np.array_equal(np.load(out), np.stack(want))  # samples 36-39 are step 5's, 40-43 step 6's

@@ -29,7 +29,7 @@ import torch
 
 from llmjp_ds import checkpoint
 
-from tests.runs import FLIP, FLIP_AT, N, STEPS, max_rel_diff, run_train, trail
+from tests.runs import BF16_STEPS, FLIP, FLIP_AT, N, STEPS, max_rel_diff, run_train, trail
 from tests.train.test_export import LOGITS_RTOL, _probe_logits
 
 pytestmark = pytest.mark.slow
@@ -71,13 +71,13 @@ def test_flip_at_tp2_follows_one_process_and_shares_scales(tp_flip_runs, runs):
     ref, got = trail(single), trail(tp2)
     base = [r["loss"] for r in trail(runs.full("single"))]  # the same run without the flip
     assert [r["precision"] for r in got] == [r["precision"] for r in ref] == \
-        ["fp32"] * FLIP_AT + ["fp8"] * (STEPS - FLIP_AT)
+        ["fp32"] * BF16_STEPS + ["fp8"] * (STEPS - BF16_STEPS)
     ours, theirs = [r["loss"] for r in got], [r["loss"] for r in ref]
     # through the first FP8 step (calibrated scales, the same weights): TP2 computes what one process does,
     # while FP8 already moved that step's loss (measured 3.5e-6; TP2 vs one process: 0)
-    first = FLIP_AT + 1
+    first = FLIP_AT  # the records up to the first FP8 step's
     assert max_rel_diff(ours[:first], theirs[:first]) <= FIRST_FP8_RTOL
-    assert max_rel_diff(theirs[FLIP_AT:first], base[FLIP_AT:first]) > FIRST_FP8_RTOL
+    assert max_rel_diff(theirs[BF16_STEPS:first], base[BF16_STEPS:first]) > FIRST_FP8_RTOL
     # after FP8 updates, a sum taken in another order (TP's partial GEMMs) lands on the other side of an FP8
     # rounding boundary now and then, so the trails part by more than fp32 noise (measured 2.7e-5)
     later = max_rel_diff(ours, theirs)

@@ -97,19 +97,20 @@ def test_bf16_validations_measure_once_and_watch_nothing():
 
 def test_a_divergence_rolls_back_to_the_newest_checkpoint_before_its_first_bad_step_and_goes_on_in_bf16():
     ctl, rec = controller([{}, {"precision": "fp8", "start_step": 3}], window=2, factor=1.5, patience=2)
-    bf16, fp8 = ctl.schedule.describe(0), ctl.schedule.describe(3)
-    for step in range(3):
+    bf16, fp8 = ctl.schedule.describe(1), ctl.schedule.describe(3)
+    for step in (1, 2):
         assert ctl.after_step(step, 2.0, 0.0, bf16) is None
     assert ctl.after_step(3, 2.1, 0.0, fp8) is None
     assert ctl.after_step(4, 9.0, 0.0, fp8) is None  # a spike: patience 2
-    # the first bad step is 4: the loop rolls back to the newest checkpoint at or before it (tag 4 holds the state
-    # before step 4 ran; trainer/resuming.py)
+    # the first bad step is 4: the loop rolls back to the newest checkpoint saved before it ran (tag 3 holds steps
+    # 1..3; trainer/resuming.py)
     assert ctl.after_step(5, 9.0, 0.0, fp8) == ("loss spike", 4)
-    good_step, good_tag = 4, "step00000004"
-    ctl.rolled_back(6, good_step, good_tag, "loss spike", {"guard": {"history": [2.0, 2.0]}})
+    good_step, good_tag = 3, "step00000003"
+    ctl.rolled_back(5, good_step, good_tag, "loss spike", {"guard": {"history": [2.0, 2.0]}})
+    # from step 4 on every FP8 phase runs in BF16
     assert ctl.rollbacks == 1 and ctl.schedule.phase_at(4).precision == "bf16"
     assert ctl.schedule.phase_at(3).precision == "fp8"  # what ran before the rollback point stays as it was
-    assert rec.kinds() == ["rollback"] and rec.events[0][2]["to_step"] == 4
+    assert rec.kinds() == ["rollback"] and rec.events[0][2]["to_step"] == 3
     assert ctl.after_step(4, float("nan"), 0.0, ctl.schedule.describe(4)) is None  # BF16 now: no guard
 
 
@@ -118,8 +119,8 @@ def test_a_non_finite_fp8_loss_rolls_back_at_once_and_needs_a_checkpoint_before_
     from llmjp_ds.trainer.resuming import Resume
 
     ctl, _ = controller([{"precision": "fp8"}])
-    fp8 = ctl.schedule.describe(0)
-    assert ctl.after_step(0, float("nan"), 0.0, fp8) == ("non-finite loss", 0)
+    fp8 = ctl.schedule.describe(1)
+    assert ctl.after_step(1, float("nan"), 0.0, fp8) == ("non-finite loss", 1)
     tag = checkpoint.checkpoint_dir(tmp_path) / "step00000001"  # a checkpoint after the first bad step only
     tag.mkdir(parents=True)
     (tag / checkpoint.MARKER).write_text("{}")
@@ -129,8 +130,8 @@ def test_a_non_finite_fp8_loss_rolls_back_at_once_and_needs_a_checkpoint_before_
             pass
 
     resume = Resume(tmp_path, None, 2, None, None, ctl.schedule, Watchdog())
-    with pytest.raises(UserError, match="non-finite loss at step 0, and there is no checkpoint before it to roll"):
-        resume.rollback(0, "non-finite loss")
+    with pytest.raises(UserError, match="non-finite loss at step 1, and there is no checkpoint before it to roll"):
+        resume.rollback(1, "non-finite loss")
 
 
 def test_the_state_a_checkpoint_carries_comes_back():
@@ -144,4 +145,4 @@ def test_the_state_a_checkpoint_carries_comes_back():
     again, _ = controller([{"precision": "fp8", "recipe": "delayed", "fallback": ["current"]}])
     again.load_state_dict(state)
     assert again.state_dict() == state and again.rollbacks == 1
-    assert [again.schedule.phase_at(s).label for s in (1, 2)] == ["fp8-delayed-hybrid", "bf16"]
+    assert [again.schedule.phase_at(s).label for s in (2, 3)] == ["fp8-delayed-hybrid", "bf16"]

@@ -11,17 +11,17 @@ from tests.precision.helpers import schedule, tiny_model
 
 @pytest.mark.parametrize("recipe", ["delayed", "current", "block"])
 def test_emulated_fp8_quantises_forward_and_backward(recipe):
-    s = schedule([{}, {"precision": "fp8", "start_step": 2, "recipe": recipe, "calibration_steps": 1}])
+    s = schedule([{}, {"precision": "fp8", "start_step": 3, "recipe": recipe, "calibration_steps": 1}])
     model = tiny_model(s)
     ids = torch.randint(0, 256, (2, 33))
     ref = model.training_loss(ids[:, :-1], ids[:, 1:]).loss
     ref.backward()
     ref_grad = model.model.layers[0].layernorm_mlp.fc1_weight.grad.clone()
     model.zero_grad()
-    for step in (1, 2):  # step 1 calibrates (delayed), step 2 runs in FP8
+    for step in (2, 3):  # step 2 calibrates (delayed), step 3 runs in FP8
         with s.autocast(step):
             loss = model.training_loss(ids[:, :-1], ids[:, 1:]).loss
-        if step == 1 and recipe == "delayed":
+        if step == 2 and recipe == "delayed":
             torch.testing.assert_close(loss, ref)  # calibration computes in full precision
         model.zero_grad()
         loss.backward()
@@ -35,10 +35,10 @@ def test_emulated_fp8_quantises_forward_and_backward(recipe):
 
 
 def test_emulated_amax_history_travels_in_extra_state():
-    s = schedule([{}, {"precision": "fp8", "start_step": 1, "amax_history_len": 4}])
+    s = schedule([{}, {"precision": "fp8", "start_step": 2, "amax_history_len": 4}])
     model = tiny_model(s)
     ids = torch.randint(0, 256, (2, 17))
-    with s.autocast(1):
+    with s.autocast(2):
         model.training_loss(ids[:, :-1], ids[:, 1:]).loss.backward()
     s.end_step()
     state = model.state_dict()
@@ -51,15 +51,15 @@ def test_emulated_amax_history_travels_in_extra_state():
 
 
 def test_recompute_under_activation_checkpointing_sees_the_same_fp8_state():
-    s = schedule([{}, {"precision": "fp8", "start_step": 1, "recipe": "delayed"}])
+    s = schedule([{}, {"precision": "fp8", "start_step": 2, "recipe": "delayed"}])
     grads = []
     for ckpt in (False, True):
         model = tiny_model(s).train()
         model.activation_checkpointing = ckpt
         ids = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
-        with s.autocast(0):  # a BF16 step fills the history first (as calibration would)
+        with s.autocast(1):  # a BF16 step fills the history first (as calibration would)
             pass
-        with s.autocast(1):
+        with s.autocast(2):
             loss = model.training_loss(ids[:, :-1], ids[:, 1:]).loss
         loss.backward()
         grads.append([p.grad.clone() for p in model.parameters()])

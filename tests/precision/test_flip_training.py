@@ -13,7 +13,7 @@ from tests.launch import run, train_argv
 
 TINY = ("model.overrides={hidden_size: 64, num_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, "
         "ffn_hidden_size: 128}")
-FLIP_AT = 3
+FLIP_AT = 4  # the first FP8 step
 PHASES = (f"precision.phases=[{{precision: bf16}}, {{precision: fp8, start_step: {FLIP_AT}, recipe: delayed, "
           "amax_history_len: 4, calibration_steps: 1}]")
 BASE = [TINY, "data.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=2", "precision.dtype=fp32",
@@ -50,13 +50,13 @@ def uninterrupted(env, tmp_path_factory):
 @pytest.mark.timeout(900)
 def test_flip_happens_at_the_configured_step_by_steps_and_by_tokens(env, uninterrupted, tmp_path):
     records, events = uninterrupted
-    # metrics are logged after the step: record N describes step N-1
-    assert [records[n]["precision"] for n in range(1, 7)] == ["fp32"] * FLIP_AT + ["fp8"] * (6 - FLIP_AT)
-    assert records[FLIP_AT + 1]["phase"] == "fp8-delayed-hybrid" and records[FLIP_AT + 1]["emulated_fp8"]
+    # the config's start_step is the first step whose record shows FP8, and the flip's event is at it
+    assert [records[n]["precision"] for n in range(1, 7)] == ["fp32"] * (FLIP_AT - 1) + ["fp8"] * (7 - FLIP_AT)
+    assert records[FLIP_AT]["phase"] == "fp8-delayed-hybrid" and records[FLIP_AT]["emulated_fp8"]
     flips = [e for e in events if e["event"] == "precision_flip"]
     assert [e["step"] for e in flips] == [FLIP_AT]
-    # the same flip expressed in tokens: 4 samples x 32 tokens per step
-    tokens = FLIP_AT * 4 * 32
+    # the same flip expressed in tokens: the steps before it read 4 samples x 32 tokens each
+    tokens = (FLIP_AT - 1) * 4 * 32
     run = tmp_path / "tokens"
     train(env, run, "train.steps=6", PHASES.replace(f"start_step: {FLIP_AT}", f"start_tokens: {tokens}"))
     by_tokens, _ = trail(run)
@@ -65,7 +65,7 @@ def test_flip_happens_at_the_configured_step_by_steps_and_by_tokens(env, uninter
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("stop_at", [FLIP_AT, FLIP_AT + 1])
+@pytest.mark.parametrize("stop_at", [FLIP_AT - 1, FLIP_AT])
 def test_resume_at_and_after_the_flip_reproduces_the_trail(env, uninterrupted, tmp_path, stop_at):
     records, _ = uninterrupted
     run = tmp_path / "run"
@@ -86,7 +86,7 @@ def test_injected_divergence_rolls_back_once_and_finishes_in_the_base_precision(
     rollbacks = [e for e in events if e["event"] == "rollback"]
     assert len(rollbacks) == 1
     assert rollbacks[0]["step"] == FLIP_AT + 1 and rollbacks[0]["fallback"] == "bf16"
-    assert rollbacks[0]["to_step"] <= FLIP_AT + 1
+    assert rollbacks[0]["to_step"] <= FLIP_AT
     assert "rolled back" in proc.stdout
     # the diverged timeline's checkpoints are gone; latest is the fallback timeline's newest
     tags = sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step"))
@@ -106,11 +106,11 @@ def test_fp8_lm_head_starts_alike_quantises_after_the_flip_and_resumes_exactly(e
     train(env, head, "train.steps=6", "precision.fp8_lm_head=true")
     fp8_head, _ = trail(head)
     # the same initial model and the same BF16 steps; after the flip the head's GEMMs are quantised as well
-    assert [fp8_head[n]["loss"] for n in range(1, FLIP_AT + 1)] == [records[n]["loss"] for n in range(1, FLIP_AT + 1)]
-    assert all(fp8_head[n]["loss"] != records[n]["loss"] for n in range(FLIP_AT + 1, 7))
+    assert [fp8_head[n]["loss"] for n in range(1, FLIP_AT)] == [records[n]["loss"] for n in range(1, FLIP_AT)]
+    assert all(fp8_head[n]["loss"] != records[n]["loss"] for n in range(FLIP_AT, 7))
     # its FP8 scaling state travels with the checkpoint: a resume after the flip repeats the trail exactly
     run = tmp_path / "fp8-head-resumed"
-    train(env, run, f"train.steps={FLIP_AT + 1}", "precision.fp8_lm_head=true")
+    train(env, run, f"train.steps={FLIP_AT}", "precision.fp8_lm_head=true")
     train(env, run, "train.steps=6", "precision.fp8_lm_head=true")
     resumed, events = trail(run)
     assert any(e["event"] == "resume" for e in events)

@@ -80,7 +80,7 @@ def test_penalty_fields_in_fp8_phases(env, tmp_path):
             assert r["fp8_penalty"] == r["valid_loss"] / r["valid_loss_bf16"] - 1 and r["fp8_penalty"] != 0.0
         else:
             assert "fp8_penalty" not in r and "valid_loss_bf16" not in r
-    assert [s for s, r in records.items() if "fp8_penalty" in r] == list(range(FLIP_AT + 1, 6))
+    assert [s for s, r in records.items() if "fp8_penalty" in r] == list(range(FLIP_AT, 6))
 
 
 GUARD = ("precision.guard.max_penalty=0.02", "precision.guard.penalty_patience=2",
@@ -99,9 +99,10 @@ def test_an_injected_penalty_steps_down_the_fallback_chain_and_a_resume_repeats_
     train(drill, full, "train.steps=9", *sets)
     records, events = trail(full)
     falls = [(e["step"], e["from"], e["to"]) for e in events if e["event"] == "precision_fallback"]
-    assert falls == [(FLIP_AT + 2, "fp8-current-hybrid", "block"), (FLIP_AT + 4, "fp8-block-hybrid", "bf16")]
+    # each after the second validation of a recipe (after its second step), from the next step on
+    assert falls == [(FLIP_AT + 1, "fp8-current-hybrid", "block"), (FLIP_AT + 3, "fp8-block-hybrid", "bf16")]
     labels = [records[s]["phase"] for s in sorted(records)]
-    assert labels == ["fp32"] * FLIP_AT + ["fp8-current-hybrid"] * 2 + ["fp8-block-hybrid"] * 2 + ["fp32"] * 2
+    assert labels == ["fp32"] * (FLIP_AT - 1) + ["fp8-current-hybrid"] * 2 + ["fp8-block-hybrid"] * 2 + ["fp32"] * 2
     measured = [r["fp8_penalty"] for r in records.values() if "fp8_penalty" in r]
     assert len(measured) == 4 and all(math.isclose(p, 0.05, rel_tol=0.2) for p in measured), measured
     resumed = tmp_path / "resumed"
@@ -124,9 +125,9 @@ def test_recipe_auto_flips_to_the_lowest_penalty_and_a_resume_keeps_the_choice(e
     penalties = {r: choice[f"penalty_{r}"] for r in ("delayed", "current", "block")}
     assert choice["step"] == FLIP_AT and choice["chosen"] == min(penalties, key=penalties.get)
     assert f"recipe auto at step {FLIP_AT}: {choice['chosen']}" in proc.stdout
-    assert records[FLIP_AT + 1]["phase"] == f"fp8-{choice['chosen']}-hybrid"
+    assert records[FLIP_AT]["phase"] == f"fp8-{choice['chosen']}-hybrid"
     resumed = tmp_path / "resumed"
-    train(env, resumed, f"train.steps={FLIP_AT + 1}", *sets)
+    train(env, resumed, f"train.steps={FLIP_AT}", *sets)
     train(env, resumed, "train.steps=6", *sets)
     again, again_events = trail(resumed)
     assert [again[s]["loss"] for s in sorted(again)] == [records[s]["loss"] for s in sorted(records)]
@@ -141,5 +142,5 @@ def test_recipe_auto_stays_in_bf16_when_no_candidate_is_within_max_penalty(env, 
     records, events = trail(run)
     (choice,) = [e for e in events if e["event"] == "recipe_choice"]
     assert choice["chosen"] == "bf16" and choice["reason"].startswith("no candidate within max_penalty")
-    assert "recipe auto at step 3: bf16 (no candidate within max_penalty" in proc.stdout
+    assert f"recipe auto at step {FLIP_AT}: bf16 (no candidate within max_penalty" in proc.stdout
     assert all(r["precision"] == "fp32" for r in records.values())

@@ -14,13 +14,14 @@ from tests.precision.helpers import schedule, tiny_model
 
 def test_flip_by_step_and_by_tokens_land_on_the_same_step():
     by_step = schedule([{}, {"precision": "fp8", "start_step": 7}])
-    by_tokens = schedule([{}, {"precision": "fp8", "start_tokens": 6001}], tokens_per_step=1000)
+    # the first step that starts after 6000 tokens of 1000 a step: the 7th
+    by_tokens = schedule([{}, {"precision": "fp8", "start_tokens": 6000}], tokens_per_step=1000)
     for s in (by_step, by_tokens):
         assert [s.phase_at(i).precision for i in (0, 6, 7, 100)] == ["bf16", "bf16", "fp8", "fp8"]
         assert s.is_flip_step(7) and not s.is_flip_step(6) and not s.is_flip_step(8)
     assert by_step.describe(7) == {"precision": "fp8", "phase": 1, "recipe": "fp8-delayed-hybrid",
                                    "emulated": True, "calibrating": False}
-    assert by_step.describe(0)["precision"] == "fp32"  # the base dtype, not "bf16", outside FP8
+    assert by_step.describe(1)["precision"] == "fp32"  # the base dtype, not "bf16", outside FP8
 
 
 def test_delayed_scaling_calibrates_only_the_steps_before_the_flip():
@@ -39,7 +40,7 @@ def test_fallback_turns_fp8_phases_into_the_base_precision():
 
 
 @pytest.mark.parametrize("phases, message", [
-    ([{"start_step": 2}], "must start at step 0"),
+    ([{"start_step": 2}], "must start at step 1"),
     ([{}, {"precision": "fp16", "start_step": 2}], "must be bf16 or fp8"),
     ([{}, {"precision": "fp8", "start_step": 2, "recipe": "mxfp8"}], "recipe must be one of"),
     ([{}, {"precision": "fp8", "start_step": 5}, {"start_step": 3}], "must be after the previous"),
@@ -56,10 +57,10 @@ def test_real_fp8_without_te_is_refused_unless_emulation_is_asked_for():
 
 
 def test_bf16_layer_policy_keeps_chosen_layers_out_of_fp8():
-    s = schedule([{}, {"precision": "fp8", "start_step": 1, "recipe": "current"}], bf16_first_layers=1)
+    s = schedule([{}, {"precision": "fp8", "start_step": 2, "recipe": "current"}], bf16_first_layers=1)
     model = tiny_model(s)
     ids = torch.randint(0, 256, (2, 17))
-    with s.autocast(1):
+    with s.autocast(2):
         model.training_loss(ids[:, :-1], ids[:, 1:]).loss.backward()
     s.end_step()
     assert getattr(model.model.layers[0].layernorm_mlp, "_fp8_emu_state", None) is None
@@ -70,7 +71,7 @@ def test_bf16_layer_policy_keeps_chosen_layers_out_of_fp8():
 def test_the_lm_head_is_fp8_only_when_asked(fp8_head):
     """By default FP8 phases keep the head in BF16 (as LLM-jp did); ``precision.fp8_lm_head`` quantises it like a
     decoder layer's GEMM, with its own scaling state in ``lm_head._extra_state``."""
-    s = schedule([{"precision": "fp8", "start_step": 0, "recipe": "current"}], fp8_lm_head=fp8_head)
+    s = schedule([{"precision": "fp8", "recipe": "current"}], fp8_lm_head=fp8_head)
     model = tiny_model(s, fp8_lm_head=fp8_head)
     x = torch.randn(2, 9, 64)
     plain = model.lm_head(x)

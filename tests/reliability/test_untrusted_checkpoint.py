@@ -25,7 +25,7 @@ from tests.reliability.cases_checkpoint import Payload, remanifest
 from tests.reliability.conftest import TINY, check_ok, latest_of, run, run_train, subprocess_env, train_argv
 
 STEPS = ["train.steps=2"]
-FP8_FLIP = [("precision.phases=[{precision: bf16}, {precision: fp8, start_step: 1, recipe: delayed, "
+FP8_FLIP = [("precision.phases=[{precision: bf16}, {precision: fp8, start_step: 2, recipe: delayed, "
              "amax_history_len: 4}]"), "precision.emulate_fp8=true"]
 SYSTEM = f"{os.system.__module__}.system"  # how pickle names os.system: posix.system here
 

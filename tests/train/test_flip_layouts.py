@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.runs import FLIP_AT, N, STEPS, max_rel_diff, trail
+from tests.runs import BF16_STEPS, N, STEPS, max_rel_diff, trail
 from .test_equivalence import LOSS_RTOL
 
 pytestmark = pytest.mark.slow
@@ -25,15 +25,15 @@ def test_flip_under_two_pipeline_stages_trains_as_one_process(flip_runs, runs):
     single, pp2, _ = flip_runs
     ref, got = trail(single), trail(pp2)
     precisions = [r["precision"] for r in ref]
-    assert precisions == ["fp32"] * FLIP_AT + ["fp8"] * (STEPS - FLIP_AT)  # the base phase runs at precision.dtype
+    assert precisions == ["fp32"] * BF16_STEPS + ["fp8"] * (STEPS - BF16_STEPS)  # the base phase runs at precision.dtype
     assert [r["precision"] for r in got] == precisions
     loss = max_rel_diff([r["loss"] for r in got], [r["loss"] for r in ref])
     assert loss <= LOSS_RTOL, f"pipeline flip trail differs from one process by {loss:.2e} (relative)"
     # the flip is real: without it the FP8 steps' losses land 1.5e-4 away, so a pipeline stage running its
     # micro-batches outside the FP8 region would fail the comparison above
     base = [r["loss"] for r in trail(runs.full("single"))]
-    assert [r["loss"] for r in ref][:FLIP_AT] == base[:FLIP_AT]
-    assert max_rel_diff([r["loss"] for r in ref][FLIP_AT:], base[FLIP_AT:]) > 10 * LOSS_RTOL
+    assert [r["loss"] for r in ref][:BF16_STEPS] == base[:BF16_STEPS]
+    assert max_rel_diff([r["loss"] for r in ref][BF16_STEPS:], base[BF16_STEPS:]) > 10 * LOSS_RTOL
 
 
 @pytest.mark.timeout(900)

@@ -24,7 +24,7 @@ from llmjp_ds.metrics import read_metrics
 from tests.launch import subprocess_env
 from tests.runs import COMMON_SETS, LAYOUTS, cli, run_train, trail
 
-SPIKE = 5  # the planted spike's step index (its record is step 6)
+SPIKE = 6  # the planted spike's step
 SETS = ("train.steps=9", "optim.decay_steps=9", "checkpoint.interval=2", "checkpoint.keep_last=9",
         "health.min_history=3")
 COMPARED = ("loss", "z_loss", "lr", "grad_norm", "consumed_samples")
@@ -125,8 +125,10 @@ def test_the_monitor_judges_each_kind_and_keeps_spikes_out_of_the_history():
     again = HealthMonitor(cfg)
     again.load_state_dict(h.state_dict())
     assert again.state_dict() == h.state_dict()
-    assert skip_window(4, 7, None, 0) == [4, 8] and skip_window(4, 7, 1, 2) == [6, 10]
-    assert skipped(5, [[4, 8]]) and not skipped(8, [[4, 8]])
+    # after a rollback to the checkpoint of step 4 over a spike at step 7: from step 5 (or the step before the
+    # spike) through the spike (and two steps after it)
+    assert skip_window(4, 7, None, 0) == [5, 7] and skip_window(4, 7, 1, 2) == [6, 9]
+    assert skipped(5, [[5, 7]]) and skipped(7, [[5, 7]]) and not skipped(8, [[5, 7]]) and not skipped(4, [[5, 7]])
 
 
 # --- runs: each action against its reference ----------------------------------------------------------------
@@ -138,7 +140,7 @@ def test_a_planted_spike_is_detected_at_its_step(train_env, tmp_path):
     events = [e for e in read_metrics(run_dir) if e.get("event") == "health"]
     assert [(e["step"], e["kind"], e["action"]) for e in events] == [(SPIKE, "loss", "warn")]
     recs = records(run_dir)
-    assert events[0]["value"] == pytest.approx(recs[SPIKE + 1]["loss"]) and recs[SPIKE + 1]["loss"] > 100
+    assert events[0]["value"] == pytest.approx(recs[SPIKE]["loss"]) and recs[SPIKE]["loss"] > 100
     assert events[0]["median"] < 10
 
 
@@ -148,10 +150,10 @@ def test_a_planted_spike_is_detected_at_its_step(train_env, tmp_path):
 def test_a_skipped_update_equals_a_run_that_never_trained_on_that_batch(train_env, tmp_path, layout):
     nproc, sets = LAYOUTS[layout]
     run_dir = spiked(tmp_path / "spiked", nproc, *sets, *SETS, "health.loss.action=skip")
-    reference = run_train(tmp_path / "reference", nproc, *sets, *SETS, f"train.skip_steps=[[{SPIKE}, {SPIKE + 1}]]")
+    reference = run_train(tmp_path / "reference", nproc, *sets, *SETS, f"train.skip_steps=[[{SPIKE}, {SPIKE}]]")
     assert [(e["step"], e["action"]) for e in read_metrics(run_dir) if e.get("event") == "health"] == [(SPIKE, "skip")]
-    assert records(run_dir)[SPIKE + 1]["skipped_steps"] == 1 and SPIKE + 1 not in records(reference)
-    assert_same(run_dir, reference, [s for s in range(1, 10) if s != SPIKE + 1])
+    assert records(run_dir)[SPIKE]["skipped_steps"] == 1 and SPIKE not in records(reference)
+    assert_same(run_dir, reference, [s for s in range(1, 10) if s != SPIKE])
 
 
 @pytest.mark.slow
@@ -161,11 +163,12 @@ def test_a_rollback_equals_a_run_without_the_window_and_a_resume_keeps_the_windo
     nproc, sets = LAYOUTS[layout]
     run_dir = spiked(tmp_path / "rolled", nproc, *sets, *SETS, "health.loss.action=rollback")
     (event,) = [e for e in read_metrics(run_dir) if e.get("event") == "rollback"]
-    # the spike at step 5: back to the checkpoint before it (step 4; saves every 2 steps), steps 4 and 5 skipped
-    assert (event["to_step"], event["tag"], event["skipped_steps"]) == (4, checkpoint.tag_for(4), [4, 6])
-    reference = run_train(tmp_path / "reference", nproc, *sets, *SETS, "train.skip_steps=[[4, 6]]")
+    # the spike at step 6: back to the checkpoint before it (step 4; saves every 2 steps), steps 5 and 6 skipped
+    assert (event["step"], event["to_step"], event["tag"], event["skipped_steps"]) == (6, 4, checkpoint.tag_for(4),
+                                                                                      [5, 6])
+    reference = run_train(tmp_path / "reference", nproc, *sets, *SETS, "train.skip_steps=[[5, 6]]")
     assert_same(run_dir, reference, range(7, 10))
-    assert checkpoint.read_marker(run_dir, checkpoint.latest_tag(run_dir)).skip_steps == [[4, 6]]
+    assert checkpoint.read_marker(run_dir, checkpoint.latest_tag(run_dir)).skip_steps == [[5, 6]]
 
     # stopped after the rollback, resumed: the window stays skipped, the trail is the uninterrupted one's
     spiked(tmp_path / "resumed", nproc, *sets, *SETS, "health.loss.action=rollback", "train.steps=7")
@@ -179,9 +182,9 @@ def test_a_rollback_equals_a_run_without_the_window_and_a_resume_keeps_the_windo
     every = tmp_path / "every.npy"
     cli(["samples", *[x for v in COMMON_SETS for x in ("--set", v)], "--start", "0", "--count", "72", "--output",
          str(every)], tmp_path / "every")  # the run's config, every sample
-    assert np.array_equal(trained, np.delete(np.load(every), range(32, 48), axis=0))  # steps 4, 5: samples 32..47
+    assert np.array_equal(trained, np.delete(np.load(every), range(32, 48), axis=0))  # steps 5, 6: samples 32..47
     table = cli(["health", str(run_dir), "--plot"], tmp_path / "health").stdout
-    assert "| 5 | loss spike | rollback:" in table and "steps 4..5 skipped" in table
+    assert "| 6 | loss spike | rollback:" in table and "steps 5..6 skipped" in table
     assert (run_dir / "health.png").stat().st_size > 0
 
 
@@ -189,7 +192,7 @@ def test_a_rollback_equals_a_run_without_the_window_and_a_resume_keeps_the_windo
 @pytest.mark.timeout(900)
 def test_too_many_rollbacks_stop_the_run_with_one_line(train_env, tmp_path):
     with pytest.raises(pytest.fail.Exception) as failed:
-        spiked(tmp_path, 1, *SETS, "health.loss.action=rollback", "health.max_rollbacks=1", steps=(3, 7))
+        spiked(tmp_path, 1, *SETS, "health.loss.action=rollback", "health.max_rollbacks=1", steps=(4, 8))
     lines = [line for line in str(failed.value).splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "one rollback more than health.max_rollbacks=1 within health.rollback_window=1000 " \
         "steps: the run stops rather than loop" in lines[0], lines

@@ -18,7 +18,7 @@ import pytest
 from llmjp_ds import checkpoint
 from llmjp_ds.metrics import read_metrics
 
-from tests.runs import cli, max_rel_diff, run_train, trail
+from tests.runs import COMMON_SETS, cli, max_rel_diff, run_train, trail
 from tests.train.test_equivalence import GRAD_NORM_RTOL, LOSS_RTOL
 
 pytestmark = pytest.mark.slow
@@ -100,10 +100,11 @@ def test_decay_branches_start_from_a_stable_run_and_leave_it_as_it_is(train_env,
     for steps in (5, 6):  # stopped once and resumed: a branch resumes like any run
         cli(["train", "--config", str(config), "--set", f"train.steps={steps}"], tmp_path / f"branch-a-{steps}")
 
-    # the reference: the branch's settings from step 0 (the decay, and the blend and batch changes at step 3)
+    # the reference: the branch's settings from its first step (the decay, and the blend and batch changes from
+    # step 4, the branch's first)
     reference = run_train(tmp_path / "reference", 1, *data, *STABLE, *DECAY,
-                          f"data.phases=[{{start_step: 3, blend: {then}}}]",
-                          "train.batch_changes=[{start_step: 3, global_batch_size: 4}]")
+                          f"data.phases=[{{start_step: 4, blend: {then}}}]",
+                          "train.batch_changes=[{start_step: 4, global_batch_size: 4}]")
     same_trail(branch, reference, steps={4, 5, 6})
     same_trail(source, reference, steps={1, 2, 3})
     assert [r["lr"] for r in trail(reference)][-1] < [r["lr"] for r in trail(source)][-1]  # the decay ran
@@ -126,8 +127,8 @@ def test_decay_branches_start_from_a_stable_run_and_leave_it_as_it_is(train_env,
     # existing run, a branch from a damaged checkpoint
     before = sorted(p.name for p in checkpoint.checkpoint_dir(branch).iterdir())
     out = cli(["train", "--config", str(config), "--set", "train.steps=7",
-               "--set", f"data.phases=[{{start_step: 2, blend: {then}}}]"], tmp_path / "refused-1", check=False)
-    assert out.returncode != 0 and "changes the blend of step 2, which" in out.stderr
+               "--set", f"data.phases=[{{start_step: 3, blend: {then}}}]"], tmp_path / "refused-1", check=False)
+    assert out.returncode != 0 and "changes the blend of step 3, which" in out.stderr
     assert sorted(p.name for p in checkpoint.checkpoint_dir(branch).iterdir()) == before
     out = cli(["branch", "--from", str(source), "--tag", tag, "--run", str(other)], tmp_path / "refused-2", check=False)
     assert out.returncode != 0 and f"{other} already exists" in out.stderr
@@ -141,3 +142,38 @@ def test_decay_branches_start_from_a_stable_run_and_leave_it_as_it_is(train_env,
               check=False)
     assert out.returncode != 0 and "fails its manifest" in out.stderr and not (tmp_path / "c").exists()
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.timeout(900)
+def test_phase_2_in_one_run_holds_its_peak_and_numbers_steps_as_its_records(train_env, tmp_path):
+    """LLM-jp-4's stable run on the tiny shape with everything changing inside it: a ramp 2 -> 8, the batch 16 from
+    step 26, another blend from step 20, FP8 (emulated) from step 30, steps 12-13 skipped. The LR stays at the
+    peak from the warm-up's end through the last step and the schedule's decay ends exactly where the run does;
+    each step the config names is the first whose record shows the change, and the plan line says so first."""
+    from llmjp_ds.lr_schedule import run_schedule
+    from llmjp_ds.config import build_config
+
+    first, then, tokenizer = bundled_blends()
+    sets = ["model.shape=tiny", "train.steps=40", "train.global_batch_size=8", "train.batch_rampup=[2, 2, 24]",
+            "train.batch_changes=[{start_step: 26, global_batch_size: 16}]", "optim.warmup_steps=5",
+            f"data.blend={first}", f"data.tokenizer={tokenizer}", f"data.phases=[{{start_step: 20, blend: {then}}}]",
+            "precision.phases=[{precision: bf16}, {precision: fp8, start_step: 30, recipe: current}]",
+            "precision.emulate_fp8=true", "train.skip_steps=[[12, 13]]", "checkpoint.keep=[]", "checkpoint.interval=20",
+            "optim.decay_steps=null"]  # the preset's: the decay ends with the run
+    run_dir = tmp_path / "run"
+    out = cli(["train", "--preset", "llmjp4-8b", *[x for s in (f"run_dir={run_dir}", *COMMON_SETS, *sets)
+                                                   for x in ("--set", s)]], tmp_path / "train")
+    records = {r["step"]: r for r in trail(run_dir)}
+    assert sorted(records) == [s for s in range(1, 41) if s not in (12, 13)]  # the skipped steps trained nothing
+    assert [s for s in records if records[s]["lr"] != pytest.approx(3e-4, rel=1e-12)] == [1, 2, 3, 4, 5]
+    assert (records[25]["global_batch_size"], records[26]["global_batch_size"]) == (8, 16)
+    assert (records[19]["data_phase"], records[20]["data_phase"]) == (0, 1)
+    assert (records[29]["precision"], records[30]["precision"]) == ("fp32", "fp8")
+    assert records[40]["consumed_samples"] == 404
+    marker = checkpoint.read_marker(run_dir, checkpoint.latest_tag(run_dir))
+    cfg = build_config(marker.run_config)
+    # the schedule's decay (in samples) ends where the run does: the LR of a step after the last is the minimum
+    assert marker.lr_schedule["lr_decay_steps"] == 404 and run_schedule(cfg).lr(40, 404) == pytest.approx(3e-5)
+    plan = next(line for line in out.stdout.splitlines() if "plan:" in line)
+    assert ("stable to step 39 (388 samples), linear decay to step 40 (404 samples), LR 0.0003 at step 40" in plan
+            and "batch 16 from step 26 (after 164 samples)" in plan and "data.phases[0] from step 20" in plan), plan

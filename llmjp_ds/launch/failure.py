@@ -116,16 +116,16 @@ class Watchdog:
     """Ends this rank when the step it marks makes no progress for ``timeout_s`` seconds.
 
     The trainer and the step runners call :meth:`beat` at every phase boundary (data, forward, backward,
-    optimizer, evaluation, checkpoint) with the loop's step index (0-based); :meth:`arm` starts the clock (setup
-    is not watched: loading a checkpoint of a large model takes longer than a step). Its message names the step
-    as the log does (1-based: the log's ``step N`` line ends step index N-1), and the phase from the main
-    thread's stack where that is more precise than the last beat (:data:`SECTIONS`): a rank stalled in the stop
-    request's all-reduce after ``step N`` was logged is "in step N (stop check)", not in step N's optimizer."""
+    optimizer, evaluation, checkpoint) with the step they work on, numbered from 1 as the log numbers it;
+    :meth:`arm` starts the clock (setup is not watched: loading a checkpoint of a large model takes longer than a
+    step). Its message names that step, and the phase from the main thread's stack where that is more precise than
+    the last beat (:data:`SECTIONS`): a rank stalled in the stop request's all-reduce after ``step N`` was logged
+    is "in step N (stop check)", not in step N's optimizer."""
 
     def __init__(self, timeout_s: float, rank: int):
         self.timeout_s = timeout_s
         self.rank = rank
-        self.step: int | None = None  # the loop's step index (0-based) of the last beat that named one
+        self.step: int | None = None  # the step (numbered from 1) of the last beat that named one
         self.phase = "setup"
         self.last = time.monotonic()
         self.armed = False
@@ -155,7 +155,7 @@ class Watchdog:
             phase = _section_of(frame) or phase
         except Exception:  # the stack is only a refinement
             pass
-        return f"{'before step 1' if self.step is None else f'in step {self.step + 1}'} ({phase})"
+        return f"{'before step 1' if self.step is None else f'in step {self.step}'} ({phase})"
 
     def _watch(self) -> None:
         interval = max(0.2, min(5.0, self.timeout_s / 10))

@@ -207,8 +207,9 @@ def test_preflight_prints_the_busiest_gpu_of_the_configured_layout(sets, config,
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [line for line in out.stdout.splitlines() if not line.startswith("[")]  # DeepSpeed's own log lines
     assert config in lines[0]
-    assert lines[1].startswith(memory)
-    assert lines[1].endswith("; fits 79.6 GiB")
+    assert lines[1].startswith("plan: warm-up to step 2000 (3456000 samples), cosine decay to step ")  # the schedule
+    assert lines[2].startswith(memory)
+    assert lines[2].endswith("; fits 79.6 GiB")
 
 
 # Run Q (docs/172b-layout.md §9; raw: docs/perf-raw/run-q/summary-tp-memory.txt and slice-tp2-memory.log):

@@ -238,7 +238,7 @@ def test_the_watchdog_names_the_stop_check_after_the_log_line_in_the_logs_number
     from llmjp_ds.trainer import Trainer
 
     watchdog = Watchdog(60, rank=0)
-    watchdog.beat("data", 2)
+    watchdog.beat("data", 3)
     watchdog.beat("optimizer")
     seen = []
     monkeypatch.setattr(dist, "all_reduce", lambda tensor, *a, **k: seen.append(watchdog.where()))

@@ -293,7 +293,7 @@ def _child_megatron(who: str, seq_len: str, train: str, cache: str, bins: str, *
         print(f"BlendedMegatronDatasetBuilder.build {time.perf_counter() - t:.2f} s (import of megatron.core "
               f"{imported:.1f} s)")
         return
-    from llmjp_ds.data.prepare import resolve_data
+    from llmjp_ds.data.plan import resolve_data
 
     scan = ""
     if bins == "dense":

@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 
 from llmjp_ds.config import add_config_args, load_config
-from llmjp_ds.metrics import read_metrics
+from llmjp_ds.metrics.logger import read_metrics
 from llmjp_ds.train import shutdown, train
 
 PROMPTS = ["日本の首都は", "今日は天気が", "The history of", "def fibonacci(n):"]

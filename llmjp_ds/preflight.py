@@ -36,7 +36,7 @@ from llmjp_ds.errors import fail
 from llmjp_ds.launch import scheduler
 from llmjp_ds.launch.hostfile import write_hostfile
 from llmjp_ds.launch.hosts import check_hosts, keepalive_warning, parse_hostfile
-from llmjp_ds.lr_schedule import plan_line
+from llmjp_ds.optim.lr_schedule import plan_line
 from llmjp_ds.model.shapes import resolve_shape
 from llmjp_ds.parallel.memory import describe, layout_memory, node_snapshot_gib, snapshot_gib, stage_layers
 from llmjp_ds.validate import validate_run
@@ -117,8 +117,8 @@ def memory_line(cfg, layout, gas: int, capacity_gib: float, ranks_per_node: int 
 
     model_config = model_config_of(cfg)
     if layout.pipeline > 1:
-        from llmjp_ds.model.pipeline import flops_weights
-        from llmjp_ds.parallel.pipeline import stage_bounds
+        from llmjp_ds.model.pipeline_layers import flops_weights
+        from llmjp_ds.parallel.stages import stage_bounds
 
         bounds = stage_bounds(flops_weights(model_config, seq_len_of(cfg, model_config)), layout.pipeline)
         layers = stage_layers(bounds, model_config.num_hidden_layers)

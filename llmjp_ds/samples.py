@@ -8,7 +8,7 @@ directory lock, nothing written into the run directory; the index caches are bui
 ``data.order: megatron`` these are megatron-core's windows: a Megatron-LM run with the same blend, seq_len, seed,
 split and length can be compared with it window by window. Step ``s`` of a run (numbered from 1) reads train
 samples ``[(s - 1) * gbs, s * gbs)`` (with a ramped or changed batch, from ``BatchSchedule.consumed_at(s - 1)``); which valid
-samples a validation reads: :func:`llmjp_ds.batching.validation_starts` (of ``data.blend``'s valid split).
+samples a validation reads: :func:`llmjp_ds.data.batching.validation_starts` (of ``data.blend``'s valid split).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from llmjp_ds.checkpoint.store import latest_tag, read_marker
 from llmjp_ds.config import (add_config_args, apply_set, build_config, config_from_args, model_config_of,
                              sample_counts, seq_len_of)
 from llmjp_ds.errors import did_you_mean, fail
-from llmjp_ds.health import skipped
+from llmjp_ds.data.batching import skipped
 from llmjp_ds.io_utils import atomic_file
 from llmjp_ds.validate import validate_data
 

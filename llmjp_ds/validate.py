@@ -10,12 +10,12 @@ import os
 import typing
 from pathlib import Path
 
-from llmjp_ds.batch_schedule import check_batches
+from llmjp_ds.data.batch_schedule import check_batches
 from llmjp_ds.config import (RECOMPUTE_MODES, REPO_ROOT, RunConfig, check_keep_rules, sequence_parallel_of,
                              stop_signals_of)
 from llmjp_ds.errors import did_you_mean, fail
-from llmjp_ds.lr_schedule import check_schedule
-from llmjp_ds.metrics import WANDB_MODES
+from llmjp_ds.optim.lr_schedule import check_schedule
+from llmjp_ds.metrics.logger import WANDB_MODES
 from llmjp_ds.model.backend import BACKENDS
 from llmjp_ds.model.shapes import get_shape, resolve_shape
 from llmjp_ds.parallel.ds_config import build_ds_config

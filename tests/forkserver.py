@@ -36,8 +36,8 @@ PRELOAD = ("torch", "torch.distributed", "deepspeed", "deepspeed.comm", "deepspe
            "deepspeed.runtime.pipe.engine", "transformers", "transformers.models.llama.modeling_llama",
            "safetensors.torch", "sentencepiece", "numpy", "yaml", "psutil", "llmjp_ds.train", "llmjp_ds.cli",
            "llmjp_ds.trainer", "llmjp_ds.model", "llmjp_ds.model.llama", "llmjp_ds.parallel.context",
-           "llmjp_ds.parallel.build", "llmjp_ds.parallel.runners", "llmjp_ds.checkpoint", "llmjp_ds.data.prepare",
-           "llmjp_ds.data.dataset", "llmjp_ds.precision.controller", "llmjp_ds.metrics",
+           "llmjp_ds.parallel.build", "llmjp_ds.parallel.runners", "llmjp_ds.checkpoint", "llmjp_ds.data.plan",
+           "llmjp_ds.data.dataset", "llmjp_ds.precision.controller", "llmjp_ds.metrics.logger",
            # DeepSpeed's ZeRO optimizer check imports its Muon optimizer, whose torch.compile decorators import
            # torch._inductor (~3 s)
            "deepspeed.runtime.zero.muon.muon_optimizer")

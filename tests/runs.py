@@ -58,7 +58,7 @@ LAYOUTS = {
 }
 
 _WARM_UP = """
-from llmjp_ds.data.prepare import prepare_bundled
+from llmjp_ds.data.plan import prepare_bundled
 prepare_bundled()
 from deepspeed.comm.torch import build_shm_op
 build_shm_op()
@@ -89,7 +89,7 @@ def cli(args: list[str], log_prefix: Path, *, check: bool = True, timeout: float
 
 def trail(run_dir) -> list[dict]:
     """The step records (not events) of a run's metrics.jsonl, in order."""
-    from llmjp_ds.metrics import read_metrics
+    from llmjp_ds.metrics.logger import read_metrics
 
     return [r for r in read_metrics(run_dir) if "event" not in r and "loss" in r]
 

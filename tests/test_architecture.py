@@ -24,36 +24,25 @@ ALLOWED = {
     "errors": set(),
     "io_utils": {"errors"},
     "model": {"errors", "io_utils"},
-    "data": {"errors", "io_utils", "metrics", "batch_schedule", "batching"},
-    "batching": set(),
-    "batch_schedule": {"errors"},
-    "health": set(),
     "metrics": {"errors"},
-    "config": {"errors", "model", "batch_schedule"},
+    "data": {"errors", "io_utils", "metrics"},
+    "config": {"errors", "model", "data"},
+    "optim": {"errors", "config", "data"},
     "precision": {"errors", "model"},
-    "optim": set(),
-    "lr_schedule": {"errors", "config", "batch_schedule"},
     "launch": {"errors", "io_utils"},
     "parallel": {"errors", "io_utils", "config", "model", "optim", "launch"},
-    "validate": {"errors", "config", "model", "parallel", "precision", "metrics", "data", "batch_schedule",
-                 "lr_schedule"},
-    "checkpoint": {"errors", "io_utils", "config", "model", "parallel", "launch", "data", "batch_schedule",
-                   "validate", "lr_schedule"},
-    "interchange": {"errors", "io_utils", "config", "model", "parallel", "data", "batch_schedule", "checkpoint"},
-    "drills": {"errors"},
-    "trainer": {"errors", "config", "validate", "model", "precision", "parallel", "data", "batching",
-                "batch_schedule", "lr_schedule", "checkpoint", "metrics", "optim", "drills", "health", "launch"},
+    "validate": {"errors", "config", "model", "parallel", "precision", "metrics", "data", "optim"},
+    "checkpoint": {"errors", "io_utils", "config", "model", "parallel", "launch", "data", "validate", "optim"},
+    "interchange": {"errors", "io_utils", "config", "model", "parallel", "data", "checkpoint"},
+    "health": {"errors", "checkpoint", "metrics"},
+    "trainer": {"errors", "config", "validate", "model", "precision", "parallel", "data", "optim", "checkpoint",
+                "metrics", "health", "launch"},
+    "bench": {"errors", "config", "validate", "trainer", "model", "metrics", "optim", "health", "parallel",
+              "precision", "io_utils"},
     "train": {"errors", "config", "trainer", "parallel", "validate", "launch"},
-    "bench_peers": {"model", "optim", "lr_schedule", "parallel", "config", "precision"},
-    "bench_profile": set(),
-    "bench": {"errors", "config", "validate", "trainer", "model", "metrics", "optim", "lr_schedule", "health",
-              "parallel", "io_utils", "bench_peers", "bench_profile"},
-    "preflight": {"errors", "config", "validate", "model", "parallel", "checkpoint", "launch", "lr_schedule"},
+    "preflight": {"errors", "config", "validate", "model", "parallel", "checkpoint", "launch", "optim"},
     "demo": {"checkpoint", "config", "metrics", "train", "interchange"},
-    "curves": {"errors", "metrics"},
-    "plot": {"errors", "metrics", "curves"},
-    "samples": {"errors", "config", "io_utils", "trainer", "validate", "health", "checkpoint"},
-    "health_report": {"errors", "checkpoint", "metrics", "plot"},
+    "samples": {"errors", "config", "io_utils", "trainer", "validate", "data", "checkpoint"},
     "cli": {"errors"},
 }
 
@@ -431,9 +420,9 @@ def test_each_rule_sees_a_planted_violation():
                                                "llmjp_ds.a:6 torch (loaded already)",
                                                "llmjp_ds.a:8 llmjp_ds.c (adds nothing to load)"]
     # a room below the trainer that imports it, and the trainer importing a verb above it
-    assert imports_across_floors({"llmjp_ds.checkpoint.store": {"llmjp_ds.trainer.resuming"},
+    assert imports_across_floors({"llmjp_ds.checkpoint.store": {"llmjp_ds.trainer.restore"},
                                   "llmjp_ds.trainer.trainer": {"llmjp_ds.train"}}) == [
-        "llmjp_ds.checkpoint.store -> llmjp_ds.trainer.resuming", "llmjp_ds.trainer.trainer -> llmjp_ds.train"]
+        "llmjp_ds.checkpoint.store -> llmjp_ds.trainer.restore", "llmjp_ds.trainer.trainer -> llmjp_ds.train"]
 
 
 def test_a_local_of_the_same_name_is_not_module_state():

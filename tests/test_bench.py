@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmjp_ds import bench, bench_profile
+from llmjp_ds.bench import profile as bench_profile
+from llmjp_ds.bench import run as bench
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -290,7 +291,7 @@ def _cli_env() -> dict:
 
 @pytest.mark.timeout(120)
 def test_cli_bad_set_key_is_a_one_line_error():
-    proc = subprocess.run([sys.executable, "-m", "llmjp_ds.bench", "--shapes", "172b-slice", "--set", "model.nope=1"],
+    proc = subprocess.run([sys.executable, "-m", "llmjp_ds.bench.run", "--shapes", "172b-slice", "--set", "model.nope=1"],
                           cwd=REPO, env=_cli_env(), capture_output=True, text=True, timeout=100)
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
@@ -316,7 +317,7 @@ def harness(tmp_path_factory):
     """The three ``--one tiny`` runs, started together (one thread each) and parsed once for the module."""
     procs = {}
     for key, (shape, variant, sets, extra) in RUNS.items():
-        cmd = [sys.executable, "-m", "llmjp_ds.bench", "--one", shape, variant, "--steps", str(STEPS),
+        cmd = [sys.executable, "-m", "llmjp_ds.bench.run", "--one", shape, variant, "--steps", str(STEPS),
                "--warmup", str(WARMUP), "--gas", str(GAS)] + [a for s in sets for a in ("--set", s)] + extra
         procs[key] = subprocess.Popen(cmd, cwd=REPO, env=_cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True)
@@ -391,7 +392,7 @@ def test_harness_stage_shape_trains_our_decoder_layers_alone(harness):
     """``tiny-stage``: our decoder layers without embedding and head, through the trainer's engine. Its first
     loss is that of the same layers built in-process (same seed, bf16 as the engine holds them), its FLOPs are
     the decoder layers' only, and the optimizer stepped."""
-    from llmjp_ds.bench_peers import stage_model
+    from llmjp_ds.bench.peers import stage_model
     from llmjp_ds.model.flops import layer_and_logits_flops_for
     from llmjp_ds.model.shapes import model_config
 
@@ -420,7 +421,7 @@ def _row(shape, variant, tflops):
 def test_the_megatron_peer_logs_its_loss_as_computed_not_as_megatron_rescales_it():
     """Megatron-Core's schedule divides the loss its loss function returns by the micro-batch count in place; the
     logged value must stay the mean (runs T, V and X logged 11.92 / 8)."""
-    from llmjp_ds.bench_peers import mcore_loss
+    from llmjp_ds.bench.peers import mcore_loss
 
     per_token = torch.tensor([[11.0, 12.0], [13.0, 12.0]], dtype=torch.bfloat16)
     loss, logged = mcore_loss(per_token)
@@ -529,7 +530,7 @@ def test_llmjp4_slice_is_four_layers_of_the_8b_with_its_whole_head():
 def test_the_megatron_peer_gets_the_llmjp4_shape():
     """GPTModel's arguments at llmjp4-8b-slice: 8 query groups, RMSNorm eps 1e-6, RoPE base 500000, the
     vocabulary unpadded (196,608 is a multiple of 128 x TP already), the head untied."""
-    from llmjp_ds.bench_peers import mcore_layer_shape, mcore_model_args
+    from llmjp_ds.bench.peers import mcore_layer_shape, mcore_model_args
     from llmjp_ds.config import model_config_of
 
     config = model_config_of(bench.bench_config("llmjp4-8b-slice", "peer-mcore-bf16", 8))
@@ -554,7 +555,7 @@ def test_megatron_core_builds_the_llmjp4_shape_as_ours():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from llmjp_ds.bench_peers import mcore_layer_shape, mcore_model_args
+    from llmjp_ds.bench.peers import mcore_layer_shape, mcore_model_args
     from llmjp_ds.model import LlamaForCausalLM
     from llmjp_ds.model.shapes import model_config
 

@@ -1,4 +1,4 @@
-"""Training curves of both stacks (`llmjp_ds/curves.py`) and `llmjp-ds plot --beside`: a Megatron-LM log read
+"""Training curves of both stacks (`llmjp_ds/metrics/curves.py`) and `llmjp-ds plot --beside`: a Megatron-LM log read
 step for step, a run's metrics, the gap between two curves, and the figure that draws them together."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from llmjp_ds.curves import gap, megatron_log_curve, read_curve, run_curve
+from llmjp_ds.metrics.curves import gap, megatron_log_curve, read_curve, run_curve
 from llmjp_ds.errors import UserError
-from llmjp_ds.metrics import MetricsLogger
-from llmjp_ds.plot import _by_step, _draw, cli_main, read_records
+from llmjp_ds.metrics.logger import MetricsLogger
+from llmjp_ds.metrics.plot import _by_step, _draw, cli_main, read_records
 
 
 def megatron_line(step: int, total: int, loss: float, grad_norm: float, lr: float) -> str:
@@ -132,7 +132,7 @@ def test_a_megatron_processs_second_line_is_taken_apart_from_its_first():
     (docs/performance.md, run AE): from one checkpoint at 250 on one batch each step, Megatron-LM printed
     4.88904 / 5.17945 / 5.88216 at 251-253 and ours logged 4.88902 / 5.46996 / 5.88224, the grad norms equal at
     every step; and run AD's run B (the fixture) printed 11.92958 at step 2, where ours logged 11.94641."""
-    from llmjp_ds.curves import megatron_unmixed
+    from llmjp_ds.metrics.curves import megatron_unmixed
 
     restart = {250: {"loss": 4.88061}, 251: {"loss": 4.88904}, 252: {"loss": 5.17945, "grad_norm": 3.140},
                253: {"loss": 5.88216}}

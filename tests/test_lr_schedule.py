@@ -1,4 +1,4 @@
-"""The LR and weight-decay schedules (llmjp_ds.lr_schedule.LRSchedule): ``optim.schedule=megatron`` against
+"""The LR and weight-decay schedules (llmjp_ds.optim.lr_schedule.LRSchedule): ``optim.schedule=megatron`` against
 megatron-core's own OptimizerParamScheduler (the class Megatron-LM steps by the global batch after each iteration),
 built from the same iteration-based arguments as Megatron-LM builds it, iteration by iteration, for every decay style,
 and resumed from a checkpoint as its load_state_dict resumes; ``llmjp`` against its formula."""
@@ -13,7 +13,7 @@ import warnings
 import pytest
 
 from llmjp_ds.errors import UserError
-from llmjp_ds.lr_schedule import LRSchedule, resumed, run_schedule, schedule_lr
+from llmjp_ds.optim.lr_schedule import LRSchedule, resumed, run_schedule, schedule_lr
 
 
 def megatron_lrs(iterations: int, gbs: int, lr: float, min_lr: float, warmup: int, decay: int) -> list[float]:
@@ -140,7 +140,7 @@ def config_of(args: dict):
 
 
 def our_schedule(args: dict) -> LRSchedule:
-    from llmjp_ds.lr_schedule import check_schedule
+    from llmjp_ds.optim.lr_schedule import check_schedule
 
     cfg = config_of(args)
     check_schedule(cfg.optim, cfg.train.steps)
@@ -359,7 +359,7 @@ def megatron_batches(iterations: int, gbs: int, rampup=None, restarts=()) -> lis
 
 
 def our_plan(sets: list[str]) -> tuple[LRSchedule, "BatchSchedule"]:
-    from llmjp_ds.batch_schedule import BatchSchedule
+    from llmjp_ds.data.batch_schedule import BatchSchedule
     from llmjp_ds.config import load_config
 
     cfg = load_config(None, ["optim.schedule=megatron", "optim.lr=3e-4", "optim.min_lr_ratio=0.1", *sets])
@@ -439,7 +439,7 @@ def test_a_branch_after_a_change_decays_over_its_own_steps(new_batch):
     over its last 20, against Megatron-LM restarted from the stable run's scheduler with
     --override-opt_param-scheduler and the branch's sample-based arguments; ``new_batch``: the branch also changes
     the global batch (llmjp-ds branch --set train.global_batch_size), counting its steps in it."""
-    from llmjp_ds.batch_schedule import BatchSchedule
+    from llmjp_ds.data.batch_schedule import BatchSchedule
     from llmjp_ds.checkpoint.branch import branch_config
     from llmjp_ds.config import build_config, load_config
 
@@ -527,7 +527,7 @@ def test_llmjp_wsd_and_weight_decay_in_steps():
 def test_set_lr_decays_as_megatron_cores_groups():
     import torch
 
-    from llmjp_ds.optim import parameter_groups, set_lr
+    from llmjp_ds.optim.adamw import parameter_groups, set_lr
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     opt = torch.optim.AdamW(parameter_groups(model, 0.1), lr=1.0)
@@ -549,7 +549,7 @@ def test_set_lr_decays_as_megatron_cores_groups():
 _ZERO1_SCRIPT = textwrap.dedent("""
     import json
     import torch, deepspeed
-    from llmjp_ds.optim import parameter_groups, set_lr
+    from llmjp_ds.optim.adamw import parameter_groups, set_lr
     out = {}
     for bf16 in (True, False):
         cfg = json.load(open("ds_configs/zero1.json"))
@@ -643,7 +643,7 @@ def test_import_megatron_continues_its_schedule(args):
 ])
 def test_bad_schedules_are_one_line(sets, line):
     from llmjp_ds.config import load_config
-    from llmjp_ds.lr_schedule import check_schedule
+    from llmjp_ds.optim.lr_schedule import check_schedule
 
     cfg = load_config(None, ["train.steps=10000", "optim.warmup_steps=2000", "optim.lr=3e-4", *sets])
     with pytest.raises(UserError) as err:
@@ -653,7 +653,7 @@ def test_bad_schedules_are_one_line(sets, line):
 
 def test_good_schedules_pass():
     from llmjp_ds.config import load_config
-    from llmjp_ds.lr_schedule import check_schedule
+    from llmjp_ds.optim.lr_schedule import check_schedule
 
     for sets in [[], ["train.steps=10"],  # a smoke run shorter than its warmup only warms up
                  ["optim.end_weight_decay=0.1", "optim.weight_decay_incr_style=cosine"],  # cosine from 0.1 to 0.1

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from llmjp_ds.errors import UserError
-from llmjp_ds.metrics import (
+from llmjp_ds.metrics.logger import (
     MetricsLogger, Throughput, format_log_line, peak_flops_for_device, peak_memory_gib, peak_tflops, read_metrics,
 )
 
@@ -160,7 +160,7 @@ def test_read_metrics_of_a_missing_run_is_a_user_error(tmp_path):
 def test_disabled_mode_never_imports_wandb(tmp_path):
     code = textwrap.dedent(f"""
         import sys
-        from llmjp_ds.metrics import MetricsLogger, Throughput, format_log_line, peak_memory_gib
+        from llmjp_ds.metrics.logger import MetricsLogger, Throughput, format_log_line, peak_memory_gib
         with MetricsLogger({str(tmp_path)!r}, wandb_mode="disabled", resume_step=3) as logger:
             logger.log(1, {{"loss": 1.0, **Throughput(1e9, 100, peak_flops=None).update(1.0)}})
             logger.event(1, "rollback")

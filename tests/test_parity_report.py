@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.parity import __main__ as harness
-from llmjp_ds.curves import _ITERATION
+from llmjp_ds.metrics.curves import _ITERATION
 
 RAW = Path(__file__).resolve().parents[1] / "docs" / "perf-raw"
 
@@ -269,8 +269,8 @@ def megatron_lrs(sched, group, batches) -> list[float]:
 def ours_lrs(cfg, first: int, saved: dict | None = None) -> list[float]:
     """Our LR of steps ``first`` .. the end: the config's schedule (reconciled with a checkpoint's ``saved``
     schedule under ``optim.resume_schedule``, as a resume does)."""
-    from llmjp_ds.batch_schedule import BatchSchedule
-    from llmjp_ds.lr_schedule import resumed, run_schedule
+    from llmjp_ds.data.batch_schedule import BatchSchedule
+    from llmjp_ds.optim.lr_schedule import resumed, run_schedule
 
     sched = run_schedule(cfg)
     if saved is not None:
@@ -286,11 +286,11 @@ def recipe_disagreements(commands: dict[str, list[str]], monkeypatch) -> list[st
     config (branch_config over the imported run's, its past checked as create_branch checks it)."""
     import types
 
-    from llmjp_ds.batch_schedule import BatchSchedule
+    from llmjp_ds.data.batch_schedule import BatchSchedule
     from llmjp_ds.interchange import megatron as megatron_import
     from llmjp_ds.checkpoint.branch import branch_config
     from llmjp_ds.interchange.megatron_reader import MegatronCheckpoint
-    from llmjp_ds.checkpoint.resume import check_same_past
+    from llmjp_ds.checkpoint.resume_checks import check_same_past
     from llmjp_ds.config import RunConfig, apply_set, build_config, load_config, megatron_sample_counts, model_config_of
     from llmjp_ds.errors import UserError
 

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from llmjp_ds.errors import UserError
-from llmjp_ds.metrics import MetricsLogger
-from llmjp_ds.plot import cli_main, plot_run
+from llmjp_ds.metrics.logger import MetricsLogger
+from llmjp_ds.metrics.plot import cli_main, plot_run
 
 TAB_RED = (214, 39, 40)  # the rollback line
 FP8_SHADE = (255, 240, 226)  # tab:orange (255, 127, 14) at alpha 0.12 over white

@@ -13,7 +13,7 @@ import argparse
 import statistics
 from pathlib import Path
 
-from llmjp_ds.metrics import read_metrics
+from llmjp_ds.metrics.logger import read_metrics
 
 
 def records(run: str) -> dict:

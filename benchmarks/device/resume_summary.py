@@ -13,7 +13,7 @@ deterministic; docs/performance.md, run F), so the tolerance is a few times that
 import argparse
 import sys
 
-from llmjp_ds.metrics import read_metrics
+from llmjp_ds.metrics.logger import read_metrics
 
 
 def split(run):

@@ -276,7 +276,7 @@ def curves(runs: Path, logs: Path, ran: set[str]) -> dict[str, Path]:
     """Each run's curve as a source ``llmjp-ds plot --beside`` reads: Megatron's log lines (A's two processes
     joined) and our run directories. A Megatron curve only from processes of this call (``ran``): ``--work``'s logs
     outlive a call, and A1 alone is not A3's curve."""
-    from llmjp_ds.curves import megatron_log_curve
+    from llmjp_ds.metrics.curves import megatron_log_curve
 
     keep = ("iteration", "validation loss at")
     sources = {}
@@ -307,10 +307,10 @@ def report(setup: Setup, calls: list[dict[str, Path]], out: Path, recipe: Recipe
     the initial weights may come from any call (every call writes the same ones); a call's checkpoint does not
     outlive it, so a run from A's (or W-A1's) checkpoint is compared with a Megatron run of its own call, and the
     spread is taken within one call too. Megatron's second line after each start is taken apart
-    (:func:`~llmjp_ds.curves.megatron_unmixed`): A, A3, B, W-A1 and W-B start at step 1, A2, A3 and F after the
+    (:func:`~llmjp_ds.metrics.curves.megatron_unmixed`): A, A3, B, W-A1 and W-B start at step 1, A2, A3 and F after the
     flip, W-A2, D1 and D2 after the recipe's branch step."""
-    from llmjp_ds.curves import gap, megatron_unmixed, read_curve
-    from llmjp_ds.plot import plot_run
+    from llmjp_ds.metrics.curves import gap, megatron_unmixed, read_curve
+    from llmjp_ds.metrics.plot import plot_run
 
     recipe = recipe or Recipe()
 

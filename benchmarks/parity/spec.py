@@ -69,13 +69,13 @@ class Recipe:
 
     def batch_changes(self, seq_len: int) -> tuple[tuple[int, int], ...]:
         """``(start_step, batch)`` of the step schedule, as ``llmjp-ds import-megatron`` reads it."""
-        from llmjp_ds.batch_schedule import changes_at_thresholds, megatron_step_schedule
+        from llmjp_ds.data.batch_schedule import changes_at_thresholds, megatron_step_schedule
 
         return changes_at_thresholds(megatron_step_schedule(self.batch_schedule, seq_len))
 
     def batches(self, seq_len: int):
         """The batch schedule of the step schedule (its changes at step indices from 0)."""
-        from llmjp_ds.batch_schedule import BatchSchedule, step_index
+        from llmjp_ds.data.batch_schedule import BatchSchedule, step_index
 
         return BatchSchedule(1, None, tuple((step_index(s), b) for s, b in self.batch_changes(seq_len)))
 

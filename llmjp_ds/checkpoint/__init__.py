@@ -7,7 +7,7 @@
 * :mod:`.safe_load`: reading checkpoint files without running code from them;
 * :mod:`.readers`: a checkpoint's model weights and client state, on any layout;
 * :mod:`.client_state`: the run's state saved beside the weights, its keys in one place;
-* :mod:`.resume`: choosing the intact checkpoint to resume, and checking that the run's past agrees;
+* :mod:`.resume_checks`: choosing the intact checkpoint to resume, and checking that the run's past agrees;
 * :mod:`.branch`: a new run from another run's checkpoint, with its own schedule.
 
 The names below are what the trainer, the demo and the CLI use. Checkpoints of other systems (Hugging Face,
@@ -17,7 +17,7 @@ Megatron-LM) come and go through :mod:`llmjp_ds.interchange`.
 from llmjp_ds.checkpoint.async_save import AsyncSaver, commit_when_done
 from llmjp_ds.checkpoint.lock import RunDirLock
 from llmjp_ds.checkpoint.readers import load, read_client_state, read_model_state, trusted_te_extra_state
-from llmjp_ds.checkpoint.resume import check_resume, choose_intact, resumed_schedule
+from llmjp_ds.checkpoint.resume_checks import check_resume, choose_intact, resumed_schedule
 from llmjp_ds.checkpoint.safe_load import load_checkpoint_file
 from llmjp_ds.checkpoint.store import (LATEST, MARKER, CheckpointMeta, checkpoint_dir, complete_tags, discard_after,
                                        latest_tag, prune, prune_incomplete, read_marker, remove_tag, save,

@@ -30,7 +30,7 @@ from pathlib import Path
 import yaml
 
 from llmjp_ds.checkpoint.lock import refuse_if_held
-from llmjp_ds.checkpoint.resume import check_same_past, verify_tag
+from llmjp_ds.checkpoint.resume_checks import check_same_past, verify_tag
 from llmjp_ds.checkpoint.store import LATEST, MARKER, checkpoint_dir, latest_tag, read_marker, tag_dir, vet_tag
 from llmjp_ds.config import add_config_args, apply_set, build_config, load_file, merge
 from llmjp_ds.errors import fail

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import signal
 
-from llmjp_ds.batch_schedule import BatchSchedule
+from llmjp_ds.data.batch_schedule import BatchSchedule
 from llmjp_ds.config.schema import CheckpointConfig, KeepRule, RunConfig
 from llmjp_ds.errors import did_you_mean, fail
 from llmjp_ds.model.shapes import model_config, overrides_dict

@@ -149,7 +149,7 @@ class OptimConfig:
                      f"{did_you_mean(str(value), choices)}")
 
 
-LR_SCHEDULES = ("llmjp", "megatron")  # optim.schedule: the conventions of llmjp_ds.lr_schedule.LRSchedule
+LR_SCHEDULES = ("llmjp", "megatron")  # optim.schedule: the conventions of llmjp_ds.optim.lr_schedule.LRSchedule
 # megatron-core's OptimizerParamScheduler's styles, by its names
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
@@ -316,7 +316,7 @@ class SpikeRule:
 
 @section
 class HealthConfig:
-    """Loss and grad-norm spikes, non-finite steps and validation jumps (llmjp_ds/health.py): each kind's action
+    """Loss and grad-norm spikes, non-finite steps and validation jumps (llmjp_ds/health/monitor.py): each kind's action
     (warn | skip the update | rollback to the newest checkpoint before it, skipping samples | stop)."""
 
     window: int = field(default=100, metadata=at_least(3, "values of history a spike is measured against"))

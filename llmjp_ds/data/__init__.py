@@ -11,8 +11,11 @@
 * :mod:`.dataset`: GPT windows of seq_len + 1 tokens, per-epoch shuffles, weighted blends, cached indices;
 * :mod:`.megatron_order`: ``data.order: megatron``, Megatron-LM's samples from megatron-core's own dataset code;
 * :mod:`.megatron_internals`: every use of megatron-core beyond its public dataset API;
+* :mod:`.batch_schedule`: the global batch of each step, as Megatron-LM's microbatch calculator gives it (pure);
+* :mod:`.batching`: which samples each rank reads of a step, and the steps whose samples are read and not trained
+  on (pure);
 * :mod:`.phases`: the samples a run reads, phase by phase (a decay branch's other blend, a mid-training phase);
-* :mod:`.prepare`: what a run reads: the configured blend and tokenizer, or the bundled corpus prepared once;
+* :mod:`.plan`: what a run reads: the configured blend and tokenizer, or the bundled corpus prepared once;
 * ``corpus/``: the bundled demo corpus (ja, en, code); regenerate with ``python -m benchmarks.corpus_gen``.
 
 Names below import lazily so that ``import llmjp_ds.data`` stays cheap. ``preprocess`` is not among them: the name

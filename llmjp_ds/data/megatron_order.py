@@ -13,7 +13,7 @@ is_built_on_rank, GPTDatasetConfig(...)).build()``; :func:`build_megatron_datase
 
 Sample ``i`` of a split is then the raw window (``seq_len + 1`` tokens) megatron-core's dataset gives for index
 ``i`` (:mod:`llmjp_ds.data.megatron_internals`), and the trainer reads index ``i`` where Megatron-LM's
-``MegatronPretrainingSampler`` does (:mod:`llmjp_ds.batching`).
+``MegatronPretrainingSampler`` does (:mod:`llmjp_ds.data.batching`).
 
 The indices are megatron-core's own cache files, in ``data.cache_dir`` when it is set (a Megatron-LM
 ``--data-cache-path`` is reused as it is) or in ``_llmjp_index/megatron-<key>/`` beside the first corpus, the key

@@ -1,7 +1,7 @@
 """The samples a run reads, phase by phase: ``data.blend`` from step 0, each of ``data.phases`` from its
 ``start_step`` on (a decay branch with another mix, a mid-training phase).
 
-Global sample ``i`` is read by the step whose batch holds it (:class:`~llmjp_ds.batch_schedule.BatchSchedule`), and
+Global sample ``i`` is read by the step whose batch holds it (:class:`~llmjp_ds.data.batch_schedule.BatchSchedule`), and
 that step's phase gives the window:
 
 * ``count: run`` (and ``data.blend`` itself): sample ``i`` of the phase's blend, built for the whole run's train
@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmjp_ds.batch_schedule import BatchSchedule
-from llmjp_ds.data.prepare import DataPlan
+from llmjp_ds.data.batch_schedule import BatchSchedule
+from llmjp_ds.data.plan import DataPlan
 
 
 @dataclass

@@ -18,7 +18,7 @@ import yaml
 from llmjp_ds.checkpoint.branch import read_origin
 from llmjp_ds.checkpoint.lock import LOCK, refuse_if_held
 from llmjp_ds.checkpoint.readers import read_model_state
-from llmjp_ds.checkpoint.resume import verify_tag
+from llmjp_ds.checkpoint.resume_checks import verify_tag
 from llmjp_ds.checkpoint.store import checkpoint_dir, complete_tags, latest_tag, read_marker, vet_tag
 from llmjp_ds.config import merge, preset_dict
 from llmjp_ds.errors import fail

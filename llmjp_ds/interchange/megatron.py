@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from llmjp_ds.batch_schedule import BatchSchedule, changes_at_thresholds, megatron_step_schedule
+from llmjp_ds.data.batch_schedule import BatchSchedule, changes_at_thresholds, megatron_step_schedule
 from llmjp_ds.checkpoint.client_state import ClientState
 from llmjp_ds.checkpoint.manifest import digest, save_hashed
 from llmjp_ds.checkpoint.readers import CLIENT_STATE

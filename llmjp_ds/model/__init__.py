@@ -10,7 +10,7 @@
 * :mod:`.residual_grad`: the residual stream's gradient added inside the next norm's backward;
 * :mod:`.weight_reuse`: the protocol between TE's GEMMs and the FP8 weight cache, from the model's side;
 * :mod:`.tensor_parallel`: tensor and sequence parallelism: the group and the four communication operators;
-* :mod:`.pipeline`: the pipeline split (embedding | decoder layers | final norm + head) as stage layers;
+* :mod:`.pipeline_layers`: the pipeline split (embedding | decoder layers | final norm + head) as stage layers;
 * :mod:`.hf_adapter`: the model's weight names: Hugging Face Llama <-> ours (TE names) <-> pipeline layers, TP
   shards; pure functions;
 * :mod:`.hf_io`: Hugging Face Llama checkpoint directories (safetensors) read and written;

@@ -18,7 +18,7 @@ layers.N.layernorm_mlp.fc2_weight                          layers.N.mlp.down_pro
 ``model.embed_tokens.weight``, ``model.norm.weight`` and ``lm_head.weight`` keep their names. TE's
 ``_extra_state`` entries (FP8 scaling metadata) have no HF counterpart and are dropped on export.
 
-The pipeline (``model/pipeline.py``) holds the same modules as layers ``0`` (embedding), ``1..N`` (decoder
+The pipeline (``model/pipeline_layers.py``) holds the same modules as layers ``0`` (embedding), ``1..N`` (decoder
 layers) and ``N + 1`` (final norm and head); :func:`pipeline_name_to_ours` maps a layer's parameter name to
 ours, which is also how DeepSpeed's ``layer_XX-model_states.pt`` files are read.
 """

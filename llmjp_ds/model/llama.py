@@ -2,7 +2,7 @@
 
 Read top to bottom: ``rope_freqs`` -> ``SelfAttention`` -> ``DecoderLayer`` -> ``Embedding`` / ``FinalNormHead``
 -> ``LlamaForCausalLM``. The layer modules come from a backend (``te_layers`` on a CUDA GPU with TE,
-``torch_layers`` elsewhere) with identical parameter names; the pipeline-parallel split (``pipeline.py``) reuses
+``torch_layers`` elsewhere) with identical parameter names; the pipeline-parallel split (``pipeline_layers.py``) reuses
 ``Embedding``, ``DecoderLayer`` and ``FinalNormHead`` unchanged.
 
 Parameter names (TE's, inside each decoder layer)::

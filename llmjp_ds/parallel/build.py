@@ -1,5 +1,5 @@
 """Building the model on this rank: the HF model (no pipeline) or a ``PipelineModule`` of the same layer classes
-(``parallel/pipeline.py``), seeded per layer so every layout starts from the same weights, HF weights loaded into
+(``parallel/stages.py``), seeded per layer so every layout starts from the same weights, HF weights loaded into
 it, and DeepSpeed's engine around it."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from llmjp_ds.model.backend import layers_module
 from llmjp_ds.model.hf_adapter import from_hf_state_dict
 from llmjp_ds.model.hf_io import read_hf_tensors
 from llmjp_ds.model.tensor_parallel import sum_sequence_parallel_grads
-from llmjp_ds.optim import build_optimizer
+from llmjp_ds.optim.adamw import build_optimizer
 from llmjp_ds.parallel.deepspeed_internals import fuse_grad_accumulation, fuse_optimizer_step, local_layers
 from llmjp_ds.parallel.ds_config import build_ds_config
 from llmjp_ds.parallel.layout import Layout
-from llmjp_ds.parallel.pipeline import our_names, pipeline_module, seeded_layer_specs, shard_of
+from llmjp_ds.parallel.stages import our_names, pipeline_module, seeded_layer_specs, shard_of
 
 
 def build_model(cfg: RunConfig, model_config, backend: str, checkpoint_fn=None, tp=None, layout: Layout | None = None):
@@ -48,7 +48,7 @@ def build_model(cfg: RunConfig, model_config, backend: str, checkpoint_fn=None, 
         model.checkpoint_fn = checkpoint_fn
         sum_sequence_parallel_grads(model, tp)
         return model, None
-    from llmjp_ds.model.pipeline import PipelineLoss
+    from llmjp_ds.model.pipeline_layers import PipelineLoss
 
     loss = PipelineLoss(cfg.model.z_loss, loss_kwargs["fused_loss"], tp)
     module = pipeline_module(cfg, model_config, backend, checkpoint_fn, loss, tp, layout)

@@ -8,7 +8,7 @@ returns the losses reduced over all ranks as device tensors (nothing here waits 
 * :class:`PipelineRunner`: DeepSpeed's pipeline engine, which drives them in its 1F1B schedule; the pipeline
   module enters the precision context per micro-batch and the last stage's loss function keeps the parts.
 
-``loss_scale`` multiplies the loss (1; NaN or a planted spike in a fault drill, :mod:`llmjp_ds.drills`), and
+``loss_scale`` multiplies the loss (1; NaN or a planted spike in a fault drill, :mod:`llmjp_ds.health.drills`), and
 ``grad_scale`` the loss only where it makes the gradients (a planted gradient spike). ``gate(loss)``, when set, is
 asked with the step's mean loss over every rank before the last micro-batch's backward: True skips the update
 (that backward is taken of a NaN loss, so DeepSpeed's optimizer, which skips non-finite gradients, leaves the

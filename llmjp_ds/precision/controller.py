@@ -16,7 +16,7 @@ recipe runs or why:
 
 ``choose_recipe`` and ``validation`` are generators: each yields once per loss it needs, inside the precision
 context that loss is measured in, and the loop sends the measured loss back
-(``trainer.evaluation.Evaluator.decide``), so nothing here knows DeepSpeed, the data or the step runner. Events go
+(``trainer.heldout_loss.Evaluator.decide``), so nothing here knows DeepSpeed, the data or the step runner. Events go
 to ``event(step, kind, **fields)`` (the metrics log) and lines for people to ``say(line)`` (rank 0's stdout). A new
 guard or action is a change to this package only."""
 

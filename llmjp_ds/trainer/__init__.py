@@ -3,9 +3,9 @@
 * :mod:`.trainer`: the Trainer, built whole, and its loop, which asks the precision controller and the health
   monitor at fixed points and acts on their answers;
 * :mod:`.step`: the model under DeepSpeed and one optimizer step of it (what ``llmjp-ds bench`` drives too);
-* :mod:`.evaluation`: validation, the mean loss over fixed held-out batches;
+* :mod:`.heldout_loss`: validation, the mean loss over fixed held-out batches;
 * :mod:`.saving`: saves in the background and their commit;
-* :mod:`.resuming`: back to a checkpoint: the newest intact one at the start, the one before a spike or a
+* :mod:`.restore`: back to a checkpoint: the newest intact one at the start, the one before a spike or a
   divergence in a rollback;
 * :mod:`.stopping`: a stop signal, or this rank's launcher gone, ending the run at a step boundary.
 """

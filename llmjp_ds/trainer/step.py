@@ -7,12 +7,12 @@ import math
 
 import torch
 
-from llmjp_ds.batch_schedule import BatchSchedule
+from llmjp_ds.data.batch_schedule import BatchSchedule
 from llmjp_ds.config import RunConfig, model_config_of, seq_len_of
-from llmjp_ds.drills import with_drills
+from llmjp_ds.health.drills import with_drills
 from llmjp_ds.model.backend import layers_module, resolve_backend
 from llmjp_ds.model.llama import DecoderLayer
-from llmjp_ds.optim import set_lr
+from llmjp_ds.optim.adamw import set_lr
 from llmjp_ds.parallel.build import build_model, initialize
 from llmjp_ds.parallel.context import ParallelContext
 from llmjp_ds.parallel.deepspeed_internals import set_global_batch

@@ -15,25 +15,25 @@ from pathlib import Path
 import torch
 
 from llmjp_ds import checkpoint
-from llmjp_ds.batch_schedule import BatchSchedule, step_index
-from llmjp_ds.batching import step_micro_batches
+from llmjp_ds.data.batch_schedule import BatchSchedule, step_index
+from llmjp_ds.data.batching import skip_window, skipped, step_micro_batches
 from llmjp_ds.checkpoint.branch import read_origin
 from llmjp_ds.checkpoint.client_state import ClientState
 from llmjp_ds.config import (RunConfig, megatron_sample_counts, model_config_of, sample_counts, save_due,
                              seq_len_of, sequence_parallel_of, stop_signals_of, train_samples)
 from llmjp_ds.data.phases import RunData
-from llmjp_ds.data.prepare import resolve_data
+from llmjp_ds.data.plan import resolve_data
 from llmjp_ds.errors import fail
-from llmjp_ds.health import HealthMonitor, Verdict, skip_window, skipped
-from llmjp_ds.lr_schedule import plan_line, run_schedule
-from llmjp_ds.metrics import MetricsLogger, Throughput, format_log_line, peak_memory_gib, reset_peak_memory
+from llmjp_ds.health.monitor import HealthMonitor, Verdict
+from llmjp_ds.optim.lr_schedule import plan_line, run_schedule
+from llmjp_ds.metrics.logger import MetricsLogger, Throughput, format_log_line, peak_memory_gib, reset_peak_memory
 from llmjp_ds.model.backend import resolve_backend
 from llmjp_ds.model.flops import flops_per_token_for
 from llmjp_ds.parallel.context import ParallelContext
 from llmjp_ds.parallel.layout import Layout
 from llmjp_ds.precision.controller import PrecisionController
-from llmjp_ds.trainer.evaluation import Evaluator
-from llmjp_ds.trainer.resuming import Resume
+from llmjp_ds.trainer.heldout_loss import Evaluator
+from llmjp_ds.trainer.restore import Resume
 from llmjp_ds.trainer.saving import Checkpointer
 from llmjp_ds.trainer.step import StepEngine, precision_schedule
 from llmjp_ds.trainer.stopping import StopRequest, any_rank_stopping

@@ -127,7 +127,7 @@ def trainer_datasets(cfg) -> tuple:
 def our_reads(cfg, train, valid, start: int) -> list[np.ndarray]:
     """The same micro-batches as the trainer's ranks read them: ``step_micro_batches`` at each step's consumed
     samples, and after each evaluation step the micro-batches of ``validation_starts``' global batches."""
-    from llmjp_ds import batching
+    from llmjp_ds.data import batching
 
     def windows(batches):
         return [np.concatenate([x.numpy(), y.numpy()[:, -1:]], axis=1) for x, y in batches]
@@ -155,7 +155,7 @@ BLENDS = {
 
 @pytest.mark.parametrize("blend_name", sorted(BLENDS))
 def test_the_trainer_reads_megatron_lm_samples(megatron, corpora, blend_name, tmp_path, monkeypatch):
-    from llmjp_ds import batching
+    from llmjp_ds.data import batching
     from llmjp_ds.data import megatron_internals
 
     blend = BLENDS[blend_name](corpora)
@@ -230,7 +230,7 @@ def test_a_megatron_cache_directory_is_reused(megatron, corpora, blend_name, tmp
 def test_a_split_without_tokens_fails_before_megatron_core_loops_on_it(megatron, corpora, tmp_path):
     """megatron-core's epoch count never ends on a split share that rounds to no sequence (150 documents, valid
     share 1/1000): refused with one line, before any process group."""
-    from llmjp_ds.data.prepare import resolve_data
+    from llmjp_ds.data.plan import resolve_data
     from llmjp_ds.errors import UserError
 
     with pytest.raises(UserError, match=r"the valid split of corpus .*c_text_document \(sequences 150\.\.150 of 150\) "

@@ -36,7 +36,7 @@ def calculator(name: str):
 
 @pytest.mark.parametrize("ramp", RAMPS)
 def test_a_ramp_is_megatron_cores_rampup_calculator(ramp):
-    from llmjp_ds.batch_schedule import BatchSchedule
+    from llmjp_ds.data.batch_schedule import BatchSchedule
 
     start, increment, samples = ramp
     gbs = start + increment * 3
@@ -59,7 +59,7 @@ def test_a_ramp_is_megatron_cores_rampup_calculator(ramp):
 def test_step_changes_are_megatron_cores_step_schedule():
     """Megatron-Core 0.19's ``--step-batch-size-schedule`` with its thresholds at the samples consumed before each
     change's step (given in samples: no sequence length to convert tokens)."""
-    from llmjp_ds.batch_schedule import BatchSchedule
+    from llmjp_ds.data.batch_schedule import BatchSchedule
 
     ours = BatchSchedule(4, None, ((3, 8), (7, 2), (9, 16)))
     thresholds = " ".join(f"{ours.consumed_at(s)}:{b}" for s, b in ((0, 4), *ours.changes))
@@ -84,7 +84,7 @@ def batches_megatron_lm_reads(train, batch_of: list[int], rank: int, first: int 
 
 
 def our_step_reads(data, batches, steps, rank: int) -> list[np.ndarray]:
-    from llmjp_ds import batching
+    from llmjp_ds.data import batching
 
     out = []
     for step in steps:

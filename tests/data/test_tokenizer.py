@@ -133,7 +133,7 @@ def test_load_errors(tmp_path):
 def test_a_tokenizer_directory_is_copied_without_following_links_out_of_it(trained_tokenizer, tmp_path):
     """A run copies its tokenizer directory: a link inside it to a file of it arrives as that file, a link to a file
     elsewhere is refused in one line (the run would hold a copy of a file the directory does not)."""
-    from llmjp_ds.data.prepare import DataPlan
+    from llmjp_ds.data.plan import DataPlan
 
     hf = tmp_path / "hf"
     save_hf_tokenizer(trained_tokenizer / "tokenizer.model", hf)

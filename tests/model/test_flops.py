@@ -164,8 +164,8 @@ def test_layer_and_logits_parts_are_one_layer_and_the_head(preset):
     ("llmjp3-172b", 96, 32, [3] * 32),
 ])
 def test_flops_partition_balances_the_head_against_decoder_layers(preset, layers, stages, per_stage):
-    from llmjp_ds.model.pipeline import flops_weights
-    from llmjp_ds.parallel.pipeline import stage_bounds
+    from llmjp_ds.model.pipeline_layers import flops_weights
+    from llmjp_ds.parallel.stages import stage_bounds
 
     c = model_config(preset, num_layers=layers)
     weights = flops_weights(c, 4096)

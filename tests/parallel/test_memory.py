@@ -22,8 +22,8 @@ H = 12288
 
 def layers_of(pp: int) -> list[int]:
     from llmjp_ds.model import model_config
-    from llmjp_ds.model.pipeline import flops_weights
-    from llmjp_ds.parallel.pipeline import stage_bounds
+    from llmjp_ds.model.pipeline_layers import flops_weights
+    from llmjp_ds.parallel.stages import stage_bounds
 
     return stage_layers(stage_bounds(flops_weights(model_config("llmjp3-172b"), 4096), pp), 96)
 

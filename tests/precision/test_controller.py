@@ -11,7 +11,7 @@ from llmjp_ds.errors import UserError
 from llmjp_ds.precision.controller import PrecisionController
 from llmjp_ds.precision.recipes import validate_phases
 from llmjp_ds.precision.schedule import PrecisionSchedule
-from llmjp_ds.trainer.evaluation import measured
+from llmjp_ds.trainer.heldout_loss import measured
 
 
 class Recorder:
@@ -103,7 +103,7 @@ def test_a_divergence_rolls_back_to_the_newest_checkpoint_before_its_first_bad_s
     assert ctl.after_step(3, 2.1, 0.0, fp8) is None
     assert ctl.after_step(4, 9.0, 0.0, fp8) is None  # a spike: patience 2
     # the first bad step is 4: the loop rolls back to the newest checkpoint saved before it ran (tag 3 holds steps
-    # 1..3; trainer/resuming.py)
+    # 1..3; trainer/restore.py)
     assert ctl.after_step(5, 9.0, 0.0, fp8) == ("loss spike", 4)
     good_step, good_tag = 3, "step00000003"
     ctl.rolled_back(5, good_step, good_tag, "loss spike", {"guard": {"history": [2.0, 2.0]}})
@@ -116,7 +116,7 @@ def test_a_divergence_rolls_back_to_the_newest_checkpoint_before_its_first_bad_s
 
 def test_a_non_finite_fp8_loss_rolls_back_at_once_and_needs_a_checkpoint_before_it(tmp_path):
     from llmjp_ds import checkpoint
-    from llmjp_ds.trainer.resuming import Resume
+    from llmjp_ds.trainer.restore import Resume
 
     ctl, _ = controller([{"precision": "fp8"}])
     fp8 = ctl.schedule.describe(1)

@@ -206,7 +206,7 @@ def finite(x) -> bool:
 def bundled():
     """(a corpus prefix, tokenizer dir) of the bundled corpus, built once into the cache the subprocesses share
     (~40 s on a cold cache on 2 cores; a CI job should cache $LLMJP_DS_CACHE)."""
-    from llmjp_ds.data.prepare import prepare_bundled
+    from llmjp_ds.data.plan import prepare_bundled
 
     blend, tokenizer = prepare_bundled()
     return blend[0][1], Path(tokenizer)

@@ -3,7 +3,7 @@
 
 The fault drill ``LLMJP_DS_DRILL_NAN_STEPS=k`` with ``LLMJP_DS_DRILL_NAN_PHASE=any`` multiplies every
 micro-batch's loss of step ``k`` (numbered from 1, as its record) by NaN, so the gradients are NaN too. ZeRO-0 in fp32 is the layout where
-DeepSpeed steps the torch optimizer itself without any check (llmjp_ds.optim.SkipNonFiniteAdamW covers it); ZeRO-1 goes through
+DeepSpeed steps the torch optimizer itself without any check (llmjp_ds.optim.adamw.SkipNonFiniteAdamW covers it); ZeRO-1 goes through
 DeepSpeed's ZeRO optimizer, which skips on a non-finite gradient norm.
 """
 

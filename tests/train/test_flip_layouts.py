@@ -1,7 +1,7 @@
 """The BF16 -> FP8 flip (emulated FP8, fp32 master math) under two pipeline stages, against one process.
 
 Under pipeline parallelism the FP8 autocast is entered per micro-batch inside each stage's forward
-(``PipelineModule`` subclass in ``model/pipeline.py``) and the amax reduction group is the stage's data-parallel
+(``PipelineModule`` subclass in ``model/pipeline_layers.py``) and the amax reduction group is the stage's data-parallel
 group. With one data-parallel rank per stage every layer sees the same micro-batches as in the one-process run,
 so its amax history, its scales and the quantised GEMMs are the same, in whatever order the 1F1B schedule
 interleaves forwards and backwards (the emulation rolls forward and backward histories separately, as TE

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from llmjp_ds import checkpoint
-from llmjp_ds.metrics import read_metrics
+from llmjp_ds.metrics.logger import read_metrics
 
 from tests.launch import subprocess_env
 from tests.runs import COMMON_SETS, LAYOUTS, cli, run_train, trail
@@ -66,7 +66,7 @@ def assert_same(got, want, steps) -> None:
 
 def test_a_spike_is_measured_against_the_median_and_deviation_of_its_history():
     from llmjp_ds.config import SpikeRule
-    from llmjp_ds.health import spike
+    from llmjp_ds.health.monitor import spike
 
     history = [4.0, 4.1, 3.9, 4.2, 3.8]  # median 4.0, MAD 0.1: sigma 0.14826
     rule = SpikeRule(threshold=6.0, min_ratio=1.1)
@@ -83,7 +83,7 @@ def test_drills_compose_and_leave_the_runner_as_they_found_it():
     runner's scales are back to 1 after every step."""
     from types import SimpleNamespace
 
-    from llmjp_ds.drills import NanDrill, SpikeDrill
+    from llmjp_ds.health.drills import NanDrill, SpikeDrill
 
     class Runner:
         loss_scale = grad_scale = 1.0
@@ -108,7 +108,8 @@ def test_drills_compose_and_leave_the_runner_as_they_found_it():
 
 def test_the_monitor_judges_each_kind_and_keeps_spikes_out_of_the_history():
     from llmjp_ds.config import HealthConfig, SpikeRule
-    from llmjp_ds.health import HealthMonitor, skip_window, skipped
+    from llmjp_ds.data.batching import skip_window, skipped
+    from llmjp_ds.health.monitor import HealthMonitor
 
     cfg = HealthConfig(min_history=3, loss=SpikeRule(action="skip"), grad_norm=SpikeRule(action="rollback"))
     h = HealthMonitor(cfg)

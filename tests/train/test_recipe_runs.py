@@ -16,7 +16,7 @@ import shutil
 import pytest
 
 from llmjp_ds import checkpoint
-from llmjp_ds.metrics import read_metrics
+from llmjp_ds.metrics.logger import read_metrics
 
 from tests.runs import COMMON_SETS, cli, max_rel_diff, run_train, trail
 from tests.train.test_equivalence import GRAD_NORM_RTOL, LOSS_RTOL
@@ -66,7 +66,7 @@ def test_a_ramp_resumes_on_another_layout_in_its_middle(ramp_full, tmp_path):
 def bundled_blends() -> tuple[str, str]:
     """Two blends of the bundled corpus's preprocessed parts (the train_env cache): Japanese and English, then
     code and English; and the bundled tokenizer that reads them."""
-    from llmjp_ds.data.prepare import prepare_bundled
+    from llmjp_ds.data.plan import prepare_bundled
 
     parts, tokenizer = prepare_bundled()
     by_name = {p.rsplit("/", 1)[-1].split("_")[0]: p for _, p in parts}
@@ -150,7 +150,7 @@ def test_phase_2_in_one_run_holds_its_peak_and_numbers_steps_as_its_records(trai
     step 26, another blend from step 20, FP8 (emulated) from step 30, steps 12-13 skipped. The LR stays at the
     peak from the warm-up's end through the last step and the schedule's decay ends exactly where the run does;
     each step the config names is the first whose record shows the change, and the plan line says so first."""
-    from llmjp_ds.lr_schedule import run_schedule
+    from llmjp_ds.optim.lr_schedule import run_schedule
     from llmjp_ds.config import build_config
 
     first, then, tokenizer = bundled_blends()

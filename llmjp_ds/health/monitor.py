@@ -137,18 +137,3 @@ class HealthMonitor:
                 self.history[kind].extend(values)
         if not keep_rollbacks:
             self.rollbacks = list(state.get("rollbacks", []))
-
-
-# --- the steps a rollback skips --------------------------------------------------------------------------------
-
-def skip_window(checkpoint_step: int, spike_step: int, before: int | None, after: int) -> list[int]:
-    """The steps ``[first, last]`` a rollback to the checkpoint after step ``checkpoint_step`` skips for a spike at
-    step ``spike_step``: from the checkpoint's next step (``before`` None) or ``before`` steps ahead of the spike,
-    through it and ``after`` steps more."""
-    first = checkpoint_step + 1 if before is None else max(checkpoint_step + 1, spike_step - before)
-    return [first, spike_step + after]
-
-
-def skipped(step: int, ranges) -> bool:
-    """Whether step ``step`` lies in one of the ``[first, last]`` ranges."""
-    return any(first <= step <= last for first, last in ranges)

@@ -1,6 +1,6 @@
 """AdamW with the LLM-jp parameter groups (weight decay on matrices, ``wd_mult`` as megatron-core's groups), the
 optimizer that skips a non-finite step where no DeepSpeed wrapper does, and setting a step's LR and weight decay
-(the schedule itself: :mod:`llmjp_ds.lr_schedule`)."""
+(the schedule itself: :mod:`llmjp_ds.optim.lr_schedule`)."""
 
 from __future__ import annotations
 

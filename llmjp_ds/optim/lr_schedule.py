@@ -13,7 +13,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from llmjp_ds.batch_schedule import BatchSchedule
+from llmjp_ds.data.batch_schedule import BatchSchedule
 from llmjp_ds.config import RESUME_SCHEDULES
 from llmjp_ds.errors import fail
 

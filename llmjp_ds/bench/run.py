@@ -8,7 +8,7 @@ pretraining uses), on micro-batches of random token ids already on the GPU. One 
 passes + the optimizer step.
 
 Variants: ``ours-bf16``, ``ours-fp8-delayed`` (DelayedScaling, HYBRID), ``ours-fp8-current``
-(Float8CurrentScaling), ``ours-fp8-block`` (Float8BlockScaling); the peers of :mod:`llmjp_ds.bench_peers`:
+(Float8CurrentScaling), ``ours-fp8-block`` (Float8BlockScaling); the peers of :mod:`llmjp_ds.bench.peers`:
 ``peer-mcore-bf16``, ``peer-mcore-fp8-delayed``, ``peer-mcore-fp8-param`` (Megatron-Core at its best settings),
 ``peer-bf16`` (transformers + DeepSpeed, as an HF user would write it), and at a decoder-only shape
 (``172b-tp4-stage``: one GPU's share of a 172B TP4 x PP16 middle stage) ``ref-te-layer-*`` (plain
@@ -24,7 +24,7 @@ group: its TFLOP/s per GPU against one GPU running 1/N of the work is the TP eff
 "model.overrides={num_layers: 4}"`` at TP2 against the default 2-layer ``172b-slice`` at TP1).
 TFLOP/s are model FLOPs (:func:`llmjp_ds.model.flops.model_flops_per_token`: Megatron-LM's formula with GQA,
 SwiGLU, the logits layer and the causal attention term halved; no recompute counted) per GPU; MFU is against
-the device's dense BF16 peak (:data:`llmjp_ds.metrics.PEAK_TFLOPS`). ``--profile`` adds profiled steps per
+the device's dense BF16 peak (:data:`llmjp_ds.metrics.logger.PEAK_TFLOPS`). ``--profile`` adds profiled steps per
 variant: GPU time by kernel category (GEMM share) and the top kernels, then the host's time by Python function
 (cProfile), which says where a step whose GPU idles (launch-bound) spends its time, and one step under CUDA's
 sync debug mode: where the host waited for the GPU. The last column is the GPU's mean SM clock over the timed
@@ -43,16 +43,16 @@ import sys
 
 import torch
 
-from llmjp_ds import bench_peers
-from llmjp_ds.bench_peers import MCORE_SWITCHES, MCORE_VARIANTS, TE_LAYER_VARIANTS
-from llmjp_ds.bench_profile import clock_log, host_profiled_step, profile_table, profiled_step, synced_step, timed
+from llmjp_ds.bench import peers
+from llmjp_ds.bench.peers import MCORE_SWITCHES, MCORE_VARIANTS, TE_LAYER_VARIANTS
+from llmjp_ds.bench.profile import clock_log, host_profiled_step, profile_table, profiled_step, synced_step, timed
 from llmjp_ds.config import (add_config_args, apply_set, build_config, merge, model_config_of, parse_value, preset_dict,
                              sequence_parallel_of)
 from llmjp_ds.errors import did_you_mean, fail
-from llmjp_ds.health import HealthMonitor
+from llmjp_ds.health.monitor import HealthMonitor
 from llmjp_ds.io_utils import write_bytes_atomic
-from llmjp_ds.lr_schedule import run_schedule
-from llmjp_ds.metrics import Throughput
+from llmjp_ds.optim.lr_schedule import run_schedule
+from llmjp_ds.metrics.logger import Throughput
 from llmjp_ds.model.backend import resolve_backend
 from llmjp_ds.model.flops import flops_per_token_for, layer_and_logits_flops_for
 from llmjp_ds.parallel.context import ParallelContext
@@ -109,7 +109,7 @@ def bench_config(shape: str, variant: str, gas: int, sets: list[str] = ()):
 
 def peer_switches(sets) -> dict:
     """``[KEY=VALUE, ...]`` of ``--peer-set`` as a dict (values read as YAML), each key one of
-    :data:`~llmjp_ds.bench_peers.MCORE_SWITCHES`."""
+    :data:`~llmjp_ds.bench.peers.MCORE_SWITCHES`."""
     out = {}
     for item in sets:
         key, sep, value = item.partition("=")
@@ -123,16 +123,16 @@ def peer_switches(sets) -> dict:
 def _engine_for(cfg, variant: str, shape: str, peer_sets=()):
     """(the step function ``step(i, batches) -> [lm_loss, z_loss, ...]``, the model config) of one variant: ours
     through the trainer's :class:`~llmjp_ds.trainer.StepEngine` (at a decoder-only shape on
-    :func:`~llmjp_ds.bench_peers.stage_model`), a peer from :mod:`llmjp_ds.bench_peers`."""
+    :func:`~llmjp_ds.bench.peers.stage_model`), a peer from :mod:`llmjp_ds.bench.peers`."""
     from llmjp_ds.trainer import StepEngine, precision_schedule
 
     layout = validate_run(cfg, cfg.parallel.tensor_parallel)
     if variant in MCORE_VARIANTS:
-        return bench_peers.mcore_peer(cfg, layout, variant, peer_switches(peer_sets))
+        return peers.mcore_peer(cfg, layout, variant, peer_switches(peer_sets))
     if variant in TE_LAYER_VARIANTS:
-        return bench_peers.te_layer_reference(cfg, variant)
+        return peers.te_layer_reference(cfg, variant)
     if not variant.startswith("ours"):
-        return bench_peers.hf_peer(cfg, layout)
+        return peers.hf_peer(cfg, layout)
     backend, config = resolve_backend(cfg.model.backend), model_config_of(cfg)
     precision = precision_schedule(cfg, backend)
     ctx = ParallelContext.start(layout, sequence_parallel_of(cfg), cfg.parallel)
@@ -140,7 +140,7 @@ def _engine_for(cfg, variant: str, shape: str, peer_sets=()):
     if shape in STAGE_SHAPES:
         seq = cfg.data.seq_len or config.max_position_embeddings
         torch.manual_seed(cfg.train.seed)
-        model = bench_peers.stage_model(config, backend, cfg.train.micro_batch_size, seq, ctx.device)
+        model = peers.stage_model(config, backend, cfg.train.micro_batch_size, seq, ctx.device)
     steps = StepEngine(cfg, layout, ctx, precision, model)
     schedule, gbs = run_schedule(cfg), cfg.train.global_batch_size
     # under health.loss.action=skip the step asks the health monitor before its update, as training does: the cost
@@ -356,7 +356,7 @@ def measure(shape: str, variant: str, a) -> dict:
     """One variant in a fresh process; a failure becomes a row with its last error line."""
     tp = bench_config(shape, variant, a.gas, a.sets).parallel.tensor_parallel
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={tp}"] if tp > 1 else []
-    cmd = [sys.executable, *launcher, "-m", "llmjp_ds.bench", "--one", shape, variant, "--steps", str(a.steps),
+    cmd = [sys.executable, *launcher, "-m", "llmjp_ds.bench.run", "--one", shape, variant, "--steps", str(a.steps),
            "--warmup", str(a.warmup), "--gas", str(a.gas)] + [f"--set={s}" for s in a.sets] + \
         [f"--peer-set={s}" for s in a.peer_sets]
     if a.profile:

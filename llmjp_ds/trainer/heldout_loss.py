@@ -4,7 +4,7 @@ recipe of ``recipe: auto``): :meth:`Evaluator.decide` drives such a decision wit
 
 from __future__ import annotations
 
-from llmjp_ds.batching import validation_starts
+from llmjp_ds.data.batching import validation_starts
 
 
 class Evaluator:

@@ -1,6 +1,6 @@
 """The global batch of each step, as Megatron-LM's microbatch calculator gives it: constant, ramped up
 (``--rampup-batch-size``), or changed at given steps. Pure arithmetic on step and sample counts; the samples each
-rank reads of a step are :mod:`llmjp_ds.batching`'s.
+rank reads of a step are :mod:`llmjp_ds.data.batching`'s.
 
 Steps here are indices from 0 (step ``s`` starts after ``s`` steps); the config, the progress line and the records
 number them from 1, as Megatron-LM's log does: the config's ``start_step: S`` is index ``S - 1``

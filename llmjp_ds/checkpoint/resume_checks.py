@@ -10,14 +10,14 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from llmjp_ds.batch_schedule import BatchSchedule
+from llmjp_ds.data.batch_schedule import BatchSchedule
 from llmjp_ds.checkpoint.manifest import check_sizes, verify
 from llmjp_ds.checkpoint.store import (LATEST, MARKER, SHAPE_KEYS, CheckpointMeta, checkpoint_dir, complete_tags,
                                        latest_tag, parse_marker, saved_layout, tag_dir, vet_tag)
 from llmjp_ds.config import blend_history, build_config
 from llmjp_ds.errors import UserError, fail
 from llmjp_ds.io_utils import atomic_file
-from llmjp_ds.lr_schedule import resumed, run_schedule
+from llmjp_ds.optim.lr_schedule import resumed, run_schedule
 
 DAMAGED = ".damaged"
 

@@ -1,4 +1,4 @@
-"""The pipeline-parallel model on this rank: the model's pipeline layers (``model/pipeline.py``) as DeepSpeed's
+"""The pipeline-parallel model on this rank: the model's pipeline layers (``model/pipeline_layers.py``) as DeepSpeed's
 ``LayerSpec``s, seeded per layer so every layout starts from the same weights, partitioned into stages by
 training FLOPs, in a ``PipelineModule`` (:func:`llmjp_ds.parallel.deepspeed_internals.pipeline_module_class`)."""
 
@@ -41,7 +41,7 @@ def seeded_layer_specs(model_config, backend: str, seed: int, fp8_head: bool = F
     and this rank keeps its shard (``hf_adapter.tp_shard``): every TP size starts from the same weights."""
     from deepspeed.pipe import LayerSpec
 
-    from llmjp_ds.model.pipeline import pipeline_layers
+    from llmjp_ds.model.pipeline_layers import pipeline_layers
 
     n = model_config.num_hidden_layers
 
@@ -67,7 +67,7 @@ def seeded_layer_specs(model_config, backend: str, seed: int, fp8_head: bool = F
 
 def pipeline_module(cfg, model_config, backend: str, checkpoint_fn, loss, tp=None, layout=None):
     """This stage's ``PipelineModule`` of the run's layers (``loss``: the last stage's loss function)."""
-    from llmjp_ds.model.pipeline import flops_weights
+    from llmjp_ds.model.pipeline_layers import flops_weights
 
     full, selective = cfg.model.recompute == "full", cfg.model.recompute == "selective"
     return pipeline_module_class()(

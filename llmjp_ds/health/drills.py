@@ -10,7 +10,7 @@
   steps, the first time a process runs each (a step that a rollback brings back runs clean, as after bad data
   skipped), ``LLMJP_DS_DRILL_SPIKE_ON=loss`` (default: the loss and its gradients are that many times larger),
   ``grad`` (the gradients alone) or ``lr`` (the step's LR: a real cause, whose spike shows in the loss of the steps
-  after), to rehearse the health monitor's actions (:mod:`llmjp_ds.health`).
+  after), to rehearse the health monitor's actions (:mod:`llmjp_ds.health.monitor`).
 
 A drill wraps the step runner; the runner itself only multiplies its loss by ``loss_scale`` (and its gradients by
 ``grad_scale``). Each drill multiplies those for its step and puts them back after, so drills compose (a planted

@@ -2,7 +2,7 @@
 
 The pipeline's layers are the same classes the HF model is made of, listed as :class:`StageLayer`s (a class and
 its arguments, built only on the stage that holds it), with each one's training FLOPs for the partition. Plain
-data and PyTorch modules: ``parallel/pipeline.py`` turns them into DeepSpeed's ``LayerSpec``s and the
+data and PyTorch modules: ``parallel/stages.py`` turns them into DeepSpeed's ``LayerSpec``s and the
 ``PipelineModule``. Activations travel between stages as one ``[b, s, h]`` tensor; RoPE angles are recomputed
 per layer from the sequence length (cheap, and nothing extra crosses a stage boundary).
 """

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from llmjp_ds.checkpoint.store import latest_tag, read_marker
 from llmjp_ds.errors import fail
-from llmjp_ds.metrics import read_metrics
-from llmjp_ds.plot import plot_run
+from llmjp_ds.metrics.logger import read_metrics
+from llmjp_ds.metrics.plot import plot_run
 
 # the events the report lists, and how each reads in one cell
 HEALTH_EVENTS = ("health", "rollback", "skipped_step", "precision_flip", "precision_fallback", "recipe_choice",

@@ -30,11 +30,11 @@ import torch
 import torch.nn.functional as F
 
 from llmjp_ds.config import model_config_of
-from llmjp_ds.lr_schedule import schedule_lr
+from llmjp_ds.optim.lr_schedule import schedule_lr
 from llmjp_ds.model.main_grad import accumulate_wgrad
 from llmjp_ds.model.shapes import rope_theta
 from llmjp_ds.model.torch_layers import attention_backends
-from llmjp_ds.optim import build_optimizer, set_lr
+from llmjp_ds.optim.adamw import build_optimizer, set_lr
 from llmjp_ds.parallel.context import ParallelContext
 from llmjp_ds.parallel.ds_config import build_ds_config
 from llmjp_ds.parallel.runners import EngineRunner

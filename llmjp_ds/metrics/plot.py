@@ -20,9 +20,9 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from llmjp_ds.curves import gap, read_curve, run_curve
+from llmjp_ds.metrics.curves import gap, read_curve, run_curve
 from llmjp_ds.errors import fail
-from llmjp_ds.metrics import METRICS_FILE, parse_records
+from llmjp_ds.metrics.logger import METRICS_FILE, parse_records
 
 __all__ = ["plot_run", "cli_main"]
 
@@ -207,7 +207,7 @@ def _draw(steps: dict[int, dict], events: list[dict], title: str, where: str = "
 
 def plot_run(run_dir: str | os.PathLike, output: str | os.PathLike | None = None, beside=(), events=None) -> Path:
     """Draw ``<run_dir>/metrics.jsonl`` to ``output`` (default ``<run_dir>/metrics.png``); return its path.
-    ``beside``: other runs' directories or Megatron-LM logs (:mod:`llmjp_ds.curves`), drawn beside this one;
+    ``beside``: other runs' directories or Megatron-LM logs (:mod:`llmjp_ds.metrics.curves`), drawn beside this one;
     ``events``: the names of the events to mark (default: every event)."""
     run_dir = Path(run_dir)
     if run_dir.exists() and not run_dir.is_dir():

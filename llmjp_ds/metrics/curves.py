@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 
 from llmjp_ds.errors import fail
-from llmjp_ds.metrics import METRICS_FILE, parse_records
+from llmjp_ds.metrics.logger import METRICS_FILE, parse_records
 
 KEYS = ("loss", "grad_norm", "lr", "valid_loss")
 _ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*\d+\s*\|(.*)$")

@@ -13,6 +13,8 @@ import ast
 import sys
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "llmjp_ds"
 MAX_FUNCTION_LINES = 80
 MAX_CLASS_LINES = 250
@@ -428,3 +430,64 @@ def test_each_rule_sees_a_planted_violation():
 def test_a_local_of_the_same_name_is_not_module_state():
     source = "TABLE = {'a': 1}\ndef f():\n    TABLE = {}\n    TABLE['b'] = 2\n    return TABLE\n"
     assert module_state_problems(ast.parse(source)) == []
+
+
+# --- a built model is changed only by its own room --------------------------------------------------------------
+
+_SPY_SCRIPT = '''
+import json, sys
+from torch import nn
+
+SETS = []
+original = nn.Module.__setattr__
+
+
+def spy(self, name, value):
+    """Every attribute set on a module of llmjp_ds.model from a file of the package outside llmjp_ds/model/."""
+    if type(self).__module__.startswith("llmjp_ds.model"):
+        frame = sys._getframe(1)
+        path = frame.f_code.co_filename
+        if "/llmjp_ds/" in path and "/llmjp_ds/model/" not in path:
+            SETS.append(f"{path.rsplit('/llmjp_ds/', 1)[1]}:{frame.f_lineno} {type(self).__name__}.{name}")
+    original(self, name, value)
+
+
+nn.Module.__setattr__ = spy
+from llmjp_ds.train import cli_main
+from llmjp_ds.model.llama import DecoderLayer
+
+cli_main([a for s in sys.argv[1:] for a in ("--set", s)])
+planted = DecoderLayer.__new__(DecoderLayer)
+nn.Module.__init__(planted)
+exec(compile("layer.fused_residual_norm = True", "/x/llmjp_ds/trainer/planted.py", "exec"), {"layer": planted})
+print("RESULT " + json.dumps(SETS))
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_no_attribute_of_a_built_model_is_set_from_outside_its_room(train_env, tmp_path):
+    """A one-process CPU training (ZeRO-1 in BF16 with the fused fp32 accumulation, recompute full, emulated FP8
+    from step 2, FP8 weight cache on) builds, attaches and steps the model with a spy on ``nn.Module.__setattr__``:
+    no file of the package outside ``llmjp_ds/model/`` sets an attribute of a model module. The planted set (a
+    file named as the trainer's) is seen."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.launch import REPO, free_port, subprocess_env
+
+    sets = [f"run_dir={tmp_path / 'run'}", "logging.wandb=disabled", "model.shape=tiny", "data.seq_len=32",
+            "model.overrides={hidden_size: 64, num_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, "
+            "ffn_hidden_size: 128}", "train.steps=2", "train.global_batch_size=4", "train.micro_batch_size=2",
+            "precision.dtype=bf16", "parallel.zero_stage=1", "model.recompute=full", "precision.emulate_fp8=true",
+            "precision.phases=[{precision: bf16}, {precision: fp8, start_step: 2, recipe: delayed}]",
+            "checkpoint.interval=0", "train.eval_interval=0"]
+    env = subprocess_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                         MASTER_PORT=str(free_port()))
+    proc = subprocess.run([sys.executable, "-c", _SPY_SCRIPT, *sets], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=380)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-3000:]
+    sets_seen = json.loads(lines[-1][len("RESULT "):])
+    assert sets_seen == ["trainer/planted.py:1 DecoderLayer.fused_residual_norm"], sets_seen

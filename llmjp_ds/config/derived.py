@@ -8,6 +8,7 @@ import signal
 from llmjp_ds.data.batch_schedule import BatchSchedule
 from llmjp_ds.config.schema import CheckpointConfig, KeepRule, RunConfig
 from llmjp_ds.errors import did_you_mean, fail
+from llmjp_ds.model.options import ModelOptions
 from llmjp_ds.model.shapes import model_config, overrides_dict
 
 
@@ -51,6 +52,13 @@ def blend_history(cfg: RunConfig, until_step: int) -> list[list]:
 def model_config_of(cfg: RunConfig):
     """The transformers ``LlamaConfig`` of the run's model shape with its overrides."""
     return model_config(cfg.model.shape, **overrides_dict(cfg.model.overrides))
+
+
+def model_options_of(cfg: RunConfig) -> ModelOptions:
+    """The options the run's model is built with (``model.*``)."""
+    m = cfg.model
+    return ModelOptions(recompute=m.recompute, fused_qkv_rope=m.fused_qkv_rope, attention_core=m.attention_core,
+                        fused_residual_norm=m.fused_residual_norm)
 
 
 def seq_len_of(cfg: RunConfig, model_config) -> int:

@@ -14,6 +14,7 @@ from pydantic import ConfigDict, Field, WrapValidator
 from llmjp_ds.config.rules import (LR_MESSAGE, PENALTY_MESSAGE, SEED, above, at_least, input_path, one_of,
                                    output_path, within)
 from llmjp_ds.errors import did_you_mean, fail
+from llmjp_ds.model.options import KERNEL_CHOICES, RECOMPUTE_MODES, ModelOptions
 from llmjp_ds.model.shapes import ShapeOverrides
 
 
@@ -38,20 +39,20 @@ class ModelConfig:
     backend: str = "auto"  # auto | te | torch
     z_loss: Real = field(default=1e-4, metadata=at_least(0, "the z-loss coefficient; 0 = off"))
     # activation recompute: none | selective (the attention core, as LLM-jp's 172B run) | full (every decoder layer)
-    recompute: str = "none"
+    recompute: str = ModelOptions.recompute
     # on CUDA: the loss over bf16 logits as two Triton kernels, or one compiled kernel (model/loss.py)
     fused_loss: bool = True
     # TE backend: the QKV split and both RoPE rotations as one fused kernel (model/te_layers.split_qkv_rope): triton
     # = ours, rotating Q and K in place in the QKV output (model/kernels/rope.py), true or te = TE's, false = none
-    fused_qkv_rope: bool | str = "triton"
+    fused_qkv_rope: bool | str = ModelOptions.fused_qkv_rope
     # TE backend: the causal attention core of training and evaluation. te = TE's DotProductAttention; cudnn =
     # torch's scaled_dot_product_attention on its cuDNN backend: the same cuDNN kernels for a third of the host's
     # time per call, but the Q, K, V gradients come back as three tensors, which RoPE's backward then packs (one
     # more pass over V's). For steps whose profile shows the GPU waiting on the attention's host work
-    attention_core: str = "te"
+    attention_core: str = ModelOptions.attention_core
     # TE backend: each residual's gradient is added inside the backward of the norm that reads the residual (TE's
     # rmsnorm_bwd_add), not by autograd in a kernel of its own (model/residual_grad.py). Off under recompute: full
-    fused_residual_norm: bool = True
+    fused_residual_norm: bool = ModelOptions.fused_residual_norm
     # start from an HF Llama checkpoint (continued pretraining)
     init_from_hf: str | None = field(default=None, metadata=input_path(
         "pass the directory save_pretrained wrote (config.json and safetensors)", inside="config.json"))
@@ -65,9 +66,6 @@ class ModelConfig:
                      f"{did_you_mean(str(value), [str(c) for c in choices])}")
 
 
-RECOMPUTE_MODES = ("none", "selective", "full")  # model.recompute
-# the model fields that choose a kernel, and what each may be
-KERNEL_CHOICES = {"fused_qkv_rope": (True, False, "te", "triton"), "attention_core": ("te", "cudnn")}
 
 
 DATA_ORDERS = ("llmjp", "megatron")

@@ -34,6 +34,7 @@ from llmjp_ds.model.hf_io import load_hf_checkpoint, save_hf_checkpoint
 from llmjp_ds.model.loss import CausalLMLoss, LossParts
 from llmjp_ds.model.loss import shift_labels as shift_labels_of
 from llmjp_ds.model.main_grad import HeadLinear, TokenEmbedding
+from llmjp_ds.model.options import ModelOptions
 from llmjp_ds.model.residual_grad import residual_add
 from llmjp_ds.model.shapes import check_supported, rope_theta
 from llmjp_ds.model.tensor_parallel import TensorParallel, leave_row, mark_sharded
@@ -57,11 +58,11 @@ def head_dim_of(config) -> int:
 
 class SelfAttention(nn.Module):
     """QKV (column-parallel under TP: this rank's KV groups and their query heads), RoPE, the attention core on
-    those heads, and the output projection (row-parallel). ``recompute_core``: the core is recomputed in backward
-    (``model.recompute: selective``)."""
+    those heads, and the output projection (row-parallel). ``options``: the fused QKV split + RoPE, the attention
+    core's kernel, and whether the core is recomputed in backward (``recompute: selective``)."""
 
     def __init__(self, config, layer_idx: int, L, params_dtype=None, tp: TensorParallel | None = None,
-                 recompute_core: bool = False):
+                 options: ModelOptions = ModelOptions()):
         super().__init__()
         self.layer_idx = layer_idx
         split = 1 if tp is None else tp.size
@@ -69,14 +70,15 @@ class SelfAttention(nn.Module):
         self.num_kv = config.num_key_value_heads // split
         self.head_dim = head_dim_of(config)
         self.qkv_format = "bshd" if tp is None else "sbhd"
-        self.recompute_core = recompute_core
-        self.fused_qkv_rope = "triton"  # model.fused_qkv_rope (triton, true / te, false), set by the Trainer
+        self.recompute_core = options.recompute_core
+        self.fused_qkv_rope = options.fused_qkv_rope
         std = config.initializer_range
         self.layernorm_qkv = L.LayerNormLinear(
             config.hidden_size, (config.num_attention_heads + 2 * config.num_key_value_heads) * self.head_dim,
             eps=config.rms_norm_eps, init_std=std, params_dtype=params_dtype, tp=tp)
         self.core_attention = L.DotProductAttention(self.num_heads, self.head_dim, self.num_kv,
-                                                    qkv_format=self.qkv_format)
+                                                    qkv_format=self.qkv_format,
+                                                    via_torch=options.attention_core == "cudnn")
         self.proj = L.Linear(config.num_attention_heads * self.head_dim, config.hidden_size,
                              init_std=std / math.sqrt(2.0 * config.num_hidden_layers), params_dtype=params_dtype,
                              tp=tp, parallel_mode="row")
@@ -107,18 +109,17 @@ class DecoderLayer(nn.Module):
     parallelism."""
 
     def __init__(self, config, layer_idx: int, backend: str, params_dtype=None, tp: TensorParallel | None = None,
-                 recompute_core: bool = False):
+                 options: ModelOptions = ModelOptions()):
         super().__init__()
         L = layers_module(backend)
         self.tp = tp
-        self.self_attention = SelfAttention(config, layer_idx, L, params_dtype, tp, recompute_core)
+        self.self_attention = SelfAttention(config, layer_idx, L, params_dtype, tp, options)
         self.layernorm_mlp = L.LayerNormMLP(
             config.hidden_size, config.intermediate_size, eps=config.rms_norm_eps, init_std=config.initializer_range,
             output_std=config.initializer_range / math.sqrt(2.0 * config.num_hidden_layers), params_dtype=params_dtype,
             tp=tp)
-        # model.fused_residual_norm (TE backend), set by the Trainer: each residual's gradient is added inside the
-        # backward of the norm that reads the residual (model/residual_grad.py)
-        self.fused_residual_norm = False
+        # each residual's gradient added inside the backward of the norm that reads the residual (TE backend)
+        self.fused_residual_norm = options.residual_in_norm(backend)
 
     def forward(self, x, freqs, mask=None, cache=None):
         add = residual_add if self.fused_residual_norm else torch.add
@@ -184,10 +185,10 @@ class FinalNormHead(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config, backend: str, params_dtype=None, tp: TensorParallel | None = None,
-                 recompute_core: bool = False):
+                 options: ModelOptions = ModelOptions()):
         super().__init__()
         self.embed_tokens = Embedding(config, backend, params_dtype, tp)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, backend, params_dtype, tp, recompute_core)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, backend, params_dtype, tp, options)
                                     for i in range(config.num_hidden_layers))
         self.norm: nn.Module | None = None  # set by LlamaForCausalLM from its FinalNormHead
 
@@ -219,6 +220,9 @@ class LlamaForCausalLM(PreTrainedModel, GenerationMixin):
     ``forward`` follows transformers' contract (``input_ids``, ``attention_mask``, ``labels`` -> ``.loss``,
     ``.logits``, plus ``.lm_loss`` / ``.z_loss`` when ``z_loss_coeff`` is set); ``generate()`` works with a KV
     cache on both backends. ``training_loss`` computes the loss on pre-shifted targets without the HF output.
+    ``options``: fused kernels and recompute (:class:`~llmjp_ds.model.options.ModelOptions`);
+    ``checkpoint_fn``: the function that recomputes a decoder layer under ``recompute: full`` (default the
+    backend's; the precision schedule's emulator has its own).
     """
 
     config_class = LlamaConfig
@@ -229,15 +233,15 @@ class LlamaForCausalLM(PreTrainedModel, GenerationMixin):
 
     def __init__(self, config: LlamaConfig, backend: str | None = None, params_dtype: torch.dtype | None = None,
                  z_loss_coeff: float = 0.0, fused_loss: bool = False, fp8_lm_head: bool = False,
-                 tp: TensorParallel | None = None, recompute_core: bool = False):
+                 tp: TensorParallel | None = None, options: ModelOptions = ModelOptions(), checkpoint_fn=None):
         check_supported(config)
         super().__init__(config)
         self.backend = resolve_backend(backend)
         self.tp = tp
         self.loss_fn = CausalLMLoss(z_loss_coeff, fused_loss, tp)  # see llmjp_ds.model.loss
-        self.activation_checkpointing = False  # model.recompute: full
-        self.checkpoint_fn = layers_module(self.backend).checkpoint  # the precision schedule may hand another
-        self.model = LlamaModel(config, self.backend, params_dtype, tp, recompute_core)
+        self.activation_checkpointing = options.recompute_layers
+        self.checkpoint_fn = checkpoint_fn or layers_module(self.backend).checkpoint
+        self.model = LlamaModel(config, self.backend, params_dtype, tp, options)
         head = FinalNormHead(config, self.backend, params_dtype, fp8_head=fp8_lm_head, tp=tp)
         self.model.norm, self.lm_head = head.norm, head.lm_head  # HF's names for the same two modules
         self.post_init()

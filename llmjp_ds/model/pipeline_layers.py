@@ -17,6 +17,7 @@ import torch.distributed as dist
 from llmjp_ds.model.flops import layer_and_logits_flops_for
 from llmjp_ds.model.llama import DecoderLayer, Embedding, FinalNormHead, head_dim_of, rope_freqs, sequence_length
 from llmjp_ds.model.loss import CausalLMLoss
+from llmjp_ds.model.options import ModelOptions
 from llmjp_ds.model.shapes import rope_theta
 
 
@@ -26,8 +27,8 @@ class EmbeddingPipe(Embedding):
 
 
 class DecoderLayerPipe(DecoderLayer):
-    def __init__(self, config, layer_idx, backend, params_dtype=None, tp=None, recompute_core=False):
-        super().__init__(config, layer_idx, backend, params_dtype, tp, recompute_core)
+    def __init__(self, config, layer_idx, backend, params_dtype=None, tp=None, options=ModelOptions()):
+        super().__init__(config, layer_idx, backend, params_dtype, tp, options)
         self.head_dim, self.theta = head_dim_of(config), rope_theta(config)
 
     def forward(self, hidden):
@@ -94,10 +95,10 @@ class StageLayer:
 
 
 def pipeline_layers(config, backend: str, params_dtype=None, fp8_head: bool = False, tp=None,
-                    recompute_core: bool = False) -> list[StageLayer]:
+                    options: ModelOptions = ModelOptions()) -> list[StageLayer]:
     """The pipeline's layers in order; ``tp``: the tensor-parallel group every layer is split over (None: whole
     layers)."""
     return ([StageLayer(EmbeddingPipe, (config, backend, params_dtype, tp))]
-            + [StageLayer(DecoderLayerPipe, (config, i, backend, params_dtype, tp, recompute_core))
+            + [StageLayer(DecoderLayerPipe, (config, i, backend, params_dtype, tp, options))
                for i in range(config.num_hidden_layers)]
             + [StageLayer(FinalNormHeadPipe, (config, backend, params_dtype), {"fp8_head": fp8_head, "tp": tp})])

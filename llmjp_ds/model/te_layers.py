@@ -109,14 +109,17 @@ def LayerNormMLP(hidden_size, ffn_hidden_size, eps, init_std, output_std, params
 class _DotProductAttention(te.DotProductAttention):
     """TE's attention module (its name and ``_extra_state`` stay in checkpoints), whose causal core runs through
     torch's ``scaled_dot_product_attention`` on the cuDNN backend when ``via_torch`` (``model.attention_core:
-    cudnn``, set by the Trainer). Both run cuDNN's fused attention kernels. TE's module spends ~0.3 ms of host time
+    cudnn``). Both run cuDNN's fused attention kernels. TE's module spends ~0.3 ms of host time
     per call choosing them, torch ~0.1 ms; but torch's backward returns the Q, K and V gradients as three tensors,
     where TE's writes them into one buffer in the QKV layout. TE runs the call instead for a recomputed core
     (``checkpoint_core_attention``), and from the first call torch cannot place on cuDNN (its reason is kept in
     ``torch_refused``). No recipe of ours runs attention itself in FP8."""
 
-    via_torch = False
     torch_refused: str | None = None
+
+    def __init__(self, *args, via_torch: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.via_torch = via_torch
 
     def forward(self, query_layer, key_layer, value_layer, checkpoint_core_attention: bool = False):
         if self.via_torch and self.torch_refused is None and not checkpoint_core_attention:
@@ -140,11 +143,11 @@ def cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qkv_forma
     return out.permute(*back)
 
 
-def DotProductAttention(num_attention_heads, head_dim, num_gqa_groups, qkv_format="bshd", **_):
+def DotProductAttention(num_attention_heads, head_dim, num_gqa_groups, qkv_format="bshd", via_torch=False):
     """``num_attention_heads`` and ``num_gqa_groups`` are this rank's (the heads are split by the QKV GEMM)."""
     return _DotProductAttention(
         num_attention_heads, head_dim, num_gqa_groups=num_gqa_groups, attention_dropout=0.0,
-        qkv_format=qkv_format, attn_mask_type="causal",
+        qkv_format=qkv_format, attn_mask_type="causal", via_torch=via_torch,
     )
 
 

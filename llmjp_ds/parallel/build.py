@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from llmjp_ds.config import RunConfig
+from llmjp_ds.config import RunConfig, model_options_of
 from llmjp_ds.model import LlamaForCausalLM
 from llmjp_ds.model.backend import layers_module
 from llmjp_ds.model.hf_adapter import from_hf_state_dict
@@ -29,23 +29,18 @@ def build_model(cfg: RunConfig, model_config, backend: str, checkpoint_fn=None, 
     checkpoint_fn = checkpoint_fn or layers_module(backend).checkpoint
     loss_kwargs = {"z_loss_coeff": cfg.model.z_loss, "fused_loss": cfg.model.fused_loss and torch.cuda.is_available()}
     fp8_head = cfg.precision.fp8_lm_head
-    full, selective = cfg.model.recompute == "full", cfg.model.recompute == "selective"
+    built = {"fp8_lm_head": fp8_head, "options": model_options_of(cfg), "checkpoint_fn": checkpoint_fn, **loss_kwargs}
     if cfg.parallel.pipeline_stages == 1:
         if cfg.model.init_from_hf and tp is None:
-            model = LlamaForCausalLM.from_pretrained(cfg.model.init_from_hf, backend=backend,
-                                                     dtype=torch.float32, fp8_lm_head=fp8_head, **loss_kwargs)
-            for layer in model.model.layers:
-                layer.self_attention.recompute_core = selective
+            model = LlamaForCausalLM.from_pretrained(cfg.model.init_from_hf, backend=backend, dtype=torch.float32,
+                                                     **built)
         else:
-            model = LlamaForCausalLM(model_config, backend=backend, fp8_lm_head=fp8_head, tp=tp,
-                                     recompute_core=selective, **loss_kwargs)
+            model = LlamaForCausalLM(model_config, backend=backend, tp=tp, **built)
             if cfg.model.init_from_hf:
                 load_hf_into_layers([(i, m) for i, m in enumerate(_layers_of(model))], cfg.model.init_from_hf,
                                     model_config, tp)
             else:
                 init_like_pipeline(model, model_config, backend, cfg.train.seed, fp8_head, tp)
-        model.activation_checkpointing = full
-        model.checkpoint_fn = checkpoint_fn
         sum_sequence_parallel_grads(model, tp)
         return model, None
     from llmjp_ds.model.pipeline_layers import PipelineLoss

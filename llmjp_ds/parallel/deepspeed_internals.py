@@ -67,6 +67,7 @@ from pathlib import Path
 
 import torch
 
+from llmjp_ds.model.attach import accumulate_in_main_grad
 from llmjp_ds.model.kernels import adamw
 
 BF16_OPTIMIZER_INTERNALS = ("_update_hp_grad", "fp32_groups_gradients", "fp32_groups_has_gradients", "bf16_groups",
@@ -121,11 +122,8 @@ def fuse_grad_accumulation(optimizer, modules) -> int:
         weights = [getattr(module, name) for name in names]
         if not weights or not all(id(w) in where for w in weights):
             continue
-        for w in weights:
-            i, j = where[id(w)]
-            w.main_grad = hp_grads[i][j].view(w.shape)
-            w.grad_added_to_main_grad = False
-        module.fuse_wgrad_accumulation = True
+        accumulate_in_main_grad(module, {name: hp_grads[where[id(w)][0]][where[id(w)][1]].view(w.shape)
+                                         for name, w in zip(names, weights)})
         fused += len(weights)
     return fused
 

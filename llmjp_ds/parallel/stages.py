@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from llmjp_ds.config import seq_len_of
+from llmjp_ds.config import model_options_of, seq_len_of
 from llmjp_ds.model.hf_adapter import pipeline_name_to_ours, tp_shard
+from llmjp_ds.model.options import ModelOptions
 from llmjp_ds.parallel.context import topology
 from llmjp_ds.parallel.deepspeed_internals import partition_balanced, pipeline_module_class
 
@@ -34,7 +35,7 @@ def our_names(index: int, num_layers: int, layer_state: dict) -> dict[str, str]:
 
 
 def seeded_layer_specs(model_config, backend: str, seed: int, fp8_head: bool = False, tp=None,
-                       recompute_core: bool = False) -> list:
+                       options: ModelOptions = ModelOptions()) -> list:
     """The pipeline's layer specs, each built right after seeding torch with (seed, its index): a stage builds
     only its own layers, so without this its weights would depend on where the partition cuts (and differ
     from the single-process model built from the same seed). Under TP a layer is built whole from its seed
@@ -60,7 +61,7 @@ def seeded_layer_specs(model_config, backend: str, seed: int, fp8_head: bool = F
                                    for name, ours in our_names(self.index, n, whole).items()}, strict=False)
             return layer
 
-    layers = pipeline_layers(model_config, backend, fp8_head=fp8_head, tp=tp, recompute_core=recompute_core)
+    layers = pipeline_layers(model_config, backend, fp8_head=fp8_head, tp=tp, options=options)
     wholes = pipeline_layers(model_config, backend, fp8_head=fp8_head) if tp is not None else layers
     return [SeededLayerSpec(layer, whole, i) for i, (layer, whole) in enumerate(zip(layers, wholes))]
 
@@ -69,14 +70,14 @@ def pipeline_module(cfg, model_config, backend: str, checkpoint_fn, loss, tp=Non
     """This stage's ``PipelineModule`` of the run's layers (``loss``: the last stage's loss function)."""
     from llmjp_ds.model.pipeline_layers import flops_weights
 
-    full, selective = cfg.model.recompute == "full", cfg.model.recompute == "selective"
+    options = model_options_of(cfg)
     return pipeline_module_class()(
-        layers=seeded_layer_specs(model_config, backend, cfg.train.seed, cfg.precision.fp8_lm_head, tp, selective),
+        layers=seeded_layer_specs(model_config, backend, cfg.train.seed, cfg.precision.fp8_lm_head, tp, options),
         num_stages=cfg.parallel.pipeline_stages,
         topology=None if tp is None else topology(layout),
         loss_fn=loss,
         partition_method=cfg.parallel.partition_method,
         partition_weights=flops_weights(model_config, seq_len_of(cfg, model_config)),
-        activation_checkpoint_interval=1 if full else 0,
+        activation_checkpoint_interval=1 if options.recompute_layers else 0,
         activation_checkpoint_func=checkpoint_fn,
         checkpointable_layers=["DecoderLayerPipe"])

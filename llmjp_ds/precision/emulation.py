@@ -26,6 +26,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from llmjp_ds.model.attach import emulated_history
+
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 INPUT, WEIGHT, GRAD = 0, 1, 2
@@ -41,11 +43,7 @@ def _slot(module, weight) -> int:
 
 def _state(module, phase) -> torch.Tensor:
     gemms = max(1, sum(1 for p in module.parameters(recurse=False) if p.dim() == 2))
-    state = getattr(module, "_fp8_emu_state", None)
-    if state is None or state.shape != (gemms, 3, phase.amax_history_len):
-        state = torch.zeros(gemms, 3, phase.amax_history_len)
-        module._fp8_emu_state = state
-    return state
+    return emulated_history(module, gemms, phase.amax_history_len)
 
 
 def _roll(history: torch.Tensor, newest: torch.Tensor) -> None:

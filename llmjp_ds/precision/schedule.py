@@ -36,7 +36,7 @@ import torch
 
 from llmjp_ds.errors import fail
 from llmjp_ds.model.backend import te_importable
-from llmjp_ds.model.weight_reuse import ReusesFP8Weights
+from llmjp_ds.model.attach import attach_fp8
 from llmjp_ds.precision.recipes import AUTO, Phase, te_recipe
 from llmjp_ds.precision.weight_cache import WeightCache
 
@@ -146,12 +146,8 @@ class PrecisionSchedule:
         exempt = set(range(self.cfg.bf16_first_layers))
         exempt |= set(range(num_layers - self.cfg.bf16_last_layers, num_layers))
         exempt_layers = [layer for layer in decoder_layers if layer.self_attention.layer_idx in exempt]
-        kept_bf16 = {id(m) for layer in exempt_layers for m in layer.modules()}
-        for module in model.modules():
-            if self.caches_weights and isinstance(module, ReusesFP8Weights):
-                module.weight_cache = self.weight_cache
-            if self.emulator is not None and hasattr(module, "fp8_emulator") and id(module) not in kept_bf16:
-                module.fp8_emulator = self.emulator
+        attach_fp8(model, self.weight_cache if self.caches_weights else None, self.emulator,
+                   frozenset(id(m) for layer in exempt_layers for m in layer.modules()))
         if self.emulator is None:
             for layer in exempt_layers:
                 _KeptInBF16(layer)

@@ -46,11 +46,6 @@ class StepEngine:
         self.engine = initialize(cfg, model, layout, ctx.mpu)
         ctx.bind(self.engine)
         layers = [m for m in self.engine.module.modules() if isinstance(m, DecoderLayer)]
-        for layer in layers:
-            layer.self_attention.fused_qkv_rope = cfg.model.fused_qkv_rope
-            if self.backend == "te":
-                layer.fused_residual_norm = cfg.model.fused_residual_norm and cfg.model.recompute != "full"
-                layer.self_attention.core_attention.via_torch = cfg.model.attention_core == "cudnn"
         precision.attach(self.engine.module, layers, self.model_config.num_hidden_layers, ctx.amax_reduction_group,
                          tensor_parallel=ctx.tp is not None)
         runner = make_runner(self.engine, precision, ctx, pipeline_loss)

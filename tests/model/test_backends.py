@@ -75,14 +75,15 @@ def test_extra_state_round_trips_opaquely():
 
 
 def test_activation_checkpointing_gives_identical_gradients():
+    from llmjp_ds.model.options import ModelOptions
+
     config = small_config()
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config, backend="torch").train()
     ids = torch.randint(0, 256, (2, 32))
     grads = []
-    for ckpt in (False, True):
-        model.zero_grad()
-        model.activation_checkpointing = ckpt
+    for recompute in ("none", "full"):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config, backend="torch", options=ModelOptions(recompute=recompute)).train()
+        assert model.activation_checkpointing is (recompute == "full")
         model.training_loss(ids[:, :-1], ids[:, 1:]).loss.backward()
         grads.append([p.grad.clone() for p in model.parameters()])
     for g0, g1 in zip(*grads):
@@ -229,11 +230,10 @@ def test_cudnn_attention_core_matches_te_dot_product_attention(group, qkv_format
         packed = packed.transpose(0, 1).contiguous()
     views = tuple(t.contiguous() for t in (packed[..., :group * d].reshape(*packed.shape[:2], kv * group, d),
                                             packed[..., group * d:(group + 1) * d], packed[..., (group + 1) * d:]))
-    core = te_layers.DotProductAttention(kv * group, d, kv, qkv_format=qkv_format)
     upstream = torch.randn(*packed.shape[:2], kv * group, d, device="cuda", dtype=torch.bfloat16)
     results = []
     for via_torch, recompute in ((True, False), (False, False), (True, True)):
-        core.via_torch = via_torch
+        core = te_layers.DotProductAttention(kv * group, d, kv, qkv_format=qkv_format, via_torch=via_torch)
         if group == 1:  # the views of one leaf, as the model's RoPE hands them over
             leaf = packed.detach().clone().requires_grad_(True)
             qkv = [leaf[..., :d], leaf[..., d:2 * d], leaf[..., 2 * d:]]
@@ -265,6 +265,7 @@ def test_fused_residual_norm_matches_autograds_add(fp8):
     from transformer_engine.common.recipe import DelayedScaling, Format
 
     from llmjp_ds.model import residual_grad
+    from llmjp_ds.model.options import ModelOptions
 
     config = small_config(hidden_size=256, num_attention_heads=4, num_key_value_heads=4, ffn_hidden_size=512,
                           num_layers=3, seq_len=256, vocab_size=512)
@@ -273,10 +274,10 @@ def test_fused_residual_norm_matches_autograds_add(fp8):
     ids = torch.randint(0, config.vocab_size, (2, 257), device="cuda")
 
     def run(fused: bool, fp8: bool):
-        model = LlamaForCausalLM(config, backend="te", params_dtype=torch.bfloat16).train()
+        model = LlamaForCausalLM(config, backend="te", params_dtype=torch.bfloat16,
+                                 options=ModelOptions(fused_residual_norm=fused)).train()
         model.load_state_dict(reference.state_dict())  # the same weights and a fresh FP8 state for each path
-        for layer in model.model.layers:
-            layer.fused_residual_norm = fused
+        assert all(layer.fused_residual_norm is fused for layer in model.model.layers)
         for _ in range(2 if fp8 else 0):  # delayed scaling: scales from the amaxes of these iterations
             with te.autocast(enabled=True, recipe=DelayedScaling(fp8_format=Format.HYBRID)):
                 loss = model.training_loss(ids[:, :-1], ids[:, 1:]).loss

@@ -153,18 +153,17 @@ def test_decoder_layer_through_triton_rope_matches_te_rope(heads, kv):
     weight gradients of the same layer with TE's kernel: TE's attention reads the strided Q, K, V views."""
     from llmjp_ds.model import model_config
     from llmjp_ds.model.llama import DecoderLayer, head_dim_of
+    from llmjp_ds.model.options import ModelOptions
 
     config = model_config("tiny", hidden_size=1024, num_layers=1, num_attention_heads=heads,
                           num_key_value_heads=kv, ffn_hidden_size=2048, vocab_size=256, seq_len=512)
-    torch.manual_seed(0)
-    layer = DecoderLayer(config, 0, "te", params_dtype=torch.bfloat16)
     x = torch.randn(2, 512, 1024, device="cuda", dtype=torch.bfloat16)
     up = torch.randn_like(x)
     freqs = rope_freqs(torch.arange(512, device="cuda"), head_dim_of(config), 10000.0)
     results = []
     for mode in ("te", "triton"):
-        layer.self_attention.fused_qkv_rope = mode
-        layer.zero_grad(set_to_none=True)
+        torch.manual_seed(0)  # the same weights for both
+        layer = DecoderLayer(config, 0, "te", params_dtype=torch.bfloat16, options=ModelOptions(fused_qkv_rope=mode))
         xi = x.clone().requires_grad_(True)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             out = layer(xi, freqs)

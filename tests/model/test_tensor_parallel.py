@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from llmjp_ds.model import model_config
 from llmjp_ds.model.hf_adapter import tp_merge, tp_merge_state_dicts, tp_shard, tp_split_dim
+from llmjp_ds.model.options import ModelOptions
 from llmjp_ds.model.loss import IGNORE_INDEX, causal_lm_loss
 from tests.launch import free_port
 
@@ -169,7 +170,8 @@ def _train_step(config, tp=None, hook: bool = True, recompute_core: bool = False
     from llmjp_ds.model import LlamaForCausalLM
     from llmjp_ds.parallel import build
 
-    model = LlamaForCausalLM(config, backend="torch", z_loss_coeff=Z_LOSS, tp=tp, recompute_core=recompute_core)
+    model = LlamaForCausalLM(config, backend="torch", z_loss_coeff=Z_LOSS, tp=tp,
+                             options=ModelOptions(recompute="selective" if recompute_core else "none"))
     build.init_like_pipeline(model, config, "torch", SEED, False, tp)
     model.train()
     if hook:
@@ -390,7 +392,8 @@ def test_selective_recompute_recomputes_the_core_with_identical_results(monkeypa
     ids, targets = _model_inputs(config)
     runs = {}
     for recompute in (False, True):
-        model = LlamaForCausalLM(config, backend="torch", z_loss_coeff=Z_LOSS, recompute_core=recompute)
+        model = LlamaForCausalLM(config, backend="torch", z_loss_coeff=Z_LOSS,
+                                 options=ModelOptions(recompute="selective" if recompute else "none"))
         model.load_state_dict(state)
         model.train()
         assert all(layer.self_attention.recompute_core is recompute for layer in model.model.layers)

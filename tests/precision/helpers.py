@@ -18,12 +18,13 @@ def schedule(phases, tokens_per_step=1000, **kw):
 def tiny_model(schedule=None, **kw):
     """The tiny torch-backend model; with ``schedule``, attached to it as the trainer attaches it."""
     from llmjp_ds.model import LlamaForCausalLM, model_config
+    from llmjp_ds.model.backend import layers_module
 
     torch.manual_seed(0)
     config = model_config("tiny", hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
                           ffn_hidden_size=128, vocab_size=256)
-    model = LlamaForCausalLM(config, backend="torch", **kw)
+    checkpoint_fn = None if schedule is None else schedule.checkpoint_function(layers_module("torch").checkpoint)
+    model = LlamaForCausalLM(config, backend="torch", checkpoint_fn=checkpoint_fn, **kw)
     if schedule is not None:
         schedule.attach(model, model.model.layers, config.num_hidden_layers)
-        model.checkpoint_fn = schedule.checkpoint_function(model.checkpoint_fn)
     return model

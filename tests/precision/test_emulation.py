@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from llmjp_ds.model.options import ModelOptions
 from tests.precision.helpers import schedule, tiny_model
 
 
@@ -53,9 +54,8 @@ def test_emulated_amax_history_travels_in_extra_state():
 def test_recompute_under_activation_checkpointing_sees_the_same_fp8_state():
     s = schedule([{}, {"precision": "fp8", "start_step": 2, "recipe": "delayed"}])
     grads = []
-    for ckpt in (False, True):
-        model = tiny_model(s).train()
-        model.activation_checkpointing = ckpt
+    for recompute in ("none", "full"):
+        model = tiny_model(s, options=ModelOptions(recompute=recompute)).train()
         ids = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
         with s.autocast(1):  # a BF16 step fills the history first (as calibration would)
             pass

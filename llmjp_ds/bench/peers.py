@@ -109,7 +109,7 @@ def hf_peer(cfg, layout):
 
     def step(i, batches):
         set_lr(engine.optimizer, schedule_lr(i, cfg.optim, cfg.train.steps))
-        return runner.train_step(batches)
+        return runner.train_step(batches).losses
 
     return step, config
 

@@ -147,9 +147,9 @@ def _engine_for(cfg, variant: str, shape: str, peer_sets=()):
     # of the check (a reduction of the loss and a wait for it) shows beside the same row without it
     health = HealthMonitor(cfg.health)
 
-    def step(i, batches):  # after i steps: step i + 1, as training numbers it
+    def step(i, batches):  # after i steps: step i + 1, as training numbers it; its losses, not waited for
         return steps.train_step(i + 1, batches, schedule.lr(i, i * gbs), schedule.weight_decay(i, i * gbs),
-                                health.gate_at(i + 1))
+                                health.gate_at(i + 1)).losses
 
     return step, config
 

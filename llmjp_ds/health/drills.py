@@ -12,9 +12,9 @@
   ``grad`` (the gradients alone) or ``lr`` (the step's LR: a real cause, whose spike shows in the loss of the steps
   after), to rehearse the health monitor's actions (:mod:`llmjp_ds.health.monitor`).
 
-A drill wraps the step runner; the runner itself only multiplies its loss by ``loss_scale`` (and its gradients by
-``grad_scale``). Each drill multiplies those for its step and puts them back after, so drills compose (a planted
-spike and a NaN in one run).
+A drill wraps the step runner; the runner itself only multiplies its loss by the ``loss_scale`` it is stepped with
+(and its gradients by ``grad_scale``). Each drill multiplies those it is handed for its step, so drills compose (a
+planted spike and a NaN in one run).
 """
 
 from __future__ import annotations
@@ -31,28 +31,13 @@ SPIKE_STEPS_VAR, SPIKE_SCALE_VAR, SPIKE_ON_VAR = ("LLMJP_DS_DRILL_SPIKE_STEPS", 
 
 
 class RunnerDrill:
-    """A step runner wrapped: what it does not change is the runner's, and what the trainer sets on it (the gate)
-    reaches the runner."""
-
-    FORWARDED = ("gate", "beat", "loss_scale", "grad_scale")
+    """A step runner wrapped: what it does not change is the runner's."""
 
     def __getattr__(self, name):
         return getattr(self.runner, name)
 
-    def __setattr__(self, name, value):
-        if name in self.FORWARDED:
-            setattr(self.runner, name, value)
-        else:
-            super().__setattr__(name, value)
-
-    def scaled_step(self, batches, loss: float = 1.0, grad: float = 1.0):
-        """The runner's step with its loss and gradients ``loss`` and ``grad`` times larger, for this step only."""
-        saved = self.runner.loss_scale, self.runner.grad_scale
-        self.runner.loss_scale, self.runner.grad_scale = saved[0] * loss, saved[1] * grad
-        try:
-            return self.runner.train_step(batches)
-        finally:
-            self.runner.loss_scale, self.runner.grad_scale = saved
+    def train_step(self, batches, gate=None, loss_scale: float = 1.0, grad_scale: float = 1.0):
+        return self.runner.train_step(batches, gate, loss_scale, grad_scale)
 
 
 class NanDrill(RunnerDrill):
@@ -61,10 +46,10 @@ class NanDrill(RunnerDrill):
     def __init__(self, runner, precision, steps: set[int], any_phase: bool):
         self.runner, self.precision, self.steps, self.any_phase = runner, precision, steps, any_phase
 
-    def train_step(self, batches):
+    def train_step(self, batches, gate=None, loss_scale: float = 1.0, grad_scale: float = 1.0):
         step = self.precision.step
         drilled = step in self.steps and (self.any_phase or self.precision.phase_at(step).precision == "fp8")
-        return self.scaled_step(batches, loss=float("nan") if drilled else 1.0)
+        return self.runner.train_step(batches, gate, loss_scale * (float("nan") if drilled else 1.0), grad_scale)
 
 
 class PenaltyDrill(RunnerDrill):
@@ -84,15 +69,15 @@ class SpikeDrill(RunnerDrill):
     def __init__(self, runner, precision, steps: set[int], scale: float, on: str):
         self.runner, self.precision, self.steps, self.scale, self.on = runner, precision, steps, scale, on
 
-    def train_step(self, batches):
+    def train_step(self, batches, gate=None, loss_scale: float = 1.0, grad_scale: float = 1.0):
         step = self.precision.step
         drilled = self.scale if step in self.steps else 1.0
         self.steps = self.steps - {step}  # once a process: the step a rollback brings back finds clean data
         if self.on == "lr" and drilled != 1.0:  # the step's LR, set just before: a real cause, for real weights
             for group in self.runner.engine.optimizer.param_groups:
                 group["lr"] *= drilled
-        return self.scaled_step(batches, loss=drilled if self.on == "loss" else 1.0,
-                                grad=drilled if self.on == "grad" else 1.0)
+        return self.runner.train_step(batches, gate, loss_scale * (drilled if self.on == "loss" else 1.0),
+                                      grad_scale * (drilled if self.on == "grad" else 1.0))
 
 
 def with_drills(runner, precision):

@@ -48,16 +48,16 @@ class PipelineLoss:
 
     def __init__(self, z_loss_coeff: float, fused: bool = False, tp=None):
         self.loss_fn = CausalLMLoss(z_loss_coeff, fused, tp)
-        self.scale = self.grad_scale = 1.0
         self.reset(0)
 
-    def reset(self, micro_batches: int, gate=None, ctx=None):
+    def reset(self, micro_batches: int, gate=None, ctx=None, scale: float = 1.0, grad_scale: float = 1.0):
         """A new step of ``micro_batches`` micro-batches (``gate`` and the parallel context ``ctx`` it reduces
-        the loss over)."""
+        the loss over; the loss ``scale`` and ``grad_scale`` of a fault drill)."""
         self.lm_loss_sum = 0.0
         self.z_loss_sum = 0.0
         self.micro_batches = 0
         self.expected, self.gate, self.ctx, self.skipped = micro_batches, gate, ctx, False
+        self.scale, self.grad_scale = scale, grad_scale
 
     def __call__(self, logits, targets):
         parts = self.loss_fn(logits, targets)

@@ -8,15 +8,18 @@ returns the losses reduced over all ranks as device tensors (nothing here waits 
 * :class:`PipelineRunner`: DeepSpeed's pipeline engine, which drives them in its 1F1B schedule; the pipeline
   module enters the precision context per micro-batch and the last stage's loss function keeps the parts.
 
-``loss_scale`` multiplies the loss (1; NaN or a planted spike in a fault drill, :mod:`llmjp_ds.health.drills`), and
-``grad_scale`` the loss only where it makes the gradients (a planted gradient spike). ``gate(loss)``, when set, is
-asked with the step's mean loss over every rank before the last micro-batch's backward: True skips the update
-(that backward is taken of a NaN loss, so DeepSpeed's optimizer, which skips non-finite gradients, leaves the
-weights and its state as they are; the reported loss stays the real one). ``beat(phase)`` is called as each phase
-of the step starts (the trainer hands its watchdog's, :mod:`llmjp_ds.launch.failure`).
+A step is asked with ``gate`` (or None): when given, it is asked with the step's mean loss over every rank before
+the last micro-batch's backward, and True skips the update (that backward is taken of a NaN loss, so DeepSpeed's
+optimizer, which skips non-finite gradients, leaves the weights and its state as they are; the reported loss stays
+the real one). ``loss_scale`` multiplies the loss (1; NaN or a planted spike in a fault drill,
+:mod:`llmjp_ds.health.drills`), and ``grad_scale`` the loss only where it makes the gradients (a planted gradient
+spike). A step returns a :class:`StepResult`. ``beat(phase)`` is called as each phase of the step starts (the
+trainer hands its watchdog's, :mod:`llmjp_ds.launch.failure`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -28,47 +31,59 @@ def _no_watchdog(phase: str) -> None:
     pass
 
 
+@dataclass(frozen=True)
+class StepValues:
+    """One step as the trainer reads it: the mean losses over every rank's micro-batches, whether the gate skipped
+    the update, whether the optimizer applied it (not skipped, its gradients finite), and the gradient norm."""
+
+    lm_loss: float
+    z_loss: float
+    gated: bool
+    applied: bool
+    grad_norm: float | None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step returns, nothing waited for: ``losses`` on the device (``[lm_loss, z_loss,
+    gated]``), and the engine whose optimizer :meth:`read` asks the rest of."""
+
+    losses: torch.Tensor
+    engine: object
+
+    def read(self) -> StepValues:
+        """The step's values (this waits for the device)."""
+        lm_loss, z_loss, gated = self.losses.tolist()
+        norm = self.engine.get_global_grad_norm()
+        norm = None if norm is None else float(norm.item() if hasattr(norm, "item") else norm)
+        return StepValues(lm_loss, z_loss, gated > 0, not gated and self.engine.was_step_applied(), norm)
+
+
 class StepRunner:
-    loss_scale = 1.0
-    grad_scale = 1.0
-    gate = None
-    beat = staticmethod(_no_watchdog)
+    def __init__(self, engine, precision, ctx: ParallelContext, beat=_no_watchdog):
+        self.engine, self.precision, self.ctx, self.beat = engine, precision, ctx, beat
 
-    def __init__(self, engine, precision, ctx: ParallelContext):
-        self.engine, self.precision, self.ctx = engine, precision, ctx
-
-    def train_step(self, batches) -> torch.Tensor:
-        """Forward/backward over ``batches`` (this rank's micro-batches) and the optimizer step; the mean
-        (lm_loss, z_loss) over all micro-batches of all data-parallel ranks, and whether the gate skipped the
-        update (above 0)."""
+    def train_step(self, batches, gate=None, loss_scale: float = 1.0, grad_scale: float = 1.0) -> StepResult:
+        """Forward/backward over ``batches`` (this rank's micro-batches) and the optimizer step."""
         raise NotImplementedError
 
     def eval_loss(self, batches) -> torch.Tensor:
         """The mean lm_loss over ``batches`` of all data-parallel ranks, without gradients, as ``[1]``."""
         raise NotImplementedError
 
-    def step_applied(self) -> bool:
-        return self.engine.was_step_applied()
-
-    def grad_norm(self) -> float | None:
-        norm = self.engine.get_global_grad_norm()
-        if norm is None:
-            return None
-        return float(norm.item() if hasattr(norm, "item") else norm)
-
 
 class EngineRunner(StepRunner):
-    def train_step(self, batches) -> torch.Tensor:
+    def train_step(self, batches, gate=None, loss_scale: float = 1.0, grad_scale: float = 1.0) -> StepResult:
         parts, skipped = None, 0.0
         for m, (input_ids, targets) in enumerate(batches):
             self.beat("forward")
             with self.precision.micro_batch():
                 out = self.engine(input_ids=input_ids, shift_labels=targets)
-            micro = torch.stack([out.lm_loss.detach() * self.loss_scale, out.z_loss.detach()]).float()
+            micro = torch.stack([out.lm_loss.detach() * loss_scale, out.z_loss.detach()]).float()
             parts = micro if parts is None else parts + micro
-            scale = self.loss_scale * self.grad_scale
+            scale = loss_scale * grad_scale
             last = m == len(batches) - 1
-            if last and self.gate is not None and self.gate(self._mean(parts, len(batches))[0].item()):
+            if last and gate is not None and gate(self._mean(parts, len(batches))[0].item()):
                 scale, skipped = float("nan"), 1.0
             self.beat("backward")
             self.engine.backward(out.loss * scale)
@@ -76,7 +91,7 @@ class EngineRunner(StepRunner):
                 self.beat("optimizer")
             self.engine.step()
         mean = self._mean(parts, len(batches))
-        return torch.cat([mean, mean.new_tensor([skipped])])
+        return StepResult(torch.cat([mean, mean.new_tensor([skipped])]), self.engine)
 
     def _mean(self, parts: torch.Tensor, count: int) -> torch.Tensor:
         """The mean over every rank's ``count`` micro-batches of the summed ``parts``."""
@@ -94,8 +109,8 @@ class EngineRunner(StepRunner):
 
 
 class PipelineRunner(StepRunner):
-    def __init__(self, engine, precision, ctx: ParallelContext, loss):
-        super().__init__(engine, precision, ctx)
+    def __init__(self, engine, precision, ctx: ParallelContext, loss, beat=_no_watchdog):
+        super().__init__(engine, precision, ctx, beat)
         self.loss = loss
         set_stage_forward_context(engine, self._micro_batch)
 
@@ -104,9 +119,8 @@ class PipelineRunner(StepRunner):
         self.beat("forward")
         return _BeatOnExit(self.precision.micro_batch(), lambda: self.beat("backward"))
 
-    def train_step(self, batches) -> torch.Tensor:
-        self.loss.reset(len(batches), self.gate, self.ctx)
-        self.loss.scale, self.loss.grad_scale = self.loss_scale, self.grad_scale
+    def train_step(self, batches, gate=None, loss_scale: float = 1.0, grad_scale: float = 1.0) -> StepResult:
+        self.loss.reset(len(batches), gate, self.ctx, loss_scale, grad_scale)
         self.engine.train_batch(data_iter=iter(batches))
         parts = torch.zeros(3, device=self.ctx.device)
         if self.engine.is_last_stage():
@@ -114,13 +128,12 @@ class PipelineRunner(StepRunner):
                                       torch.as_tensor(self.loss.z_loss_sum, device=self.ctx.device)]).float()
             parts[:2] /= self.loss.micro_batches * self.ctx.loss_copies
             parts[2] = float(self.loss.skipped)  # the gate ran on the last stage: every rank learns its answer
-        return self.ctx.all_reduce(parts)
+        return StepResult(self.ctx.all_reduce(parts), self.engine)
 
     def eval_loss(self, batches) -> torch.Tensor:
         self.engine.eval()
         with torch.no_grad():
             self.loss.reset(len(batches))
-            self.loss.scale, self.loss.grad_scale = 1.0, 1.0
             self.engine.eval_batch(data_iter=iter(batches), num_micro_batches=len(batches))
             value = torch.tensor([float(self.loss.lm_loss_sum) / max(1, self.loss.micro_batches) / self.ctx.loss_copies
                                   if self.engine.is_last_stage() else 0.0], device=self.ctx.device)
@@ -141,7 +154,7 @@ class _BeatOnExit:
         return result
 
 
-def make_runner(engine, precision, ctx: ParallelContext, pipeline_loss=None) -> StepRunner:
+def make_runner(engine, precision, ctx: ParallelContext, pipeline_loss=None, beat=_no_watchdog) -> StepRunner:
     if pipeline_loss is not None:
-        return PipelineRunner(engine, precision, ctx, pipeline_loss)
-    return EngineRunner(engine, precision, ctx)
+        return PipelineRunner(engine, precision, ctx, pipeline_loss, beat)
+    return EngineRunner(engine, precision, ctx, beat)

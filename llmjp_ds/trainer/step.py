@@ -18,7 +18,7 @@ from llmjp_ds.parallel.context import ParallelContext
 from llmjp_ds.parallel.deepspeed_internals import set_global_batch
 from llmjp_ds.launch.failure import Watchdog
 from llmjp_ds.parallel.layout import Layout
-from llmjp_ds.parallel.runners import make_runner
+from llmjp_ds.parallel.runners import StepResult, make_runner
 from llmjp_ds.precision.schedule import PrecisionSchedule
 
 
@@ -48,22 +48,19 @@ class StepEngine:
         layers = [m for m in self.engine.module.modules() if isinstance(m, DecoderLayer)]
         precision.attach(self.engine.module, layers, self.model_config.num_hidden_layers, ctx.amax_reduction_group,
                          tensor_parallel=ctx.tp is not None)
-        runner = make_runner(self.engine, precision, ctx, pipeline_loss)
         self.watchdog = Watchdog(cfg.parallel.stall_timeout_s, ctx.rank)
-        runner.beat = self.watchdog.beat
-        self.runner = with_drills(runner, precision)
+        self.runner = with_drills(make_runner(self.engine, precision, ctx, pipeline_loss, self.watchdog.beat),
+                                  precision)
 
-    def train_step(self, step: int, batches, lr: float, weight_decay: float | None = None, gate=None):
-        """One optimizer step at ``step`` on this rank's ``batches`` with ``lr`` and ``weight_decay``: the precision
-        of the step, forward and backward of every micro-batch, the update (``gate(loss)``: asked with the step's
-        mean loss before the last backward; True skips the update). The mean ``[lm_loss, z_loss, skipped]`` over
-        all ranks, a device tensor."""
+    def train_step(self, step: int, batches, lr: float, weight_decay: float | None = None, gate=None) -> StepResult:
+        """One optimizer step, step ``step`` (numbered from 1), on this rank's ``batches`` with ``lr`` and
+        ``weight_decay``: the precision of the step, forward and backward of every micro-batch, the update
+        (``gate(loss)``: asked with the step's mean loss before the last backward; True skips the update)."""
         set_lr(self.engine.optimizer, lr, weight_decay)
         batch = sum(len(ids) for ids, _ in batches) * self.ctx.dp_size
         if self.engine.train_batch_size() != batch:  # a ramp or a change: DeepSpeed's accumulation follows
             set_global_batch(self.engine, batch)
-        self.runner.gate = gate
         self.precision.begin_step(step)
-        parts = self.runner.train_step(batches)
+        result = self.runner.train_step(batches, gate)
         self.precision.end_step()
-        return parts
+        return result

@@ -224,11 +224,11 @@ class Trainer:
         sched_step, sched_samples = s.schedule_position()
         lr = self.schedule.lr(sched_step, sched_samples)
         gate = self.health.gate_at(step)
-        parts = self.steps.train_step(step, self.micro_batches(self.data.train_at(s.step), s.consumed_samples,
-                                                               batch),
-                                      lr, self.schedule.weight_decay(sched_step, sched_samples), gate)
-        lm_loss, z_loss, gated = parts.tolist()
-        applied = not gated and self.steps.runner.step_applied() and math.isfinite(lm_loss)
+        result = self.steps.train_step(step, self.micro_batches(self.data.train_at(s.step), s.consumed_samples,
+                                                                batch),
+                                       lr, self.schedule.weight_decay(sched_step, sched_samples), gate).read()
+        lm_loss, z_loss = result.lm_loss, result.z_loss
+        applied = result.applied and math.isfinite(lm_loss)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         step_time = time.perf_counter() - t0
@@ -239,9 +239,9 @@ class Trainer:
             self.controller.rolled_back(step, good_step, good_tag, reason, client)
             self.save(wait=True)
             return False
-        grad_norm = self.steps.runner.grad_norm()
-        verdict = self.health.after_step(step, lm_loss, grad_norm, applied, gated > 0)
-        if verdict is not None and self._act(verdict, gated > 0):
+        grad_norm = result.grad_norm
+        verdict = self.health.after_step(step, lm_loss, grad_norm, applied, result.gated)
+        if verdict is not None and self._act(verdict, result.gated):
             return False  # rolled back: the loop goes on from the checkpoint
         if applied:
             s.skipped_in_a_row = 0

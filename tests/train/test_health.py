@@ -78,32 +78,31 @@ def test_a_spike_is_measured_against_the_median_and_deviation_of_its_history():
     assert spike(history, math.nan, rule, 3) is None  # non-finite is a kind of its own
 
 
-def test_drills_compose_and_leave_the_runner_as_they_found_it():
-    """A planted spike over a planted NaN (both drills in one run): each step sees both drills' scales, and the
-    runner's scales are back to 1 after every step."""
+def test_drills_compose_and_hand_their_scales_to_the_step():
+    """A planted spike over a planted NaN (both drills in one run): each step is handed both drills' scales, and
+    the gate the step was given."""
     from types import SimpleNamespace
 
     from llmjp_ds.health.drills import NanDrill, SpikeDrill
 
     class Runner:
-        loss_scale = grad_scale = 1.0
         seen: list = []
 
-        def train_step(self, batches):
-            self.seen.append((self.loss_scale, self.grad_scale))
+        def train_step(self, batches, gate=None, loss_scale=1.0, grad_scale=1.0):
+            self.seen.append((loss_scale, grad_scale, gate))
 
     runner, precision = Runner(), SimpleNamespace(step=0)
     drilled = SpikeDrill(NanDrill(runner, precision, {2, 3}, any_phase=True), precision, {1, 3}, 20.0, "loss")
     for step in range(5):
         precision.step = step
-        drilled.train_step([])
-        assert (runner.loss_scale, runner.grad_scale) == (1.0, 1.0)
-    loss = [s for s, _ in runner.seen]
+        drilled.train_step([], gate=print)
+    loss = [s for s, _, _ in runner.seen]
     assert loss[0] == 1.0 and loss[1] == 20.0 and math.isnan(loss[2]) and math.isnan(loss[3]) and loss[4] == 1.0
+    assert all(gate is print for _, _, gate in runner.seen)
     grad = SpikeDrill(runner, precision, {4}, 7.0, "grad")
     precision.step = 4
     grad.train_step([])
-    assert runner.seen[-1] == (1.0, 7.0) and (runner.loss_scale, runner.grad_scale) == (1.0, 1.0)
+    assert runner.seen[-1] == (1.0, 7.0, None)
 
 
 def test_the_monitor_judges_each_kind_and_keeps_spikes_out_of_the_history():

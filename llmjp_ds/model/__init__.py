@@ -2,6 +2,7 @@
 
 * :mod:`.shapes`: model shapes as data (LLM-jp-3, LLM-jp-4, tiny) and their overrides;
 * :mod:`.llama`: ``LlamaForCausalLM``, a transformers ``PreTrainedModel`` made of the layers below;
+* :mod:`.moe`: the mixture-of-experts block: router, its losses, tokens to their experts and back;
 * :mod:`.options`: the fused kernels and recompute a model is built with (``ModelOptions``);
 * :mod:`.attach`: what other rooms hand a built model (FP8 state, fp32 gradient buffers), in one place;
 * :mod:`.backend`: Transformer Engine on a CUDA GPU, else the pure-PyTorch twin;

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from llmjp_ds.model.shapes import has_qk_norm, is_moe_layer
+
 __all__ = ["model_flops_per_token", "flops_per_token_for", "layer_and_logits_flops_for", "parameter_count",
            "parameter_count_for"]
 
@@ -37,11 +39,18 @@ def model_flops_per_token(
     seq_len: int,
     causal: bool = True,
     head_dim: int | None = None,
+    moe_layers: int = 0,
+    num_experts: int = 0,
+    experts_per_token: int = 0,
+    moe_ffn_hidden_size: int = 0,
 ) -> float:
     """Training (forward + backward = 3 x forward) model FLOPs per token; see the module docstring.
 
     ``causal=True`` halves the attention-score term (QK^T and AV), as newer Megatron-LM does; pass
-    ``causal=False`` to count the full s x s attention matrix. ``head_dim`` defaults to hidden / heads.
+    ``causal=False`` to count the full s x s attention matrix. ``head_dim`` defaults to hidden / heads. With
+    ``moe_layers`` of the layers a mixture of ``num_experts`` experts, each such layer's MLP is the router
+    (``h x E``) and the SwiGLU MLPs of the ``experts_per_token`` experts a token goes to, of width
+    ``moe_ffn_hidden_size`` (Megatron-LM's count: the FLOPs a token's computation takes, not the parameters').
     """
     h, L, n, g = hidden_size, num_layers, num_attention_heads, num_key_value_heads
     d = head_dim if head_dim is not None else h // n
@@ -59,13 +68,15 @@ def model_flops_per_token(
     if causal:
         scores /= 2  # only the lower triangle of the attention matrix is computed
     mlp = 3 * 2 * h * intermediate_size  # SwiGLU: gate, up (h -> ffn) and down (ffn -> h)
+    moe = 2 * h * num_experts + experts_per_token * 3 * 2 * h * moe_ffn_hidden_size
     logits = 2 * h * vocab_size
-    forward = L * (qkv_o + scores + mlp) + logits
+    forward = L * (qkv_o + scores) + (L - moe_layers) * mlp + moe_layers * moe + logits
     return float(3 * forward)
 
 
 def _shape(config: Any) -> dict[str, Any]:
-    """The fields both functions need from a transformers ``LlamaConfig``-like object."""
+    """The fields both functions need from a transformers ``LlamaConfig``-like object (or ``Qwen3MoeConfig``)."""
+    experts = getattr(config, "num_experts", 0) or 0
     return dict(
         hidden_size=config.hidden_size,
         num_layers=config.num_hidden_layers,
@@ -75,6 +86,10 @@ def _shape(config: Any) -> dict[str, Any]:
         intermediate_size=config.intermediate_size,
         vocab_size=config.vocab_size,
         head_dim=getattr(config, "head_dim", None),
+        moe_layers=sum(is_moe_layer(config, i) for i in range(config.num_hidden_layers)),
+        num_experts=experts,
+        experts_per_token=getattr(config, "num_experts_per_tok", 0) if experts else 0,
+        moe_ffn_hidden_size=getattr(config, "moe_intermediate_size", 0) if experts else 0,
     )
 
 
@@ -97,8 +112,9 @@ def layer_and_logits_flops_for(config: Any, seq_len: int) -> tuple[float, float]
 
 
 def parameter_count_for(config: Any) -> dict[str, int]:
-    """:func:`parameter_count` for a transformers ``LlamaConfig``-like object (its ``vocab_size``, i.e. padded)."""
-    return parameter_count(**_shape(config))
+    """:func:`parameter_count` for a transformers ``LlamaConfig``-like object (its ``vocab_size``, i.e. padded);
+    qk-norm weights included where the config has them (``qwen3``, ``qwen3_moe``)."""
+    return parameter_count(**_shape(config), qk_norm=has_qk_norm(config))
 
 
 def parameter_count(
@@ -110,20 +126,32 @@ def parameter_count(
     intermediate_size: int,
     vocab_size: int,
     head_dim: int | None = None,
+    qk_norm: bool = False,
+    moe_layers: int = 0,
+    num_experts: int = 0,
+    experts_per_token: int = 0,
+    moe_ffn_hidden_size: int = 0,
 ) -> dict[str, int]:
-    """Parameters of the Llama model: ``{"total", "embedding", "non_embedding"}``.
+    """Parameters of the Llama model: ``{"total", "embedding", "non_embedding", "active"}``.
 
     Untied embeddings (input embedding and output head, ``2 * V * h``), no biases, RMSNorm weights (two per
     layer and a final one, counted as non-embedding). LLM-jp's published 172B figures (169,947,181,056
     non-embedding + 2,444,992,512 embedding) count the embeddings at the tokenizer's 99,487 live ids
     (2 x 99,487 x 12,288); the checkpoint itself holds the vocabulary padded to 99,840 (2,453,667,840).
-    Pass whichever ``vocab_size`` you mean.
+    Pass whichever ``vocab_size`` you mean. With ``qk_norm`` each layer has two ``head_dim`` norms more; with
+    ``moe_layers`` MoE layers each has a router (``E x h``) and ``num_experts`` SwiGLU MLPs of width
+    ``moe_ffn_hidden_size`` instead of the dense MLP. ``active``: what one token's forward uses, the embedding and
+    head included (the experts it does not go to left out), as model cards count "activated" parameters.
     """
     h, n, g = hidden_size, num_attention_heads, num_key_value_heads
     d = head_dim if head_dim is not None else h // n
-    attention = h * (n * d) + 2 * h * (g * d) + (n * d) * h  # q, k, v, o projections
+    attention = h * (n * d) + 2 * h * (g * d) + (n * d) * h + (2 * d if qk_norm else 0)  # q, k, v, o (+ qk norms)
     mlp = 3 * h * intermediate_size  # gate, up, down
+    expert = 3 * h * moe_ffn_hidden_size
     norms = 2 * h  # input and post-attention RMSNorm
-    non_embedding = num_layers * (attention + mlp + norms) + h  # + final RMSNorm
+    non_embedding = num_layers * (attention + norms) + (num_layers - moe_layers) * mlp + h  # + final RMSNorm
+    non_embedding += moe_layers * (num_experts * h + num_experts * expert)
     embedding = 2 * vocab_size * h  # embed_tokens + lm_head (untied)
-    return {"total": non_embedding + embedding, "embedding": embedding, "non_embedding": non_embedding}
+    total = non_embedding + embedding
+    return {"total": total, "embedding": embedding, "non_embedding": non_embedding,
+            "active": total - moe_layers * (num_experts - experts_per_token) * expert}

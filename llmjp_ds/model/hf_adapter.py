@@ -13,7 +13,16 @@ layers.N.self_attention.proj.weight                        layers.N.self_attn.o_
 layers.N.layernorm_mlp.layer_norm_weight                   layers.N.post_attention_layernorm.weight
 layers.N.layernorm_mlp.fc1_weight                          layers.N.mlp.{gate,up}_proj.weight  (cat, gate first)
 layers.N.layernorm_mlp.fc2_weight                          layers.N.mlp.down_proj.weight
+layers.N.self_attention.{q,k}_norm.weight                  layers.N.self_attn.{q,k}_norm.weight   (qwen3*)
+layers.N.moe.norm.weight                                   layers.N.post_attention_layernorm.weight  (MoE)
+layers.N.moe.router.weight                                 layers.N.mlp.gate.weight
+layers.N.moe.experts.linear_fc1.weight{e}                  layers.N.mlp.experts.{e}.{gate,up}_proj.weight
+layers.N.moe.experts.linear_fc2.weight{e}                  layers.N.mlp.experts.{e}.down_proj.weight
 =========================================================  ==============================================
+
+An MoE model (Hugging Face ``qwen3_moe``) is written with per-expert keys, as transformers' ``save_pretrained``
+writes them; read in that form or in transformers' fused one (``mlp.experts.gate_up_proj [E, 2 F, h]``,
+``mlp.experts.down_proj [E, h, F]``).
 
 ``model.embed_tokens.weight``, ``model.norm.weight`` and ``lm_head.weight`` keep their names. TE's
 ``_extra_state`` entries (FP8 scaling metadata) have no HF counterpart and are dropped on export.
@@ -30,6 +39,7 @@ import re
 import torch
 
 from llmjp_ds.errors import fail
+from llmjp_ds.model.shapes import is_moe_layer
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _SHARED = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
@@ -38,7 +48,15 @@ _RENAMES = {  # ours -> HF, within a layer
     "self_attention.proj.weight": "self_attn.o_proj.weight",
     "layernorm_mlp.layer_norm_weight": "post_attention_layernorm.weight",
     "layernorm_mlp.fc2_weight": "mlp.down_proj.weight",
+    "self_attention.q_norm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_norm.weight": "self_attn.k_norm.weight",
+    "moe.norm.weight": "post_attention_layernorm.weight",
+    "moe.router.weight": "mlp.gate.weight",
 }
+_MOE_ONLY = ("moe.norm.weight", "moe.router.weight")  # the MoE layer's names for what a dense layer calls otherwise
+_EXPERT = re.compile(r"^moe\.experts\.linear_fc([12])\.weight(\d+)$")
+_HF_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_HF_FUSED = {"mlp.experts.gate_up_proj": 1, "mlp.experts.down_proj": 2}
 _QKV = "self_attention.layernorm_qkv.weight"
 _FC1 = "layernorm_mlp.fc1_weight"
 _HF_QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
@@ -78,8 +96,15 @@ def to_hf_state_dict(state_dict: dict[str, torch.Tensor], config) -> dict[str, t
         if not match:
             fail(f"unexpected parameter {name!r} in an llmjp-ds state dict: it does not come from this model")
         prefix, rest = f"model.layers.{match.group(1)}.", match.group(2)
+        expert = _EXPERT.match(rest)
         if rest in _RENAMES:
             out[prefix + _RENAMES[rest]] = tensor
+        elif expert:
+            e = f"{prefix}mlp.experts.{expert.group(2)}."
+            if expert.group(1) == "1":
+                out[e + "gate_proj.weight"], out[e + "up_proj.weight"] = tensor.chunk(2, dim=0)
+            else:
+                out[e + "down_proj.weight"] = tensor
         elif rest == _QKV:
             for hf_name, part in zip(_HF_QKV, split_qkv(tensor, config)):
                 out[prefix + hf_name] = part
@@ -92,7 +117,8 @@ def to_hf_state_dict(state_dict: dict[str, torch.Tensor], config) -> dict[str, t
 
 
 def from_hf_state_dict(state_dict: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
-    inverse = {hf: ours for ours, hf in _RENAMES.items()}
+    dense = {hf: ours for ours, hf in _RENAMES.items() if ours not in _MOE_ONLY}
+    moe = {**dense, **{hf: ours for ours, hf in _RENAMES.items() if ours in _MOE_ONLY}}
     out: dict[str, torch.Tensor] = {}
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in state_dict.items():
@@ -103,20 +129,43 @@ def from_hf_state_dict(state_dict: dict[str, torch.Tensor], config) -> dict[str,
             continue
         match = _LAYER.match(name)
         rest = match.group(2) if match else None
+        inverse = (moe if is_moe_layer(config, int(match.group(1))) else dense) if match else {}
         if rest in inverse:
             out[f"model.layers.{match.group(1)}.{inverse[rest]}"] = tensor
-        elif rest in _HF_QKV or rest in _HF_FC1:
+        elif rest in _HF_QKV or rest in _HF_FC1 or (rest and _HF_EXPERT.match(rest)):
             pending.setdefault(f"model.layers.{match.group(1)}.", {})[rest] = tensor
+        elif rest in _HF_FUSED:
+            for e, part in enumerate(tensor.unbind(0)):  # transformers' in-memory layout: [E, out, in]
+                out[f"model.layers.{match.group(1)}.moe.experts.linear_fc{_HF_FUSED[rest]}.weight{e}"] = part
         else:
-            fail(f"checkpoint tensor {name!r} is not part of a Llama model (biases, other architectures and "
-                 "quantised weights are not supported)")
+            fail(f"checkpoint tensor {name!r} is not part of a Llama or Qwen3(-MoE) model (biases, other "
+                 "architectures and quantised weights are not supported)")
     for prefix, parts in pending.items():
-        missing = [n for n in _HF_QKV + _HF_FC1 if n not in parts]
+        _experts_from_hf(prefix, parts, out)
+        layer = int(prefix.split(".")[2])
+        needed = _HF_QKV + (() if is_moe_layer(config, layer) else _HF_FC1)
+        missing = [n for n in needed if n not in parts]
         if missing:
-            fail(f"checkpoint lacks {prefix}{missing[0]}: the file is incomplete or not a Llama model")
+            fail(f"checkpoint lacks {prefix}{missing[0]}: the file is incomplete or not a model of its config.json")
         out[prefix + _QKV] = fuse_qkv(*(parts[n] for n in _HF_QKV), config)
-        out[prefix + _FC1] = torch.cat([parts[n] for n in _HF_FC1], dim=0)
+        if not is_moe_layer(config, layer):
+            out[prefix + _FC1] = torch.cat([parts[n] for n in _HF_FC1], dim=0)
     return out
+
+
+def _experts_from_hf(prefix: str, parts: dict[str, torch.Tensor], out: dict[str, torch.Tensor]) -> None:
+    """One layer's per-expert HF weights (``mlp.experts.{e}.{gate,up,down}_proj.weight``) as ours, in ``out``."""
+    experts: dict[int, dict[str, torch.Tensor]] = {}
+    for rest, tensor in parts.items():
+        match = _HF_EXPERT.match(rest)
+        if match:
+            experts.setdefault(int(match.group(1)), {})[match.group(2)] = tensor
+    for e, proj in sorted(experts.items()):
+        if len(proj) != 3:
+            missing = sorted({"gate_proj", "up_proj", "down_proj"} - set(proj))[0]
+            fail(f"checkpoint lacks {prefix}mlp.experts.{e}.{missing}.weight: the file is incomplete")
+        out[f"{prefix}moe.experts.linear_fc1.weight{e}"] = torch.cat([proj["gate_proj"], proj["up_proj"]], dim=0)
+        out[f"{prefix}moe.experts.linear_fc2.weight{e}"] = proj["down_proj"]
 
 
 # --- the pipeline's layers ----------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Reading and writing Hugging Face Llama checkpoint directories (safetensors, sharded or not)."""
+"""Reading and writing Hugging Face checkpoint directories (safetensors, sharded or not) of the model types this
+package builds: ``llama``, ``qwen3`` (qk-norm) and ``qwen3_moe`` (experts)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ import torch
 from llmjp_ds.errors import fail
 from llmjp_ds.io_utils import atomic_directory
 from llmjp_ds.model.hf_adapter import from_hf_state_dict, to_hf_state_dict
+from llmjp_ds.model.shapes import has_qk_norm, is_moe_layer
 
 SAFE_INDEX = "model.safetensors.index.json"
+# the Hugging Face model type of each kind of model this package builds, and its architecture
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def read_hf_config(path: Path):
@@ -24,13 +28,14 @@ def read_hf_config(path: Path):
         fail(f"{path / 'config.json'} is not valid JSON ({exc}): the download is incomplete or the file was edited")
     if not isinstance(raw, dict):
         fail(f"{path / 'config.json'} is not a JSON object: the download is incomplete or the file was edited")
-    archs = raw.get("architectures") or ["LlamaForCausalLM"]
-    if raw.get("model_type") != "llama" or "LlamaForCausalLM" not in archs:
-        fail(f"{path} holds a {raw.get('model_type')!r} model ({', '.join(archs)}), not a Llama "
-             "(LlamaForCausalLM): llmjp-ds imports Llama checkpoints only")
-    from transformers import LlamaConfig  # after the checks: transformers takes seconds to import
+    model_type = raw.get("model_type")
+    archs = raw.get("architectures") or [ARCHITECTURES.get(model_type, "?")]
+    if model_type not in ARCHITECTURES or ARCHITECTURES[model_type] not in archs:
+        fail(f"{path} holds a {model_type!r} model ({', '.join(archs)}), not one of "
+             f"{', '.join(f'{t} ({a})' for t, a in ARCHITECTURES.items())}: llmjp-ds imports those only")
+    from transformers import AutoConfig  # after the checks: transformers takes seconds to import
 
-    return LlamaConfig.from_pretrained(str(path))
+    return AutoConfig.from_pretrained(str(path))
 
 
 def expected_hf_shapes(config) -> dict[str, tuple[int, ...]]:
@@ -43,9 +48,20 @@ def expected_hf_shapes(config) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{n}."
         out.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
                     p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                    p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                    p + "mlp.down_proj.weight": (h, i)})
+                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)})
+        if has_qk_norm(config):
+            out.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+        if is_moe_layer(config, n):
+            e, f = config.num_experts, config.moe_intermediate_size
+            out[p + "mlp.gate.weight"] = (e, h)
+            for x in range(e):
+                expert = f"{p}mlp.experts.{x}."
+                out.update({expert + "gate_proj.weight": (f, h), expert + "up_proj.weight": (f, h),
+                            expert + "down_proj.weight": (h, f)})
+            out.update({p + "mlp.experts.gate_up_proj": (e, 2 * f, h), p + "mlp.experts.down_proj": (e, h, f)})
+        else:
+            out.update({p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                        p + "mlp.down_proj.weight": (h, i)})
     return out
 
 
@@ -105,9 +121,10 @@ def load_hf_checkpoint(cls, path: Path, backend=None, dtype=None, **model_kwargs
 
 
 def hf_config_for_export(config, dtype: torch.dtype):
-    """A plain ``model_type: llama`` config: no auto_map, our architecture name, the saved dtype."""
+    """A plain config of its model type (``llama``, ``qwen3``, ``qwen3_moe``): no auto_map, transformers' own
+    architecture name, the saved dtype."""
     config = config.__class__.from_dict(config.to_dict())
-    config.architectures = ["LlamaForCausalLM"]
+    config.architectures = [ARCHITECTURES[config.model_type]]
     for attr in ("auto_map", "_name_or_path"):
         if hasattr(config, attr):
             try:

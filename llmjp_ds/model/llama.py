@@ -34,9 +34,10 @@ from llmjp_ds.model.hf_io import load_hf_checkpoint, save_hf_checkpoint
 from llmjp_ds.model.loss import CausalLMLoss, LossParts
 from llmjp_ds.model.loss import shift_labels as shift_labels_of
 from llmjp_ds.model.main_grad import HeadLinear, TokenEmbedding
+from llmjp_ds.model.moe import MoEBlock
 from llmjp_ds.model.options import ModelOptions
 from llmjp_ds.model.residual_grad import residual_add
-from llmjp_ds.model.shapes import check_supported, rope_theta
+from llmjp_ds.model.shapes import check_supported, has_qk_norm, is_moe_layer, rope_theta
 from llmjp_ds.model.tensor_parallel import TensorParallel, leave_row, mark_sharded
 
 
@@ -54,6 +55,8 @@ def rope_freqs(positions: torch.Tensor, head_dim: int, theta: float) -> torch.Te
 def head_dim_of(config) -> int:
     """The width of one attention head: the config's ``head_dim``, else hidden / heads."""
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 
 
 class SelfAttention(nn.Module):
@@ -79,6 +82,9 @@ class SelfAttention(nn.Module):
         self.core_attention = L.DotProductAttention(self.num_heads, self.head_dim, self.num_kv,
                                                     qkv_format=self.qkv_format,
                                                     via_torch=options.attention_core == "cudnn")
+        if has_qk_norm(config):  # per head, before RoPE (so the fused split + RoPE kernels do not apply)
+            self.q_norm = L.RMSNorm(self.head_dim, eps=config.rms_norm_eps, params_dtype=params_dtype)
+            self.k_norm = L.RMSNorm(self.head_dim, eps=config.rms_norm_eps, params_dtype=params_dtype)
         self.proj = L.Linear(config.num_attention_heads * self.head_dim, config.hidden_size,
                              init_std=std / math.sqrt(2.0 * config.num_hidden_layers), params_dtype=params_dtype,
                              tp=tp, parallel_mode="row")
@@ -91,8 +97,14 @@ class SelfAttention(nn.Module):
         # TE's fused QKV layout: [kv groups, (q heads of the group, k, v) * head_dim]. The fused split + RoPE only
         # where the fused attention core runs (training, evaluation); the KV-cache and masked paths split as before
         core = cache is None and mask is None
-        q, k, v = self._L.split_qkv_rope(qkv.view(*lead, self.num_kv, (group + 2) * self.head_dim), freqs, group,
-                                         self.head_dim, self.qkv_format, fused=self.fused_qkv_rope if core else False)
+        grouped = qkv.view(*lead, self.num_kv, (group + 2) * self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k, v = self._L.split_qkv(grouped, group, self.head_dim)
+            q, k = (self._L.apply_rope(norm(t), freqs, self.qkv_format) for norm, t in ((self.q_norm, q),
+                                                                                       (self.k_norm, k)))
+        else:
+            q, k, v = self._L.split_qkv_rope(grouped, freqs, group, self.head_dim, self.qkv_format,
+                                             fused=self.fused_qkv_rope if core else False)
         if core:
             out = self.core_attention(q, k, v, checkpoint_core_attention=self.recompute_core and self.training)
         else:
@@ -105,26 +117,33 @@ class SelfAttention(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; the norms live inside TE's fused modules.
-    Under tensor parallelism ``x`` is ``[s, b, h]``, sequence-sharded ``[s / tp, b, h]`` with sequence
-    parallelism."""
+    The MLP is a dense SwiGLU (``layernorm_mlp``) or, in an MoE layer (:func:`is_moe_layer`), a mixture of experts
+    (``moe``, :class:`~llmjp_ds.model.moe.MoEBlock`; ``ep``: its expert-parallel group). Under tensor parallelism
+    ``x`` is ``[s, b, h]``, sequence-sharded ``[s / tp, b, h]`` with sequence parallelism."""
 
     def __init__(self, config, layer_idx: int, backend: str, params_dtype=None, tp: TensorParallel | None = None,
-                 options: ModelOptions = ModelOptions()):
+                 options: ModelOptions = ModelOptions(), ep=None):
         super().__init__()
         L = layers_module(backend)
         self.tp = tp
         self.self_attention = SelfAttention(config, layer_idx, L, params_dtype, tp, options)
-        self.layernorm_mlp = L.LayerNormMLP(
-            config.hidden_size, config.intermediate_size, eps=config.rms_norm_eps, init_std=config.initializer_range,
-            output_std=config.initializer_range / math.sqrt(2.0 * config.num_hidden_layers), params_dtype=params_dtype,
-            tp=tp)
-        # each residual's gradient added inside the backward of the norm that reads the residual (TE backend)
-        self.fused_residual_norm = options.residual_in_norm(backend)
+        moe = is_moe_layer(config, layer_idx)
+        if moe:
+            self.moe = MoEBlock(config, L, options, params_dtype, ep, _device_for(backend))
+        else:
+            self.layernorm_mlp = L.LayerNormMLP(
+                config.hidden_size, config.intermediate_size, eps=config.rms_norm_eps,
+                init_std=config.initializer_range,
+                output_std=config.initializer_range / math.sqrt(2.0 * config.num_hidden_layers),
+                params_dtype=params_dtype, tp=tp)
+        # each residual's gradient added inside the backward of the norm that reads the residual (TE backend; the
+        # MoE block's norm is TE's plain RMSNorm, which takes none)
+        self.fused_residual_norm = options.residual_in_norm(backend) and not moe
 
     def forward(self, x, freqs, mask=None, cache=None):
         add = residual_add if self.fused_residual_norm else torch.add
         x = add(x, self.self_attention(x, freqs, mask, cache))
-        return add(x, self.layernorm_mlp(x))
+        return add(x, self.moe(x) if hasattr(self, "moe") else self.layernorm_mlp(x))
 
 
 def _device_for(backend: str):
@@ -299,18 +318,37 @@ class LlamaForCausalLM(PreTrainedModel, GenerationMixin):
         parts = LossParts(None, None, None)
         targets = shift_labels if shift_labels is not None else (
             shift_labels_of(labels) if labels is not None else None)
+        routing = {}
         if targets is not None:
             overwritten = self.loss_fn.overwrites(logits)  # its backward writes the gradient over the logits
-            parts = self.loss_fn(logits, targets)
+            parts, routing = self._with_router_losses(self.loss_fn(logits, targets))
             logits = None if overwritten else logits
         out = _output(loss=parts.loss, logits=logits, cache=cache if use_cache else None)
         if targets is not None:
             out["lm_loss"], out["z_loss"] = parts.lm_loss, parts.z_loss
+            for key, value in routing.items():
+                out[key] = value
         return out
 
     def training_loss(self, input_ids: torch.Tensor, targets: torch.Tensor) -> LossParts:
-        """Loss of ``input_ids [b, s]`` against ``targets [b, s]`` (already shifted), z-loss included."""
-        return self.loss_fn(self.lm_head(self.hidden_states(input_ids)), targets)
+        """Loss of ``input_ids [b, s]`` against ``targets [b, s]`` (already shifted), z-loss and an MoE model's
+        router losses included."""
+        return self._with_router_losses(self.loss_fn(self.lm_head(self.hidden_states(input_ids)), targets))[0]
+
+    def _with_router_losses(self, parts: LossParts) -> tuple[LossParts, dict]:
+        """``parts`` with the MoE layers' router losses of the forward just run added to the loss, and what they
+        routed: ``router_aux_loss`` and ``router_z_loss`` (coefficient-free, the mean over the MoE layers, as
+        Megatron-LM logs them), ``expert_load`` ``[MoE layers, E]`` (the tokens that chose each expert) and
+        ``dropped_tokens`` (over capacity). A dense model's are ``parts`` and nothing."""
+        routed = [layer.moe.routed for layer in self.model.layers if hasattr(layer, "moe")]
+        if not routed:
+            return parts, {}
+        extra = sum(r.loss for r in routed)
+        return parts._replace(loss=parts.loss + extra), {
+            "router_aux_loss": torch.stack([r.aux_loss for r in routed]).mean(),
+            "router_z_loss": torch.stack([r.z_loss for r in routed]).mean(),
+            "expert_load": torch.stack([r.tokens_per_expert for r in routed]),
+            "dropped_tokens": sum(r.dropped for r in routed)}
 
     # --- Hugging Face checkpoints -------------------------------------------------------------------------
 

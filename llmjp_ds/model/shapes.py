@@ -25,6 +25,14 @@ class ModelShape:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     head_dim: int | None = None  # None: hidden / heads (every LLM-jp-3 size); else heads * head_dim may differ
+    # queries and keys RMS-normalised per head before RoPE (Qwen3's q_norm / k_norm, Megatron's --qk-layernorm)
+    qk_norm: bool = False
+    # a mixture of experts (a Hugging Face qwen3_moe model): routed experts, each token's top k of them, and each
+    # expert's SwiGLU width; every layer but the dense ones (transformers' mlp_only_layers) is MoE
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_ffn_hidden_size: int | None = None
+    dense_layers: tuple[int, ...] = ()
 
 
 MODEL_SHAPES: dict[str, ModelShape] = {
@@ -40,6 +48,21 @@ MODEL_SHAPES: dict[str, ModelShape] = {
     # Published: 64 layers, hidden 5120, FFN 27648 (TP4). The heads are not: 40 heads of 128 with 8 KV groups is an
     # assumption (Qwen2.5-32B's at this width, and Llama-3's GQA); RoPE, eps and vocabulary as the 8B's v4 recipe.
     "llmjp4-32b": ModelShape(5120, 64, 40, 8, 27648, 196608, rope_theta=500000.0, rms_norm_eps=1e-6),
+    # llm-jp-4-32b-a3b (Hugging Face qwen3_moe): 32 layers, hidden 2560, 40 heads of 128 with 4 KV groups, qk-norm,
+    # 128 experts of SwiGLU width 960, 8 a token, every layer MoE, untied head: 32,139,028,992 parameters,
+    # 3,827,476,992 active (its model card; tests/model/test_moe_shapes.py). Pretraining sequences of 4096 as the
+    # 8B (the release's 65,536 context came after); ffn_hidden_size is its config's intermediate_size, which an
+    # all-MoE model never uses
+    "llmjp4-32b-a3b": ModelShape(2560, 32, 40, 4, 7680, 196608, rope_theta=500000.0, rms_norm_eps=1e-6,
+                                 head_dim=128, qk_norm=True, num_experts=128, experts_per_token=8,
+                                 moe_ffn_hidden_size=960),
+    # four of its layers with its whole 196,608-row head: what one H200 trains beside Megatron-Core's MoE
+    "llmjp4-moe-slice": ModelShape(2560, 4, 40, 4, 7680, 196608, rope_theta=500000.0, rms_norm_eps=1e-6,
+                                   head_dim=128, qk_norm=True, num_experts=128, experts_per_token=8,
+                                   moe_ffn_hidden_size=960),
+    # the MoE model of CPU tests and `llmjp-ds demo --moe`: 8 experts, 2 a token, the demo tokenizer's vocabulary
+    "tiny-moe": ModelShape(128, 4, 4, 2, 256, 8064, seq_len=256, head_dim=32, qk_norm=True, num_experts=8,
+                           experts_per_token=2, moe_ffn_hidden_size=64),
 }
 
 # ``model.overrides``: every field of ModelShape, optional (None keeps the shape's value)
@@ -79,18 +102,56 @@ def resolve_shape(shape: str | ModelShape, overrides=None) -> ModelShape:
     unknown = set(fields) - set(asdict(p))
     if unknown:
         fail(f"unknown model field(s) {sorted(unknown)}: valid fields are {', '.join(asdict(p))}")
+    if "dense_layers" in fields:
+        fields["dense_layers"] = tuple(fields["dense_layers"])
     return replace(p, **fields)
 
 
 def model_config(shape: str | ModelShape = "tiny", **overrides):
-    """A transformers ``LlamaConfig`` for a shape; ``overrides`` replace its fields (e.g. ``num_layers=2``)."""
-    from transformers import LlamaConfig
-
+    """The transformers config of a shape: ``LlamaConfig``, ``Qwen3Config`` (qk-norm) or ``Qwen3MoeConfig``
+    (experts); ``overrides`` replace its fields (e.g. ``num_layers=2``)."""
     p = resolve_shape(shape, overrides)
     if (p.head_dim is None and p.hidden_size % p.num_attention_heads) or p.num_attention_heads % p.num_key_value_heads:
         fail(f"hidden_size {p.hidden_size}, heads {p.num_attention_heads} and kv heads {p.num_key_value_heads} "
              "must divide evenly (hidden % heads == 0 unless model.overrides sets head_dim, heads % kv_heads == 0)")
-    return LlamaConfig(
+    check_experts(p)
+    if p.num_experts:
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(**_common_fields(p), num_experts=p.num_experts, num_experts_per_tok=p.experts_per_token,
+                              moe_intermediate_size=p.moe_ffn_hidden_size, norm_topk_prob=True,
+                              decoder_sparse_step=1, mlp_only_layers=list(p.dense_layers),
+                              output_router_logits=False)
+    if p.qk_norm:
+        from transformers import Qwen3Config
+
+        return Qwen3Config(**_common_fields(p))
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**_common_fields(p), mlp_bias=False)
+
+
+def check_experts(p: ModelShape) -> None:
+    """An MoE shape's numbers agree with each other and with transformers' Qwen3-MoE (one line each)."""
+    if not p.num_experts:
+        if p.experts_per_token or p.moe_ffn_hidden_size or p.dense_layers:
+            fail("experts_per_token, moe_ffn_hidden_size and dense_layers describe a mixture of experts, but "
+                 "num_experts is 0: set model.overrides.num_experts, or remove them")
+        return
+    if not 1 <= p.experts_per_token <= p.num_experts:
+        fail(f"experts_per_token={p.experts_per_token} must be between 1 and num_experts={p.num_experts} (each token "
+             "goes to that many of the experts): lower it, or add experts")
+    if not p.moe_ffn_hidden_size:
+        fail("an MoE shape needs moe_ffn_hidden_size, each expert's SwiGLU width (--moe-ffn-hidden-size)")
+    if not p.qk_norm:
+        fail("an MoE shape is a Hugging Face qwen3_moe model, which normalises queries and keys: set qk_norm=true")
+    bad = [i for i in p.dense_layers if not 0 <= i < p.num_layers]
+    if bad:
+        fail(f"dense_layers {list(p.dense_layers)} names layer {bad[0]}, but the model has layers 0..{p.num_layers - 1}")
+
+
+def _common_fields(p: ModelShape) -> dict:
+    return dict(
         vocab_size=p.vocab_size,
         hidden_size=p.hidden_size,
         intermediate_size=p.ffn_hidden_size,
@@ -104,11 +165,24 @@ def model_config(shape: str | ModelShape = "tiny", **overrides):
         initializer_range=0.02,
         tie_word_embeddings=False,
         attention_bias=False,
-        mlp_bias=False,
         hidden_act="silu",
         bos_token_id=1,
         eos_token_id=2,
     )
+
+
+def has_qk_norm(config) -> bool:
+    """Whether queries and keys are RMS-normalised per head before RoPE (Qwen3's ``q_norm`` / ``k_norm``,
+    Megatron-LM's ``--qk-layernorm``): the ``qwen3`` and ``qwen3_moe`` configs."""
+    return getattr(config, "model_type", "llama") in ("qwen3", "qwen3_moe")
+
+
+def is_moe_layer(config, layer_idx: int) -> bool:
+    """Whether decoder layer ``layer_idx`` is a mixture of experts (transformers' Qwen3-MoE rule: experts, not in
+    ``mlp_only_layers``, and every ``decoder_sparse_step``-th layer)."""
+    experts = getattr(config, "num_experts", 0) or 0
+    return experts > 0 and layer_idx not in (getattr(config, "mlp_only_layers", None) or []) and \
+        (layer_idx + 1) % (getattr(config, "decoder_sparse_step", 1) or 1) == 0
 
 
 def rope_theta(config) -> float:
@@ -116,11 +190,17 @@ def rope_theta(config) -> float:
     return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
 
 
+MODEL_TYPES = ("llama", "qwen3", "qwen3_moe")  # Hugging Face model types this package builds
+
+
 def check_supported(config) -> None:
-    """The architecture this package implements: Llama with RoPE (default type), RMSNorm, SwiGLU, no biases."""
+    """The architecture this package implements: Llama with RoPE (default type), RMSNorm, SwiGLU, no biases; with
+    qk-norm (qwen3) and a mixture of experts (qwen3_moe)."""
     problems = []
-    if getattr(config, "model_type", "llama") != "llama":
-        problems.append(f"model_type is {config.model_type!r}, not 'llama'")
+    if getattr(config, "model_type", "llama") not in MODEL_TYPES:
+        problems.append(f"model_type is {config.model_type!r}, not one of {', '.join(MODEL_TYPES)}")
+    if getattr(config, "use_sliding_window", False):
+        problems.append("sliding-window attention")
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     if params.get("rope_type", params.get("type", "default")) != "default":
         problems.append(f"rope type {params.get('rope_type')!r} (only plain RoPE)")

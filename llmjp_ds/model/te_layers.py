@@ -17,8 +17,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformer_engine.pytorch.attention.rope import apply_fused_qkv_rotary_pos_emb, apply_rotary_pos_emb
 from transformer_engine.pytorch.module import layernorm_linear as _te_layernorm_linear
 from transformer_engine.pytorch.module import layernorm_mlp as _te_layernorm_mlp
+from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+from transformer_engine.pytorch.router import fused_topk_with_score_function
 
-from llmjp_ds.model import residual_grad
+from llmjp_ds.model import moe, residual_grad
 from llmjp_ds.model.kernels import rope
 from llmjp_ds.model.torch_layers import apply_rope as torch_apply_rope
 from llmjp_ds.model.torch_layers import sdpa  # noqa: F401  (the masked / KV-cache path, shared by both backends)
@@ -149,6 +151,69 @@ def DotProductAttention(num_attention_heads, head_dim, num_gqa_groups, qkv_forma
         num_attention_heads, head_dim, num_gqa_groups=num_gqa_groups, attention_dropout=0.0,
         qkv_format=qkv_format, attn_mask_type="causal", via_torch=via_torch,
     )
+
+
+class _GroupedLinear(ReusesFP8Weights, te.GroupedLinear):
+    pass
+
+
+def GroupedLinear(num_gemms, in_features, out_features, init_std, params_dtype=None):
+    """TE's grouped GEMM: ``num_gemms`` weights ``weight0 .. weight{n-1}`` ``[out, in]`` in one kernel launch."""
+    return _GroupedLinear(num_gemms, in_features, out_features, bias=False, init_method=_normal(init_std),
+                          **_device_kwargs(params_dtype))
+
+
+class GroupedMLP(nn.Module):
+    """As :class:`llmjp_ds.model.torch_layers.GroupedMLP`, each projection one TE grouped GEMM. Inside an FP8
+    region every expert's rows are padded to the recipe's alignment first (TE's ``Fp8Padding``), as the FP8 GEMMs
+    need, and unpadded after."""
+
+    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, init_std: float,
+                 output_std: float, params_dtype=None):
+        super().__init__()
+        self.linear_fc1 = GroupedLinear(num_experts, hidden_size, 2 * ffn_hidden_size, init_std, params_dtype)
+        self.linear_fc2 = GroupedLinear(num_experts, ffn_hidden_size, hidden_size, output_std, params_dtype)
+        self.pad, self.unpad = te.Fp8Padding(num_experts), te.Fp8Unpadding(num_experts)
+
+    def forward(self, rows, tokens_per_expert, weights):
+        splits = tokens_per_expert.tolist()  # the grouped GEMM's split sizes, on the host (as Megatron's)
+        padded = FP8GlobalStateManager.is_fp8_enabled()
+        m_splits = splits
+        if padded:
+            rows, m_splits = self.pad(rows, splits)
+            weights = _padded_rows(weights, splits, m_splits)
+        gate, up = self.linear_fc1(rows, m_splits).chunk(2, dim=-1)
+        out = self.linear_fc2(((torch.nn.functional.silu(gate) * up) * weights).to(rows.dtype), m_splits)
+        return self.unpad(out, splits) if padded else out
+
+
+def _padded_rows(t: torch.Tensor, splits: list[int], padded: list[int]) -> torch.Tensor:
+    """``t``'s rows placed as ``Fp8Padding`` places the rows of each expert (zeros in the padding)."""
+    before = [p - s for p, s in zip(padded, splits)]
+    shift = torch.repeat_interleave(torch.tensor([sum(before[:i]) for i in range(len(before))], device=t.device),
+                                    torch.tensor(splits, device=t.device))
+    out = t.new_zeros(sum(padded), *t.shape[1:])
+    return out.index_copy(0, torch.arange(t.shape[0], device=t.device) + shift, t)
+
+
+def route(logits, top_k: int):
+    """TE's fused top-k + softmax over the chosen (``fused_topk_with_score_function``), as the torch formula."""
+    return fused_topk_with_score_function(logits, top_k, use_pre_softmax=False, num_groups=None, group_topk=None,
+                                          scaling_factor=None, score_function="softmax", expert_bias=None)
+
+
+def permute_tokens(hidden, probs, routing_map, count: int | None = None) -> moe.Rows:
+    """TE's fused permutation (``moe_permute_with_probs``), expert-major as the torch formula; ``count``: the rows
+    (known without asking the device when no token is dropped)."""
+    tokens_per_expert = routing_map.sum(0)
+    count = int(tokens_per_expert.sum()) if count is None else count
+    rows, weights, row_map = te.moe_permute_with_probs(hidden, probs, routing_map, num_out_tokens=count)
+    return moe.Rows(rows, weights.unsqueeze(-1), tokens_per_expert, (row_map, hidden.shape))
+
+
+def unpermute_tokens(out, rows: moe.Rows):
+    row_map, shape = rows.back
+    return te.moe_unpermute(out, row_map, restore_shape=shape)
 
 
 def apply_rope(t: torch.Tensor, freqs: torch.Tensor, qkv_format: str = "bshd") -> torch.Tensor:

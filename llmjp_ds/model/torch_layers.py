@@ -1,7 +1,8 @@
 """Pure-PyTorch twins of the Transformer Engine modules the model is built from.
 
 Same parameter names, shapes, layout and math as TE's ``LayerNormLinear``, ``Linear``, ``LayerNormMLP``,
-``DotProductAttention`` and ``RMSNorm`` (RMSNorm, no bias, SwiGLU with ``fc1 = [gate; up]``), so a state dict
+``DotProductAttention``, ``RMSNorm`` and ``GroupedLinear`` (with the MoE block's routing and permutation, TE's fused
+kernels on the GPU) (RMSNorm, no bias, SwiGLU with ``fc1 = [gate; up]``), so a state dict
 moves between the backends unchanged. Each module also carries TE's ``_extra_state`` entry: kept opaque when it
 comes from TE, and used for the emulated-FP8 scaling state on machines without TE (see ``llmjp_ds.precision.schedule``).
 
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmjp_ds.model import moe
 from llmjp_ds.model.tensor_parallel import TensorParallel, enter_column, leave_row, mark_sharded
 
 
@@ -143,6 +145,55 @@ class LayerNormMLP(_ExtraState, nn.Module):
         gate, up = h.chunk(2, dim=-1)
         out = linear(self, F.silu(gate) * up, self.fc2_weight)
         return out if self.tp is None else leave_row(out, self.tp)
+
+
+class GroupedLinear(_ExtraState, nn.Module):
+    """``num_gemms`` linear maps of the same shape, one per expert (TE's: ``weight0 .. weight{n-1}``, each ``[out,
+    in]``); ``forward(x, m_splits)`` maps the first ``m_splits[0]`` rows of ``x`` by the first, and so on."""
+
+    def __init__(self, num_gemms: int, in_features: int, out_features: int, init_std: float, params_dtype=None,
+                 **_):
+        super().__init__()
+        self.num_gemms = num_gemms
+        for i in range(num_gemms):
+            self.register_parameter(f"weight{i}", _weight(out_features, in_features, init_std, params_dtype, None,
+                                                          None))
+
+    def forward(self, x, m_splits):
+        splits = m_splits.tolist() if isinstance(m_splits, torch.Tensor) else list(m_splits)
+        parts = x.split(splits, dim=0)
+        return torch.cat([linear(self, part, getattr(self, f"weight{i}")) for i, part in enumerate(parts)], dim=0)
+
+
+class GroupedMLP(nn.Module):
+    """The SwiGLU MLPs of ``num_experts`` experts over their rows (expert-major): ``linear_fc1`` (``[gate; up]``
+    of each) and ``linear_fc2``; each row's activation is scaled by its routing weight before ``fc2``, as
+    Megatron's weighted SwiGLU."""
+
+    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, init_std: float,
+                 output_std: float, params_dtype=None):
+        super().__init__()
+        self.linear_fc1 = GroupedLinear(num_experts, hidden_size, 2 * ffn_hidden_size, init_std, params_dtype)
+        self.linear_fc2 = GroupedLinear(num_experts, ffn_hidden_size, hidden_size, output_std, params_dtype)
+
+    def forward(self, rows, tokens_per_expert, weights):
+        gate, up = self.linear_fc1(rows, tokens_per_expert).chunk(2, dim=-1)
+        return self.linear_fc2(((F.silu(gate) * up) * weights).to(rows.dtype), tokens_per_expert)
+
+
+def route(logits, top_k: int):
+    return moe.route(logits, top_k)
+
+
+def permute_tokens(hidden, probs, routing_map, count: int | None = None) -> moe.Rows:
+    """The rows of ``hidden``'s tokens in expert order (:func:`llmjp_ds.model.moe.permute`)."""
+    rows, token_ids, tokens_per_expert = moe.permute(hidden, routing_map)
+    weights = probs.t()[routing_map.t()].unsqueeze(-1)  # each row's weight, in the rows' (expert-major) order
+    return moe.Rows(rows, weights, tokens_per_expert, (token_ids, hidden.shape[0]))
+
+
+def unpermute_tokens(out, rows: moe.Rows):
+    return moe.unpermute(out, *rows.back)
 
 
 class DotProductAttention(_ExtraState, nn.Module):

@@ -64,7 +64,7 @@ def test_172b_parameter_count_matches_llmjp_figures():
     # LLM-jp's embedding figure is input + output embedding at the 99,487 live tokenizer ids ...
     live = parameter_count(**LLMJP3_172B, vocab_size=99487)
     assert live == {"non_embedding": 169_947_181_056, "embedding": 2_444_992_512,
-                    "total": 169_947_181_056 + 2_444_992_512}
+                    "total": 169_947_181_056 + 2_444_992_512, "active": 169_947_181_056 + 2_444_992_512}
     assert 2 * 99487 * 12288 == 2_444_992_512
     # ... while the checkpoint holds the vocabulary padded to 99,840.
     padded = parameter_count(**LLMJP3_172B, vocab_size=99840)
@@ -90,7 +90,7 @@ def test_the_172b_preset_gives_the_hand_figures():
     cfg = model_config("llmjp3-172b")
     assert flops_per_token_for(cfg) == 1_056_020_889_600
     assert parameter_count_for(cfg) == {"non_embedding": 169_947_181_056, "embedding": 2_453_667_840,
-                                        "total": 172_400_848_896}
+                                        "total": 172_400_848_896, "active": 172_400_848_896}
 
 
 def test_parameter_count_matches_our_model():
@@ -176,3 +176,24 @@ def test_flops_partition_balances_the_head_against_decoder_layers(preset, layers
     busiest = max(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:]))
     layer, head = weights[1], weights[-1]
     assert busiest <= -(-layers // stages) * layer + head  # never worse than layers split evenly, head on top
+
+
+def test_the_32b_a3b_preset_gives_llm_jp_4s_published_counts():
+    """llm-jp-4-32b-a3b's model card: 32,139,028,992 parameters in all, 3,827,476,992 activated (the embedding and
+    head included, as model cards count them), 503,316,480 in the embedding (the input one alone); transformers'
+    Qwen3MoeForCausalLM of the preset's config, built on the meta device, has the same total."""
+    import torch
+    from transformers import Qwen3MoeForCausalLM
+
+    from llmjp_ds.model import model_config
+
+    config = model_config("llmjp4-32b-a3b")
+    counts = parameter_count_for(config)
+    assert (counts["total"], counts["active"]) == (32_139_028_992, 3_827_476_992)
+    assert counts["embedding"] == 2 * 503_316_480 == 2 * config.vocab_size * config.hidden_size
+    with torch.device("meta"):
+        assert sum(p.numel() for p in Qwen3MoeForCausalLM(config).parameters()) == 32_139_028_992
+    # per token: attention as the dense count, the router and 8 of the 128 experts' SwiGLU MLPs per layer
+    dense = model_flops_per_token(hidden_size=2560, num_layers=32, num_attention_heads=40, num_key_value_heads=4,
+                                  head_dim=128, intermediate_size=8 * 960, vocab_size=196608, seq_len=4096)
+    assert flops_per_token_for(config, 4096) == dense + 3 * 32 * 2 * 2560 * 128

@@ -1,0 +1,242 @@
+"""The MoE block (llmjp_ds.model.moe) against the references it claims to equal: megatron-core's own router,
+load-balancing and z-loss functions, permutation and token dropping (the unfused ones, on CPU), and transformers'
+Qwen3-MoE sparse block and whole model. Routing is compared exactly: one token sent to another expert fails."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from llmjp_ds.model import moe
+from llmjp_ds.model.options import ModelOptions
+
+T, E, K = 96, 16, 4
+
+
+def _mu():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.transformer.moe import moe_utils
+    return moe_utils
+
+
+def logits_of(seed: int, tokens: int = T, experts: int = E) -> torch.Tensor:
+    return torch.randn(tokens, experts, generator=torch.Generator().manual_seed(seed)) * 2.0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_routing_is_megatron_cores_token_for_token(seed):
+    """Top-k of the fp32 logits and a softmax over the chosen (megatron-core's topk_routing_with_score_function,
+    no pre-softmax): the same experts for every token and the same weights."""
+    mu = _mu()
+    logits = logits_of(seed)
+    theirs_probs, theirs_map = mu.topk_routing_with_score_function(logits, K, use_pre_softmax=False,
+                                                                   score_function="softmax")
+    probs, routing_map = moe.route(logits, K)
+    assert torch.equal(routing_map, theirs_map)
+    torch.testing.assert_close(probs, theirs_probs.float(), rtol=1e-6, atol=1e-7)
+    assert torch.allclose(probs.sum(-1), torch.ones(T))  # norm_topk_prob: each token's weights sum to 1
+
+
+def test_a_token_sent_to_another_expert_fails_the_comparison():
+    """The comparison above sees one token routed elsewhere: the second choice of token 5 raised above its first."""
+    logits = logits_of(0)
+    _, routing_map = moe.route(logits, K)
+    moved = logits.clone()
+    left_out = int((~routing_map[5]).nonzero()[0])
+    moved[5, left_out] = logits[5].max() + 1.0
+    assert not torch.equal(moe.route(moved, K)[1], routing_map)
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_aux_and_z_losses_are_megatron_cores(seed):
+    """The switch load-balancing loss (scores from the full softmax, counts from its top-k) and the router
+    z-loss, coefficient-free, as megatron-core's functions give them with a coefficient of 1."""
+    mu = _mu()
+    logits = logits_of(seed)
+    routing_map, scores = mu.compute_routing_scores_for_aux_loss(logits, K, "softmax")
+    theirs = mu.switch_load_balancing_loss_func(scores, routing_map.sum(0), T, K, E, 1.0)
+    torch.testing.assert_close(moe.load_balancing_loss(logits, K), theirs, rtol=1e-6, atol=0)
+    torch.testing.assert_close(moe.router_z_loss(logits), mu.z_loss_func(logits, 1.0), rtol=1e-6, atol=0)
+    balanced = torch.zeros(E * 4, E).fill_diagonal_(0.0)
+    balanced[torch.arange(E * 4), torch.arange(E * 4) % E] = 10.0  # each expert first for 4 tokens, K = 1
+    assert moe.load_balancing_loss(balanced, 1).item() == pytest.approx(1.0, rel=1e-3)  # 1 when balanced
+
+
+_TRACKED = r"""
+import json, os, sys, warnings
+warnings.simplefilter("ignore")
+import torch
+from megatron.core.transformer.moe import moe_utils as mu
+if "te_general_gemm" not in vars(mu):
+    mu.te_general_gemm = None
+torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+from megatron.core import parallel_state as ps
+ps.initialize_model_parallel(expert_model_parallel_size=1)
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.moe.router import TopKRouter
+logits = torch.tensor(json.loads(sys.stdin.read()))  # [S, B, E]: Megatron's sequence-major layout
+S, B, E = logits.shape
+out = {}
+for name, kind in (("aux", "aux_loss"), ("seq", "seq_aux_loss")):
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, num_moe_experts=E,
+                               moe_router_topk=int(sys.argv[1]), moe_ffn_hidden_size=8, add_bias_linear=False,
+                               moe_router_dtype="fp32", moe_router_load_balancing_type=kind, moe_aux_loss_coeff=1.0,
+                               moe_z_loss_coeff=1.0)
+    router = TopKRouter(config, pg_collection=mu.get_default_pg_collection())
+    router.set_layer_number(1)
+    router.train()
+    router.routing(logits.clone().requires_grad_())
+    tracker = mu.get_moe_layer_wise_logging_tracker()
+    out.update({f"{name}:{k}": float(v["values"][0]) for k, v in tracker.items()})
+    tracker.clear()
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_seq_aux_loss_is_megatron_cores_router(tmp_path):
+    """``seq_aux_loss``: megatron-core's TopKRouter (one process of gloo, its own routing on [S, B, E] logits, as
+    its logging tracker records the losses) against ours on the same logits in our batch-major rows."""
+    from tests.launch import free_port, subprocess_env
+
+    s, b = 12, 4
+    logits = logits_of(5, s * b)  # rows batch-major: row = sequence * s + position
+    megatron_layout = logits.view(b, s, E).transpose(0, 1)
+    env = subprocess_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    proc = subprocess.run([sys.executable, "-c", _TRACKED, str(K)], input=json.dumps(megatron_layout.tolist()),
+                          capture_output=True, text=True, timeout=240, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-2000:]
+    theirs = json.loads(lines[-1][len("RESULT "):])
+    assert theirs["seq:seq_load_balancing_loss"] == pytest.approx(moe.load_balancing_loss(logits, K, b).item(),
+                                                                  rel=1e-6)
+    assert theirs["aux:load_balancing_loss"] == pytest.approx(moe.load_balancing_loss(logits, K).item(), rel=1e-6)
+    assert theirs["aux:z_loss"] == pytest.approx(moe.router_z_loss(logits).item(), rel=1e-6)
+    assert moe.load_balancing_loss(logits, K, b).item() != pytest.approx(moe.load_balancing_loss(logits, K).item())
+
+
+def test_permutation_is_megatron_cores():
+    """Rows expert-major, tokens in order within an expert, each with its weight; back to the tokens by summing
+    each token's rows (megatron-core's permute / unpermute, unfused)."""
+    mu = _mu()
+    logits, x = logits_of(4), torch.randn(T, 8)
+    probs, routing_map = moe.route(logits, K)
+    theirs = mu.permute(x, routing_map, probs=probs, num_out_tokens=T * K)
+    rows, token_ids, per_expert = moe.permute(x, routing_map)
+    assert torch.equal(rows, theirs[0]) and torch.equal(token_ids, theirs[2])
+    assert torch.equal(probs.t()[routing_map.t()], theirs[1])
+    assert per_expert.tolist() == routing_map.sum(0).tolist() and sum(per_expert.tolist()) == T * K
+    torch.testing.assert_close(moe.unpermute(rows, token_ids, T), mu.unpermute(rows, theirs[2], restore_shape=x.shape),
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0, 1.5])
+def test_capacity_drops_as_megatron_core_drops_by_probs(factor):
+    """``capacity_factor`` with the ``probs`` policy: each expert keeps its ``ceil(T K / E x factor)`` tokens of
+    highest weight (megatron-core's apply_router_token_dropping)."""
+    mu = _mu()
+    probs, routing_map = moe.route(logits_of(6), K)
+    theirs_probs, theirs_map = mu.apply_router_token_dropping(probs, routing_map, K, factor, drop_policy="probs")
+    ours_probs, ours_map = moe.drop_over_capacity(probs, routing_map, K, factor, "probs")
+    assert torch.equal(ours_map, theirs_map) and torch.equal(ours_probs, theirs_probs)
+    assert int(ours_map.sum(0).max()) <= math.ceil(T * K / E * factor)
+
+
+def test_the_position_policy_keeps_the_earliest_tokens():
+    """``position`` keeps each expert's first tokens in sequence order (megatron-core breaks the ties of its
+    formula by torch.topk's order, which on a CPU is not the tokens' order: the rule is checked directly)."""
+    probs, routing_map = moe.route(logits_of(7), K)
+    _, kept = moe.drop_over_capacity(probs, routing_map, K, 0.5, "position")
+    capacity = -(-T * K // (E * 2))
+    for e in range(E):
+        chosen = routing_map[:, e].nonzero().flatten().tolist()
+        assert kept[:, e].nonzero().flatten().tolist() == chosen[:capacity]
+
+
+def _qwen3_moe_config(**kw):
+    from llmjp_ds.model.shapes import model_config
+
+    return model_config("tiny-moe", num_layers=2, **kw)
+
+
+def test_the_block_is_transformers_qwen3_moe_block():
+    """Our MoE block (norm, router, experts) against transformers' Qwen3MoeSparseMoeBlock after its decoder
+    layer's post-attention norm, with the same weights (fp32): the same output, the same experts per token."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm, Qwen3MoeSparseMoeBlock
+
+    from llmjp_ds.model.backend import layers_module
+
+    config = _qwen3_moe_config()
+    torch.manual_seed(0)
+    ours = moe.MoEBlock(config, layers_module("torch"), ModelOptions())
+    hf, norm = Qwen3MoeSparseMoeBlock(config), Qwen3MoeRMSNorm(config.hidden_size, config.rms_norm_eps)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(config.hidden_size) + 0.5)
+        ours.norm.weight.copy_(norm.weight)
+        hf.gate.weight.copy_(ours.router.weight)
+        hf.experts.gate_up_proj.copy_(torch.stack([getattr(ours.experts.linear_fc1, f"weight{e}")
+                                                   for e in range(config.num_experts)]))
+        hf.experts.down_proj.copy_(torch.stack([getattr(ours.experts.linear_fc2, f"weight{e}")
+                                                for e in range(config.num_experts)]))
+    x = torch.randn(2, 24, config.hidden_size)
+    with torch.no_grad():
+        theirs = hf(norm(x))
+        theirs = theirs[0] if isinstance(theirs, tuple) else theirs
+        mine = ours(x)
+        _, _, their_experts = hf.gate(norm(x).reshape(-1, config.hidden_size))
+    torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+    _, routing_map = moe.route(ours.router(ours.norm(x).reshape(-1, config.hidden_size)), config.num_experts_per_tok)
+    assert torch.equal(routing_map, torch.zeros_like(routing_map).scatter(1, their_experts, True))
+    assert ours.routed.tokens_per_expert.tolist() == routing_map.sum(0).tolist()
+
+
+def test_the_training_loss_adds_each_layers_router_losses_times_their_coefficients():
+    """loss = lm + z + sum over MoE layers of (aux coeff x aux + z coeff x router z), the logged values the mean
+    over layers; the router's gradient carries both terms."""
+    from llmjp_ds.model import LlamaForCausalLM
+
+    config = _qwen3_moe_config()
+    options = ModelOptions(moe_aux_loss_coeff=0.5, moe_z_loss_coeff=0.25)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config, backend="torch", options=options)
+    ids = torch.randint(0, config.vocab_size, (2, 17))
+    out = model(input_ids=ids[:, :-1], shift_labels=ids[:, 1:])
+    routed = [layer.moe.routed for layer in model.model.layers]
+    extra = sum(0.5 * r.aux_loss + 0.25 * r.z_loss for r in routed)
+    torch.testing.assert_close(out.loss, out.lm_loss + out.z_loss + extra)
+    torch.testing.assert_close(out.router_aux_loss, torch.stack([r.aux_loss for r in routed]).mean())
+    assert out.expert_load.shape == (2, config.num_experts) and out.expert_load.sum().item() == 2 * 32 * 2
+    weight = model.model.layers[0].moe.router.weight
+    without = torch.autograd.grad(out.lm_loss + out.z_loss, weight, retain_graph=True)[0]
+    assert not torch.allclose(torch.autograd.grad(out.loss, weight)[0], without)
+
+
+@pytest.mark.parametrize("shape", ["tiny-moe", "tiny-qk"])
+def test_export_loads_in_transformers_with_the_same_logits(shape, tmp_path):
+    """A qwen3_moe (and a dense qwen3: qk-norm without experts) model written by save_pretrained loads with
+    transformers' AutoModelForCausalLM, no remote code, and gives our logits; read back, it is the same model."""
+    from transformers import AutoModelForCausalLM
+
+    from llmjp_ds.model import LlamaForCausalLM
+    from llmjp_ds.model.shapes import model_config
+
+    config = _qwen3_moe_config() if shape == "tiny-moe" else model_config(
+        "tiny", num_layers=2, qk_norm=True, head_dim=32)
+    torch.manual_seed(0)
+    ours = LlamaForCausalLM(config, backend="torch").eval()
+    ours.save_pretrained(tmp_path / "hf", dtype=torch.float32)
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert written["model_type"] == config.model_type and "auto_map" not in written
+    theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    ids = torch.randint(0, config.vocab_size, (2, 20))
+    with torch.no_grad():
+        logits = ours(input_ids=ids).logits
+        torch.testing.assert_close(theirs(input_ids=ids).logits, logits, rtol=1e-4, atol=2e-5)
+        again = LlamaForCausalLM.from_pretrained(tmp_path / "hf", backend="torch").eval()
+        assert torch.equal(again(input_ids=ids).logits, logits)

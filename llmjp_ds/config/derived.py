@@ -58,7 +58,9 @@ def model_options_of(cfg: RunConfig) -> ModelOptions:
     """The options the run's model is built with (``model.*``)."""
     m = cfg.model
     return ModelOptions(recompute=m.recompute, fused_qkv_rope=m.fused_qkv_rope, attention_core=m.attention_core,
-                        fused_residual_norm=m.fused_residual_norm)
+                        fused_residual_norm=m.fused_residual_norm, moe_aux_loss=m.moe_aux_loss,
+                        moe_aux_loss_coeff=m.moe_aux_loss_coeff, moe_z_loss_coeff=m.moe_z_loss_coeff,
+                        moe_capacity_factor=m.moe_capacity_factor, moe_drop_policy=m.moe_drop_policy)
 
 
 def seq_len_of(cfg: RunConfig, model_config) -> int:

@@ -14,7 +14,7 @@ from pydantic import ConfigDict, Field, WrapValidator
 from llmjp_ds.config.rules import (LR_MESSAGE, PENALTY_MESSAGE, SEED, above, at_least, input_path, one_of,
                                    output_path, within)
 from llmjp_ds.errors import did_you_mean, fail
-from llmjp_ds.model.options import KERNEL_CHOICES, RECOMPUTE_MODES, ModelOptions
+from llmjp_ds.model.options import DROP_POLICIES, KERNEL_CHOICES, MOE_AUX_LOSSES, RECOMPUTE_MODES, ModelOptions
 from llmjp_ds.model.shapes import ShapeOverrides
 
 
@@ -31,11 +31,18 @@ def section(cls):
     return cls
 
 
+# model.overrides: a shape's fields, each positive (ModelConfig's rule), but the layer indices of dense_layers
+ModelOverrides = dataclasses.make_dataclass(
+    "ModelOverrides", [("dense_layers", list[int] | None, field(default=None, metadata=at_least(
+        0, "a layer index (from 0)")))], bases=(ShapeOverrides,),
+    namespace={"__doc__": ShapeOverrides.__doc__, "__module__": __name__, "__pydantic_config__": {"extra": "forbid"}})
+
+
 @section
 class ModelConfig:
     shape: str = "tiny"  # a name in llmjp_ds.model.shapes.MODEL_SHAPES
     # e.g. {num_layers: 2}; every field of a shape is a positive number
-    overrides: ShapeOverrides = field(default_factory=ShapeOverrides, metadata=above(0, says="a positive {type}"))
+    overrides: ModelOverrides = field(default_factory=ModelOverrides, metadata=above(0, says="a positive {type}"))
     backend: str = "auto"  # auto | te | torch
     z_loss: Real = field(default=1e-4, metadata=at_least(0, "the z-loss coefficient; 0 = off"))
     # activation recompute: none | selective (the attention core, as LLM-jp's 172B run) | full (every decoder layer)
@@ -53,7 +60,18 @@ class ModelConfig:
     # TE backend: each residual's gradient is added inside the backward of the norm that reads the residual (TE's
     # rmsnorm_bwd_add), not by autograd in a kernel of its own (model/residual_grad.py). Off under recompute: full
     fused_residual_norm: bool = ModelOptions.fused_residual_norm
-    # start from an HF Llama checkpoint (continued pretraining)
+    # an MoE model's router (Megatron-LM's --moe-* names): the load-balancing loss (aux_loss, seq_aux_loss or none)
+    # and its coefficient, the router z-loss's, dropless routing (null) or each expert's capacity as a factor of its
+    # even share, and which tokens an expert over capacity keeps (probs: the highest weights; position: the earliest)
+    moe_aux_loss: str = field(default=ModelOptions.moe_aux_loss, metadata=one_of(
+        *MOE_AUX_LOSSES, why="the router's load-balancing loss"))
+    moe_aux_loss_coeff: Real = field(default=ModelOptions.moe_aux_loss_coeff, metadata=at_least(0))
+    moe_z_loss_coeff: Real = field(default=ModelOptions.moe_z_loss_coeff, metadata=at_least(0))
+    moe_capacity_factor: Real | None = field(default=ModelOptions.moe_capacity_factor, metadata=above(
+        0, "an expert's capacity as a factor of its even share of the choices; null = dropless"))
+    moe_drop_policy: str = field(default=ModelOptions.moe_drop_policy, metadata=one_of(
+        *DROP_POLICIES, why="which tokens an expert over capacity keeps"))
+    # start from an HF checkpoint (continued pretraining): llama, qwen3 or qwen3_moe
     init_from_hf: str | None = field(default=None, metadata=input_path(
         "pass the directory save_pretrained wrote (config.json and safetensors)", inside="config.json"))
 
@@ -269,6 +287,8 @@ class LoggingConfig:
     run_name: str | None = None
     interval: int = field(default=1, metadata=at_least(1, "log every N steps"))
     progress: bool = True
+    # an MoE model's whole layer x expert load matrix in the record every N steps (and at the last); 0 = never
+    expert_load_interval: int = field(default=100, metadata=at_least(0, "0 = never"))
 
 
 @section
@@ -313,9 +333,19 @@ class SpikeRule:
 
 
 @section
+class RouterRule:
+    """An MoE router's collapse: an expert of some layer that got no token for ``starved_steps`` steps in a row;
+    ``action`` is what is done about it (warn, rollback or stop)."""
+
+    action: str = field(default="warn", metadata=one_of("warn", "rollback", "stop", why="what a collapse leads to"))
+    starved_steps: int = field(default=100, metadata=at_least(1, "steps in a row without a token"))
+
+
+@section
 class HealthConfig:
-    """Loss and grad-norm spikes, non-finite steps and validation jumps (llmjp_ds/health/monitor.py): each kind's action
-    (warn | skip the update | rollback to the newest checkpoint before it, skipping samples | stop)."""
+    """Loss and grad-norm spikes, non-finite steps, validation jumps and an MoE router's collapse
+    (llmjp_ds/health/monitor.py): each kind's action (warn | skip the update | rollback to the newest checkpoint
+    before it, skipping samples | stop)."""
 
     window: int = field(default=100, metadata=at_least(3, "values of history a spike is measured against"))
     # values of history before any verdict: the warm-up's falling loss is history, not a spike
@@ -324,6 +354,7 @@ class HealthConfig:
     # measured in DeepSpeed's optimizer step, after the update: warn, rollback or stop
     grad_norm: SpikeRule = field(default_factory=lambda: SpikeRule(threshold=10.0, min_ratio=2.0))
     valid_loss: SpikeRule = field(default_factory=lambda: SpikeRule(threshold=6.0, min_ratio=1.02))
+    router: RouterRule = field(default_factory=RouterRule)
     # a non-finite loss or gradient: skip (DeepSpeed's optimizer skips it; train.max_nonfinite_steps in a row stop the
     # run), rollback or stop
     nonfinite: str = field(default="skip", metadata=one_of("skip", "rollback", "stop",

@@ -30,7 +30,8 @@ MAD_TO_SIGMA = 1.4826  # a normal distribution's standard deviation per median a
 
 @dataclass
 class Verdict:
-    """What the monitor found at ``step`` and what the config says to do about it."""
+    """What the monitor found at ``step`` and what the config says to do about it (``where``: which expert, for
+    a router's collapse)."""
 
     kind: str
     action: str
@@ -39,6 +40,7 @@ class Verdict:
     median: float | None = None
     sigma: float | None = None  # the robust standard deviation of the history
     z: float | None = None
+    where: str | None = None
 
     def fields(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k != "step" and v is not None}
@@ -46,6 +48,8 @@ class Verdict:
     def describe(self) -> str:
         if self.kind == "nonfinite":
             return f"a non-finite loss or gradient at step {self.step}"
+        if self.kind == "router":
+            return f"a router collapse at step {self.step}: {self.where} got no token for {self.value:.0f} steps"
         return (f"a {self.kind.replace('_', ' ')} spike at step {self.step}: {self.value:.4g} against a median of "
                 f"{self.median:.4g} (z {self.z:.1f})")
 
@@ -66,10 +70,12 @@ def spike(history, value: float, rule, min_history: int) -> Verdict | None:
 
 @dataclass
 class HealthState:
-    """What the monitor remembers: each kind's recent values, and the steps of recent rollbacks."""
+    """What the monitor remembers: each kind's recent values, the steps of recent rollbacks, and how many steps in
+    a row each starved expert (``"layer:expert"``) has had no token."""
 
     history: dict = field(default_factory=dict)
     rollbacks: list = field(default_factory=list)
+    starved: dict = field(default_factory=dict)
 
 
 class HealthMonitor:
@@ -79,6 +85,7 @@ class HealthMonitor:
         self.cfg = cfg
         self.history = {k: deque(maxlen=cfg.window) for k in ("loss", "grad_norm", "valid_loss")}
         self.rollbacks: list[int] = []
+        self.starved: dict[str, int] = {}
 
     def _judge(self, kind: str, step: int, value: float, record: bool = True) -> Verdict | None:
         rule = getattr(self.cfg, kind)
@@ -117,6 +124,21 @@ class HealthMonitor:
     def after_validation(self, step: int, valid_loss: float) -> Verdict | None:
         return self._judge("valid_loss", step, valid_loss)
 
+    def after_routing(self, step: int, starved: list[tuple[int, int]]) -> Verdict | None:
+        """The verdict on an MoE model's routers after step ``step``, given the ``(MoE layer, expert)`` of every
+        expert that got no token in it: a collapse once one has had none for ``health.router.starved_steps`` steps
+        in a row."""
+        self.starved = {f"{layer}:{expert}": self.starved.get(f"{layer}:{expert}", 0) + 1 for layer, expert in starved}
+        if not self.starved:
+            return None
+        key, count = max(self.starved.items(), key=lambda kv: kv[1])
+        if count < self.cfg.router.starved_steps:
+            return None
+        layer, expert = key.split(":")
+        self.starved[key] = 0  # the next verdict on it after as many steps more
+        return Verdict("router", self.cfg.router.action, step, float(count), where=f"expert {expert} of MoE layer "
+                       f"{layer}")
+
     def rollback_allowed(self, step: int) -> bool:
         """Whether one more rollback at ``step`` stays within ``max_rollbacks`` in ``rollback_window`` steps (and
         records it when it does)."""
@@ -127,7 +149,8 @@ class HealthMonitor:
         return True
 
     def state_dict(self) -> dict:
-        return asdict(HealthState({k: list(v) for k, v in self.history.items()}, list(self.rollbacks)))
+        return asdict(HealthState({k: list(v) for k, v in self.history.items()}, list(self.rollbacks),
+                                  dict(self.starved)))
 
     def load_state_dict(self, state: dict, keep_rollbacks: bool = False) -> None:
         """The histories of a checkpoint (``keep_rollbacks``: after a rollback, the count of rollbacks goes on)."""
@@ -137,3 +160,4 @@ class HealthMonitor:
                 self.history[kind].extend(values)
         if not keep_rollbacks:
             self.rollbacks = list(state.get("rollbacks", []))
+        self.starved = dict(state.get("starved", {}))

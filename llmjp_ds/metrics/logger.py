@@ -145,6 +145,18 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
+def _scalars(values: dict) -> dict:
+    """What wandb plots of a record: its scalars, a list of numbers as ``<key>/<index>``; a nested list (a whole
+    matrix of the record) is the jsonl's only."""
+    out = {}
+    for key, value in values.items():
+        if not isinstance(value, list):
+            out[key] = value
+        elif all(isinstance(v, (int, float)) for v in value):
+            out.update({f"{key}/{i}": v for i, v in enumerate(value)})
+    return out
+
+
 def parse_records(data: bytes) -> tuple[list[dict], int]:
     """The records of a metrics.jsonl's bytes in file order, and how many non-blank lines were skipped: a line
     cut short by a killed run, bytes that are not UTF-8 or not JSON, a value that is not an object with an
@@ -288,7 +300,7 @@ class MetricsLogger:
         values = {k: _plain(v) for k, v in metrics.items() if k not in ("step", "time")}
         self._write({"step": int(step), "time": round(time.time(), 3), **values})
         if self._wandb_run is not None:
-            self._wandb_run.log({"step": int(step), **values})
+            self._wandb_run.log({"step": int(step), **_scalars(values)})
 
     def event(self, step: int, name: str, **fields: Any) -> None:
         """Something that happened once (``rollback``, ``precision_flip`` ...): a jsonl record, a wandb point

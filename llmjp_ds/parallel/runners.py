@@ -32,31 +32,52 @@ def _no_watchdog(phase: str) -> None:
 
 
 @dataclass(frozen=True)
+class Routing:
+    """What an MoE model's routers did in a step: the load-balancing and router z-losses (coefficient-free, the
+    mean over the MoE layers and every rank's micro-batches), the choices dropped over capacity, and the tokens
+    that chose each expert (``expert_load [MoE layers][E]``, summed over every rank's micro-batches)."""
+
+    aux_loss: float
+    z_loss: float
+    dropped: int
+    expert_load: list
+
+
+@dataclass(frozen=True)
 class StepValues:
     """One step as the trainer reads it: the mean losses over every rank's micro-batches, whether the gate skipped
-    the update, whether the optimizer applied it (not skipped, its gradients finite), and the gradient norm."""
+    the update, whether the optimizer applied it (not skipped, its gradients finite), the gradient norm, and an
+    MoE model's :class:`Routing` (None for a dense model)."""
 
     lm_loss: float
     z_loss: float
     gated: bool
     applied: bool
     grad_norm: float | None
+    routing: Routing | None = None
 
 
 @dataclass(frozen=True)
 class StepResult:
     """What one optimizer step returns, nothing waited for: ``losses`` on the device (``[lm_loss, z_loss,
-    gated]``), and the engine whose optimizer :meth:`read` asks the rest of."""
+    gated]``), an MoE model's routing (``[aux, z, dropped]`` and the expert loads, on the device), and the engine
+    whose optimizer :meth:`read` asks the rest of."""
 
     losses: torch.Tensor
     engine: object
+    routing: torch.Tensor | None = None
+    expert_load: torch.Tensor | None = None
 
     def read(self) -> StepValues:
         """The step's values (this waits for the device)."""
         lm_loss, z_loss, gated = self.losses.tolist()
         norm = self.engine.get_global_grad_norm()
         norm = None if norm is None else float(norm.item() if hasattr(norm, "item") else norm)
-        return StepValues(lm_loss, z_loss, gated > 0, not gated and self.engine.was_step_applied(), norm)
+        routing = None
+        if self.routing is not None:
+            aux, rz, dropped = self.routing.tolist()
+            routing = Routing(aux, rz, int(dropped), self.expert_load.long().tolist())
+        return StepValues(lm_loss, z_loss, gated > 0, not gated and self.engine.was_step_applied(), norm, routing)
 
 
 class StepRunner:
@@ -74,13 +95,17 @@ class StepRunner:
 
 class EngineRunner(StepRunner):
     def train_step(self, batches, gate=None, loss_scale: float = 1.0, grad_scale: float = 1.0) -> StepResult:
-        parts, skipped = None, 0.0
+        parts, skipped, routing, loads = None, 0.0, None, None
         for m, (input_ids, targets) in enumerate(batches):
             self.beat("forward")
             with self.precision.micro_batch():
                 out = self.engine(input_ids=input_ids, shift_labels=targets)
             micro = torch.stack([out.lm_loss.detach() * loss_scale, out.z_loss.detach()]).float()
             parts = micro if parts is None else parts + micro
+            if getattr(out, "expert_load", None) is not None:
+                routed = torch.stack([out.router_aux_loss, out.router_z_loss, out.dropped_tokens.float()]).float()
+                routing = routed if routing is None else routing + routed
+                loads = out.expert_load if loads is None else loads + out.expert_load
             scale = loss_scale * grad_scale
             last = m == len(batches) - 1
             if last and gate is not None and gate(self._mean(parts, len(batches))[0].item()):
@@ -91,7 +116,12 @@ class EngineRunner(StepRunner):
                 self.beat("optimizer")
             self.engine.step()
         mean = self._mean(parts, len(batches))
-        return StepResult(torch.cat([mean, mean.new_tensor([skipped])]), self.engine)
+        if routing is not None:  # the losses' means, the drops' and loads' sums over every rank's micro-batches
+            tensor = self.ctx.layout.tensor  # a TP group's ranks route the same tokens: counted once
+            routing = self._mean(routing * routing.new_tensor([1.0, 1.0, len(batches) * self.ctx.dp_size]),
+                                 len(batches))
+            loads = self.ctx.all_reduce(loads.float() / tensor)
+        return StepResult(torch.cat([mean, mean.new_tensor([skipped])]), self.engine, routing, loads)
 
     def _mean(self, parts: torch.Tensor, count: int) -> torch.Tensor:
         """The mean over every rank's ``count`` micro-batches of the summed ``parts``."""

@@ -71,10 +71,13 @@ class Resume:
         set_progress(self.engine, progress["step"], progress["consumed_samples"])
         return client
 
-    def rollback(self, first_bad_step: int, why: str) -> tuple[int, str, dict]:
+    def rollback(self, first_bad_step: int, why: str, checkpointer=None, step: int = 0) -> tuple[int, str, dict]:
         """Load the newest intact checkpoint saved before step ``first_bad_step`` ran (a tag's number counts the
         steps it holds: tag N holds steps 1..N); its step, tag and client state. ``why`` words the line when there
-        is none."""
+        is none. A background save of the diverging timeline (``checkpointer``'s, after ``step`` steps) lands
+        first, and every checkpoint after the good one is discarded."""
+        if checkpointer is not None:
+            checkpointer.commit(step, block=True)
         self.watchdog.beat("checkpoint")  # loading the good checkpoint
         good = [(s, t) for s, t in checkpoint.complete_tags(self.run_dir) if s < first_bad_step]
         if not good:
@@ -83,4 +86,7 @@ class Resume:
         good_step, good_tag = good[-1]
         client = checkpoint.load(self.engine, self.run_dir, good_tag)
         self.precision.weights_changed()
+        if self.ctx.rank == 0:
+            checkpoint.discard_after(self.run_dir, good_step)
+        self.ctx.barrier()
         return good_step, good_tag, client

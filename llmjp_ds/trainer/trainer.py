@@ -26,6 +26,7 @@ from llmjp_ds.data.plan import resolve_data
 from llmjp_ds.errors import fail
 from llmjp_ds.health.monitor import HealthMonitor, Verdict
 from llmjp_ds.optim.lr_schedule import plan_line, run_schedule
+from llmjp_ds.metrics.experts import routing_metrics, starved_experts
 from llmjp_ds.metrics.logger import MetricsLogger, Throughput, format_log_line, peak_memory_gib, reset_peak_memory
 from llmjp_ds.model.backend import resolve_backend
 from llmjp_ds.model.flops import flops_per_token_for
@@ -80,6 +81,11 @@ class TrainState:
         """The number of the step to run next (steps are numbered from 1, as the records show them)."""
         return self.step + 1
 
+    def skipped_ranges(self, configured) -> list:
+        """The step ranges ``[first, last]`` whose samples the run reads and does not train on: ``configured``
+        (train.skip_steps) and its rollbacks'."""
+        return [list(r) for r in configured] + [list(r) for r in self.skip_steps]
+
     def schedule_position(self) -> tuple[int, int]:
         """(steps, samples) the LR schedule has advanced over: the updates made."""
         return self.step - self.skipped_total, self.consumed_samples - self.skipped_samples
@@ -99,6 +105,22 @@ def open_logger(cfg: RunConfig, client: ClientState, resumed_tag: str | None, st
     return logger
 
 
+def rank_micro_batches(dataset, first: int, batch: int, micro: int, ctx: ParallelContext):
+    """This rank's micro-batches (of ``micro`` samples) of a global batch of ``batch`` samples from sample ``first``
+    of ``dataset``."""
+    return step_micro_batches(dataset, first, batch // (micro * ctx.dp_size), micro, ctx.dp_rank, ctx.dp_size,
+                              ctx.device)
+
+
+def routing_record(routing, step: int, cfg: RunConfig) -> dict:
+    """An MoE model's routing in step ``step``'s record (the whole load matrix every
+    ``logging.expert_load_interval`` steps and at the last); nothing for a dense model."""
+    if routing is None:
+        return {}
+    every = cfg.logging.expert_load_interval
+    return routing_metrics(routing, bool(every) and (step % every == 0 or step == cfg.train.steps))
+
+
 def say_on_rank0(rank: int):
     """A line for people, printed by rank 0."""
     return (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
@@ -113,75 +135,76 @@ class Trainer:
         self.model_config = model_config_of(cfg)
         self.seq_len = seq_len_of(cfg, self.model_config)
         self.batches = BatchSchedule.of(cfg.train)
-        # a `latest` that names no complete checkpoint, or one that another model, LM head, dtype, sequence length,
-        # ZeRO stage, blend or batch history wrote, fails here, before any process group exists
-        checkpoint.check_resume(self.run_dir, self.model_config.to_dict(), cfg, layout)
         self.data = run_data(cfg, self.model_config, self.seq_len)
         precision = precision_schedule(cfg, resolve_backend(cfg.model.backend))  # FP8's availability, checked
-        # one owner per run directory, before anything is written there: rank 0 takes the lock, the other ranks
-        # refuse a directory that another job holds (or wait for it to end)
+        self._claim_run_dir(wait_for_run_dir)
+        with self.lock.undone_on_refusal():  # a start refused from here on leaves the run directory as it was
+            self._start_processes()
+            with self.ctx.reporting_failures():  # a host gone without a word: named once for the job
+                client = self._restore(precision)
+                self._start_jobs(precision, client)
+
+    def _claim_run_dir(self, wait_s: float) -> None:
+        """One owner per run directory, before anything is written there: rank 0 takes the lock, the other ranks
+        refuse a directory that another job holds (or wait for it to end). Then, before any process group exists,
+        the checkpoint a resume would read: a ``latest`` that names no complete checkpoint, or one that another
+        model, LM head, dtype, sequence length, ZeRO stage, blend or batch history wrote, fails here."""
         self.lock = checkpoint.RunDirLock(self.run_dir)
         if int(os.environ.get("RANK", "0")) == 0:
-            self.lock.acquire(wait_s=wait_for_run_dir)
+            self.lock.acquire(wait_s=wait_s)
         else:
-            self.lock.check_peer(wait_s=wait_for_run_dir)
-        if self.lock.waited:  # the holder's last save came after the check above
-            checkpoint.check_resume(self.run_dir, self.model_config.to_dict(), cfg, layout)
-        with self.lock.undone_on_refusal():  # a start refused as the process group starts (a port in use)
-            self.ctx = ParallelContext.start(layout, sequence_parallel_of(cfg), cfg.parallel)
-        # a host gone without a word: named once for the job; a start refused (one line) leaves the run directory
-        # as it was found
-        with self.ctx.reporting_failures(), self.lock.undone_on_refusal():
+            self.lock.check_peer(wait_s=wait_s)
+        with self.lock.undone_on_refusal():
+            checkpoint.check_resume(self.run_dir, self.model_config.to_dict(), self.cfg, self.layout)
+
+    def _start_processes(self) -> None:
+        """The process group; every rank sees the same run directory; rank 0 clears what a kill left and puts the
+        tokenizer in."""
+        self.ctx = ParallelContext.start(self.layout, sequence_parallel_of(self.cfg), self.cfg.parallel)
+        with self.ctx.reporting_failures():
             self.ctx.check_shared_dir(self.run_dir)  # before anything else is written there
             if self.ctx.rank == 0:
                 checkpoint.prune_incomplete(self.run_dir)  # what a kill or a failed save left: its disk space back
                 self.data.install_tokenizer(self.run_dir)
             self.data.barrier = self.ctx.barrier
-            self.steps = StepEngine(cfg, layout, self.ctx, precision)
-            self.resume = Resume(self.run_dir, layout, self.model_config.num_hidden_layers, self.ctx,
-                                 self.steps.engine, precision, self.steps.watchdog)
-            client = ClientState.from_dict(self.resume.latest())
-            self.state = TrainState(**client.train_state)
-            self.data.train_at(self.state.step)  # a corpus too small for the run is refused here
-            self.schedule = run_schedule(cfg)
-            if self.resume.tag:
-                marker = checkpoint.read_marker(self.run_dir, self.resume.tag)
-                self.schedule = checkpoint.resumed_schedule(marker, cfg)
-            self.logger = open_logger(cfg, client, self.resume.tag, self.state.step, self.ctx.rank)
-            self.say = say_on_rank0(self.ctx.rank)
-            self.say(f"[llmjp-ds] {plan_line(cfg, self.schedule)}")
-            self.controller = PrecisionController(precision, cfg.precision, event=self.logger.event, say=self.say)
-            self.controller.load_state_dict(client.to_dict())
-            self.health = HealthMonitor(cfg.health)
-            self.health.load_state_dict(client.health)
-            self.resume.report(self.logger, self.state.step, self._gas(self.state.step))
-            self.evaluator = Evaluator(self.data.valid_at, self.micro_batches, cfg, self.steps.runner,
-                                       self.steps.watchdog)
-            self.stop = StopRequest(cfg.checkpoint.grace_seconds, self.ctx.rank, self.ctx.launchers,
-                                    stop_signals_of(cfg), functools.partial(self.lock.mark_stopping,
-                                                                            grace_seconds=cfg.checkpoint.grace_seconds))
-            self.throughput = Throughput(flops_per_token_for(self.model_config, self.seq_len),
-                                         cfg.train.global_batch_size * self.seq_len, layout.world)
-            self.checkpointer = Checkpointer(cfg, self.steps.engine, self.ctx, self.run_dir,
-                                             checkpoint.CheckpointMeta.for_run(cfg, self.model_config, layout.data),
-                                             self.logger, self.steps.watchdog, self.state.step)
-            self.last_loss = float("nan")
 
-    # --- reading a step's samples ---------------------------------------------------------------------------
-    def _gas(self, step: int) -> int:
-        return self.batches.batch(step, self.state.consumed_samples) // (self.cfg.train.micro_batch_size *
-                                                                         self.layout.data)
+    def _restore(self, precision) -> ClientState:
+        """The model under DeepSpeed, the newest intact checkpoint loaded into it (if any), the train state and
+        the LR schedule that go on from there; the checkpoint's client state."""
+        cfg = self.cfg
+        self.steps = StepEngine(cfg, self.layout, self.ctx, precision)
+        self.resume = Resume(self.run_dir, self.layout, self.model_config.num_hidden_layers, self.ctx,
+                             self.steps.engine, precision, self.steps.watchdog)
+        client = ClientState.from_dict(self.resume.latest())
+        self.state = TrainState(**client.train_state)
+        self.data.train_at(self.state.step)  # a corpus too small for the run is refused here
+        marker = checkpoint.read_marker(self.run_dir, self.resume.tag) if self.resume.tag else None
+        self.schedule = checkpoint.resumed_schedule(marker, cfg)
+        return client
 
-    def skip_steps(self) -> list:
-        """The step ranges ``[first, last]`` whose samples the run reads and does not train on: train.skip_steps
-        and its rollbacks'."""
-        return [list(r) for r in self.cfg.train.skip_steps] + [list(r) for r in self.state.skip_steps]
-
-    def micro_batches(self, dataset, first: int, batch: int):
-        """This rank's micro-batches of a global batch of ``batch`` samples from sample ``first`` of ``dataset``."""
-        gas = batch // (self.cfg.train.micro_batch_size * self.ctx.dp_size)
-        return step_micro_batches(dataset, first, gas, self.cfg.train.micro_batch_size, self.ctx.dp_rank,
-                                  self.ctx.dp_size, self.ctx.device)
+    def _start_jobs(self, precision, client: ClientState) -> None:
+        """The record, the precision controller and the health monitor (from ``client``, the checkpoint's state),
+        and the loop's jobs: validation, stop requests, throughput, saves."""
+        cfg, ctx = self.cfg, self.ctx
+        self.logger = open_logger(cfg, client, self.resume.tag, self.state.step, ctx.rank)
+        self.say = say_on_rank0(ctx.rank)
+        self.say(f"[llmjp-ds] {plan_line(cfg, self.schedule)}")
+        self.controller = PrecisionController(precision, cfg.precision, event=self.logger.event, say=self.say)
+        self.controller.load_state_dict(client.to_dict())
+        self.health = HealthMonitor(cfg.health)
+        self.health.load_state_dict(client.health)
+        self.resume.report(self.logger, self.state.step, self.batches.batch(self.state.step, self.state.consumed_samples)
+                           // (cfg.train.micro_batch_size * self.layout.data))
+        self.micro_batches = functools.partial(rank_micro_batches, micro=cfg.train.micro_batch_size, ctx=ctx)
+        self.evaluator = Evaluator(self.data.valid_at, self.micro_batches, cfg, self.steps.runner, self.steps.watchdog)
+        self.stop = StopRequest(cfg.checkpoint.grace_seconds, ctx.rank, ctx.launchers, stop_signals_of(cfg),
+                                functools.partial(self.lock.mark_stopping, grace_seconds=cfg.checkpoint.grace_seconds))
+        self.throughput = Throughput(flops_per_token_for(self.model_config, self.seq_len),
+                                     cfg.train.global_batch_size * self.seq_len, self.layout.world)
+        self.checkpointer = Checkpointer(cfg, self.steps.engine, ctx, self.run_dir,
+                                         checkpoint.CheckpointMeta.for_run(cfg, self.model_config, self.layout.data),
+                                         self.logger, self.steps.watchdog, self.state.step)
+        self.last_loss = float("nan")
 
     # --- the loop -------------------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -218,7 +241,7 @@ class Trainer:
         t0 = time.perf_counter()
         self.steps.watchdog.beat("data", step)
         batch = self.batches.batch(s.step, s.consumed_samples)
-        if skipped(step, self.skip_steps()):  # read, not trained on: the LR schedule does not advance
+        if skipped(step, s.skipped_ranges(self.cfg.train.skip_steps)):  # read, not trained on: the LR schedule does not advance
             s.advance(batch, trained=False)
             return False
         sched_step, sched_samples = s.schedule_position()
@@ -241,6 +264,8 @@ class Trainer:
             return False
         grad_norm = result.grad_norm
         verdict = self.health.after_step(step, lm_loss, grad_norm, applied, result.gated)
+        if result.routing is not None:
+            verdict = verdict or self.health.after_routing(step, starved_experts(result.routing.expert_load))
         if verdict is not None and self._act(verdict, result.gated):
             return False  # rolled back: the loop goes on from the checkpoint
         if applied:
@@ -253,7 +278,8 @@ class Trainer:
                    **({"data_phase": self.data.phases.index(self.data.phase_at(step - 1))}
                       if self.cfg.data.phases else {}),
                    **self.controller.step_metrics(phase), **self.throughput.update(step_time, batch * self.seq_len),
-                   **self.controller.amax_metrics(self.steps.engine.module), **self.checkpointer.take_metrics()}
+                   **self.controller.amax_metrics(self.steps.engine.module), **self.checkpointer.take_metrics(),
+                   **routing_record(result.routing, step, self.cfg)}
         return self._after_step(metrics)
 
     def _act(self, verdict: Verdict, gated: bool) -> bool:
@@ -309,17 +335,12 @@ class Trainer:
         self.save(wait=True)
 
     def rollback(self, first_bad_step: int, why: str) -> tuple[int, str, dict]:
-        """Back to the newest checkpoint saved before step ``first_bad_step`` ran: a background save of the diverging
-        timeline lands first, then every later checkpoint is discarded; the run's state is the checkpoint's (one
-        more rollback counted)."""
-        self.checkpointer.commit(self.state.step, block=True)
+        """Back to the newest checkpoint saved before step ``first_bad_step`` ran (``Resume.rollback``): the run's
+        state is the checkpoint's, one more rollback counted."""
         rollbacks = self.state.rollbacks + 1
-        good_step, good_tag, client = self.resume.rollback(first_bad_step, why)
+        good_step, good_tag, client = self.resume.rollback(first_bad_step, why, self.checkpointer, self.state.step)
         self.state = TrainState(**ClientState.from_dict(client).train_state)
         self.state.rollbacks = rollbacks
-        if self.ctx.rank == 0:
-            checkpoint.discard_after(self.run_dir, good_step)
-        self.ctx.barrier()
         return good_step, good_tag, client
 
     def _after_step(self, metrics: dict) -> bool:
@@ -350,6 +371,6 @@ class Trainer:
         s = self.state
         client = ClientState(train_state=asdict(s), **self.controller.state_dict(), health=self.health.state_dict(),
                              wandb_run_id=self.logger.run_id, rng=torch.get_rng_state())
-        marker = {"consumed_samples": s.consumed_samples, "skip_steps": self.skip_steps(),
+        marker = {"consumed_samples": s.consumed_samples, "skip_steps": s.skipped_ranges(self.cfg.train.skip_steps),
                   "lr_schedule": self.schedule.state_dict(s.schedule_position()[1])}
         return self.checkpointer.save(s.step, client, s.rollbacks, marker, wait)

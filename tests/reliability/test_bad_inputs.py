@@ -189,8 +189,8 @@ CASES = [
     Case("export-missing-run", L("export", "--run", "{tmp}/no_run", "--output", "{tmp}/hf"),
          ("no_run does not exist: pass --run the run_dir of a training run",)),
     Case("import-hf-other-architecture", L("import-hf", "--model", "{tmp}/gpt2", "--run", "{tmp}/imported"),
-         ("holds a 'gpt2' model (GPT2LMHeadModel), not a Llama (LlamaForCausalLM): llmjp-ds imports Llama "
-          "checkpoints only",)),
+         ("holds a 'gpt2' model (GPT2LMHeadModel), not one of llama (LlamaForCausalLM), qwen3 (Qwen3ForCausalLM), "
+          "qwen3_moe (Qwen3MoeForCausalLM): llmjp-ds imports those only",)),
     Case("import-hf-llama-with-biases", L("import-hf", "--model", "{tmp}/llama_bias", "--run", "{tmp}/imported"),
          ("unsupported Llama variant: biases in attention or MLP",)),
     Case("import-hf-broken-config", L("import-hf", "--model", "{tmp}/llama_broken", "--run", "{tmp}/imported"),

@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from llmjp_ds.data.batch_schedule import BatchSchedule
 from llmjp_ds.checkpoint.manifest import check_sizes, verify
-from llmjp_ds.checkpoint.store import (LATEST, MARKER, SHAPE_KEYS, CheckpointMeta, checkpoint_dir, complete_tags,
-                                       latest_tag, parse_marker, saved_layout, tag_dir, vet_tag)
+from llmjp_ds.checkpoint.store import (ARCHITECTURE_KEYS, LATEST, MARKER, SHAPE_KEYS, CheckpointMeta, checkpoint_dir,
+                                       complete_tags, latest_tag, parse_marker, saved_layout, tag_dir, vet_tag)
 from llmjp_ds.config import blend_history, build_config
 from llmjp_ds.errors import UserError, fail
 from llmjp_ds.io_utils import atomic_file
@@ -38,8 +38,9 @@ def check_resume(run_dir, model_config: dict, cfg=None, layout=None) -> str | No
         return latest
     where = checkpoint_dir(run_dir) / tag
     saved = marker.model_config
-    diff = [f"{k} {saved.get(k)} saved, {model_config.get(k)} now"
-            for k in SHAPE_KEYS if saved.get(k) != model_config.get(k)]
+    diff = [f"{k} {saved.get(k, default)} saved, {model_config.get(k, default)} now"
+            for k, default in [*((k, None) for k in SHAPE_KEYS), *ARCHITECTURE_KEYS.items()]
+            if saved.get(k, default) != model_config.get(k, default)]
     if diff:
         fail(f"{where} was saved from another model shape ({', '.join(diff)}): resume with the run's own model "
              f"settings, or set a new run_dir to start afresh")

@@ -218,6 +218,10 @@ def read_marker(run_dir, tag: str) -> CheckpointMeta:
 # the fields that fix the weights' shapes: a checkpoint of another shape cannot be loaded into this model
 SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads")
+# and what makes a model another kind of model (qk-norm, experts), each with a dense Llama's value (a checkpoint of
+# an earlier release stored none of them)
+ARCHITECTURE_KEYS = {"model_type": "llama", "num_experts": None, "num_local_experts": None, "num_experts_per_tok": None,
+                     "moe_intermediate_size": None, "mlp_only_layers": None}
 
 
 def saved_layout(run_dir, tag: str, marker: CheckpointMeta) -> Layout:

@@ -50,8 +50,11 @@ def blend_history(cfg: RunConfig, until_step: int) -> list[list]:
 
 
 def model_config_of(cfg: RunConfig):
-    """The transformers ``LlamaConfig`` of the run's model shape with its overrides."""
-    return model_config(cfg.model.shape, **overrides_dict(cfg.model.overrides))
+    """The transformers config of the run's model shape with its overrides (``LlamaConfig``, or ``Qwen3Config`` /
+    ``Qwen3MoeConfig``), initialised with ``model.init_std``."""
+    config = model_config(cfg.model.shape, **overrides_dict(cfg.model.overrides))
+    config.initializer_range = cfg.model.init_std
+    return config
 
 
 def model_options_of(cfg: RunConfig) -> ModelOptions:

@@ -45,6 +45,9 @@ class ModelConfig:
     overrides: ModelOverrides = field(default_factory=ModelOverrides, metadata=above(0, says="a positive {type}"))
     backend: str = "auto"  # auto | te | torch
     z_loss: Real = field(default=1e-4, metadata=at_least(0, "the z-loss coefficient; 0 = off"))
+    # the standard deviation of the weights' normal initialisation (Megatron-LM's --init-method-std; the output
+    # projections' is it over sqrt(2 x layers), as Megatron's); LLM-jp's MoE runs use 0.006
+    init_std: Real = field(default=0.02, metadata=above(0, "the initial weights' standard deviation"))
     # activation recompute: none | selective (the attention core, as LLM-jp's 172B run) | full (every decoder layer)
     recompute: str = ModelOptions.recompute
     # on CUDA: the loss over bf16 logits as two Triton kernels, or one compiled kernel (model/loss.py)

@@ -24,7 +24,8 @@ VERBS: dict[str, tuple[str, str]] = {
     "plot": ("llmjp_ds.metrics.plot", "draw loss and throughput of a run to PNG"),
     "health": ("llmjp_ds.health.report", "a run's spikes, skips, rollbacks, FP8 fallbacks and phases as a table "
                "(--plot: marked on the loss curve)"),
-    "bench": ("llmjp_ds.bench.run", "training TFLOP/s, ours (BF16, FP8) beside Megatron-Core and transformers + DeepSpeed"),
+    "bench": ("llmjp_ds.bench.run", "training TFLOP/s, ours (BF16, FP8) beside Megatron-Core and transformers + "
+              "DeepSpeed"),
 }
 
 

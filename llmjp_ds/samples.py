@@ -7,8 +7,9 @@ No DeepSpeed engine, no process group beyond the one-process group megatron-core
 directory lock, nothing written into the run directory; the index caches are built or reused as a run would. Under
 ``data.order: megatron`` these are megatron-core's windows: a Megatron-LM run with the same blend, seq_len, seed,
 split and length can be compared with it window by window. Step ``s`` of a run (numbered from 1) reads train
-samples ``[(s - 1) * gbs, s * gbs)`` (with a ramped or changed batch, from ``BatchSchedule.consumed_at(s - 1)``); which valid
-samples a validation reads: :func:`llmjp_ds.data.batching.validation_starts` (of ``data.blend``'s valid split).
+samples ``[(s - 1) * gbs, s * gbs)`` (with a ramped or changed batch, from ``BatchSchedule.consumed_at(s - 1)``);
+which valid samples a validation reads: :func:`llmjp_ds.data.batching.validation_starts` (of ``data.blend``'s valid
+split).
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ class ClientState:
     precision: dict = field(default_factory=dict)  # the precision schedule's switches (precision.schedule)
     guard: dict = field(default_factory=dict)  # FP8's divergence guard (precision.guards)
     penalty: dict = field(default_factory=dict)  # FP8's penalty monitor
-    health: dict = field(default_factory=dict)  # the health monitor's histories and recent rollbacks (health/monitor.py)
+    # the health monitor's histories, recent rollbacks and starved experts (health/monitor.py)
+    health: dict = field(default_factory=dict)
     wandb_run_id: str | None = None  # the wandb run a resume continues
     rng: Any = None  # torch's CPU generator state
     imported_from: dict | None = None  # import-megatron: the Megatron checkpoint the run continues

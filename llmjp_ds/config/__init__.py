@@ -13,7 +13,8 @@ process group or GPU memory exists. DeepSpeed's own JSON (``ds_configs/``) stays
 """
 
 from llmjp_ds.config.derived import (blend_history, check_keep_rules, kept_step, megatron_sample_counts,
-                                     model_config_of, model_options_of, sample_counts, save_due, seq_len_of, sequence_parallel_of,
+                                     model_config_of, model_options_of, sample_counts, save_due, seq_len_of,
+                                     sequence_parallel_of,
                                      stop_signals_of, train_samples)
 from llmjp_ds.config.load import (add_config_args, apply_set, build_config, config_from_args, load_config, load_file,
                                   merge, parse_value)
@@ -30,5 +31,6 @@ __all__ = ["DECAY_STYLES", "LLMJP_LOG_SPACED", "RECOMPUTE_MODES", "REPO_ROOT", "
            "ParallelConfig", "PathRule", "PhaseConfig", "PrecisionConfig", "RunConfig", "SpikeRule", "TrainConfig",
            "Valid", "add_config_args", "apply_set", "blend_history", "build_config", "check_keep_rules",
            "config_from_args", "kept_step", "load_config", "load_file", "megatron_sample_counts", "merge",
-           "model_config_of", "model_options_of", "parse_value", "preset_dict", "sample_counts", "save_due", "seq_len_of",
+           "model_config_of", "model_options_of", "parse_value", "preset_dict", "sample_counts", "save_due",
+           "seq_len_of",
            "sequence_parallel_of", "stop_signals_of", "train_samples"]

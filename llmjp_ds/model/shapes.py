@@ -147,7 +147,8 @@ def check_experts(p: ModelShape) -> None:
         fail("an MoE shape is a Hugging Face qwen3_moe model, which normalises queries and keys: set qk_norm=true")
     bad = [i for i in p.dense_layers if not 0 <= i < p.num_layers]
     if bad:
-        fail(f"dense_layers {list(p.dense_layers)} names layer {bad[0]}, but the model has layers 0..{p.num_layers - 1}")
+        fail(f"dense_layers {list(p.dense_layers)} names layer {bad[0]}, but the model has layers "
+             f"0..{p.num_layers - 1}")
 
 
 def _common_fields(p: ModelShape) -> dict:

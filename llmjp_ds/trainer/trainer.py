@@ -193,8 +193,8 @@ class Trainer:
         self.controller.load_state_dict(client.to_dict())
         self.health = HealthMonitor(cfg.health)
         self.health.load_state_dict(client.health)
-        self.resume.report(self.logger, self.state.step, self.batches.batch(self.state.step, self.state.consumed_samples)
-                           // (cfg.train.micro_batch_size * self.layout.data))
+        batch = self.batches.batch(self.state.step, self.state.consumed_samples)
+        self.resume.report(self.logger, self.state.step, batch // (cfg.train.micro_batch_size * self.layout.data))
         self.micro_batches = functools.partial(rank_micro_batches, micro=cfg.train.micro_batch_size, ctx=ctx)
         self.evaluator = Evaluator(self.data.valid_at, self.micro_batches, cfg, self.steps.runner, self.steps.watchdog)
         self.stop = StopRequest(cfg.checkpoint.grace_seconds, ctx.rank, ctx.launchers, stop_signals_of(cfg),
@@ -241,7 +241,8 @@ class Trainer:
         t0 = time.perf_counter()
         self.steps.watchdog.beat("data", step)
         batch = self.batches.batch(s.step, s.consumed_samples)
-        if skipped(step, s.skipped_ranges(self.cfg.train.skip_steps)):  # read, not trained on: the LR schedule does not advance
+        # read, not trained on: the LR schedule does not advance
+        if skipped(step, s.skipped_ranges(self.cfg.train.skip_steps)):
             s.advance(batch, trained=False)
             return False
         sched_step, sched_samples = s.schedule_position()

@@ -181,6 +181,30 @@ TRACE = [
 ]
 
 
+MOE_TRACE = [
+    _x("cpu_op", "fused_topk_with_score_function", 0, 50), _x("cuda_runtime", "cudaLaunchKernel", 10, 2, corr=1),
+    _x("cpu_op", "moe_permute_with_probs", 60, 40), _x("cuda_runtime", "cudaLaunchKernel", 70, 2, corr=2),
+    _x("cpu_op", "_GroupedLinear", 110, 100), _x("cpu_op", "aten::mm", 120, 50),
+    _x("cuda_runtime", "cudaLaunchKernel", 130, 2, corr=3),
+    _x("cpu_op", "aten::add", 300, 10), _x("cuda_runtime", "cudaLaunchKernel", 302, 2, corr=4),
+    _x("cpu_op", "autograd::engine::evaluate_function: _GroupedLinearBackward", 400, 100, tid=2),
+    _x("cuda_runtime", "cudaLaunchKernel", 410, 2, tid=2, corr=5),
+    _x("kernel", "topk_kernel", 20, 4, tid=7, corr=1), _x("kernel", "permute_kernel", 80, 6, tid=7, corr=2),
+    _x("kernel", "nvjet_gemm", 140, 30, tid=7, corr=3), _x("kernel", "add_kernel", 310, 10, tid=7, corr=4),
+    _x("kernel", "nvjet_gemm_dgrad", 420, 50, tid=7, corr=5),
+]
+
+
+def test_moe_shares_put_each_kernel_down_to_the_moe_part_whose_op_launched_it():
+    """Forward and backward (the autograd function's name on the backward thread), grouped GEMM, permutation and
+    routing apart; a kernel under none of them is other."""
+    shares = bench_profile.moe_shares(MOE_TRACE)
+    assert {k: v["ms"] for k, v in shares.items()} == {"grouped GEMM": pytest.approx(0.080),
+                                                        "permutation": pytest.approx(0.006),
+                                                        "routing": pytest.approx(0.004), "other": pytest.approx(0.010)}
+    assert shares["grouped GEMM"]["share"] == pytest.approx(0.8)
+
+
 def test_idle_gaps_puts_each_wait_on_the_op_that_launched_the_next_kernel():
     g = bench_profile.idle_gaps(TRACE, queued_us=5.0)
     assert g["short"] == 2 and g["short_ms"] == pytest.approx(0.003)  # 2 us and 1 us
@@ -643,3 +667,51 @@ def test_harness_profile_on_cpu_profiles_a_step_of_the_host(harness):
     assert any("train_step" in f["function"] for f in host["by_cumulative"])
     assert "syncs" not in r  # CUDA's sync debug mode needs a GPU
     assert "profile " in bench_profile.profile_table(r)
+
+
+def test_megatron_core_builds_the_moe_shape_as_ours():
+    """Megatron-Core's MoE GPTModel (its local spec, on the CPU) from the peer's arguments for LLM-jp-4's
+    32B-A3B, narrowed to two layers of 16 experts with the first layer dense: as many parameters as ours, the
+    router 16 x hidden, the experts at the MoE width, the per-head query and key norms, the dense layer at the
+    dense width."""
+    pytest.importorskip("megatron.core")
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from llmjp_ds.bench.peers import mcore_layer_shape, mcore_model_args, mcore_moe_args
+    from llmjp_ds.config import load_config
+    from llmjp_ds.model import LlamaForCausalLM
+    from llmjp_ds.model.shapes import model_config
+
+    cfg = load_config(preset="llmjp4-32b-a3b")
+    config = model_config("llmjp4-32b-a3b", num_layers=2, hidden_size=256, num_attention_heads=8,
+                          num_key_value_heads=2, head_dim=32, num_experts=16, experts_per_token=4,
+                          moe_ffn_hidden_size=64, dense_layers=[0])
+    moe = mcore_moe_args(config, cfg)
+    assert moe["moe_layer_freq"] == [0, 1]
+    # no TE and no CUDA streams on the CPU: the sequential experts and the all-gather dispatcher
+    moe.update(moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False,
+               moe_token_dispatcher_type="allgather")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel(1, 1)
+        tcfg = TransformerConfig(**mcore_layer_shape(config), normalization="RMSNorm", gated_linear_unit=True,
+                                 activation_func=F.silu, add_bias_linear=False, use_cpu_initialization=True,
+                                 perform_initialization=False, **moe)
+        spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=False, normalization="RMSNorm")
+        gpt = GPTModel(tcfg, spec, **mcore_model_args(config, 4096))
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+    shapes = {name: tuple(p.shape) for name, p in gpt.named_parameters()}
+    assert shapes["decoder.layers.0.mlp.linear_fc1.weight"] == (2 * config.intermediate_size, 256)
+    assert shapes["decoder.layers.1.mlp.router.weight"] == (16, 256)
+    assert shapes["decoder.layers.1.mlp.experts.local_experts.15.linear_fc1.weight"] == (2 * 64, 256)
+    assert shapes["decoder.layers.1.self_attention.q_layernorm.weight"] == (32,)
+    with torch.device("meta"):
+        ours = LlamaForCausalLM(config, backend="torch")
+    assert sum(p.numel() for p in gpt.parameters()) == sum(p.numel() for p in ours.parameters())

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from llmjp_ds.config import model_config_of
 from llmjp_ds.optim.lr_schedule import schedule_lr
 from llmjp_ds.model.main_grad import accumulate_wgrad
-from llmjp_ds.model.shapes import rope_theta
+from llmjp_ds.model.shapes import has_qk_norm, is_moe_layer, rope_theta
 from llmjp_ds.model.torch_layers import attention_backends
 from llmjp_ds.optim.adamw import build_optimizer, set_lr
 from llmjp_ds.parallel.context import ParallelContext
@@ -141,11 +141,12 @@ MCORE_SWITCHES = ("fused_residual_rmsnorm", "use_transformer_engine_op_fuser", "
 
 def mcore_layer_shape(config) -> dict:
     """The fields of Megatron-Core's ``TransformerConfig`` that give a model config's layer shape: GQA as query
-    groups, the head width as KV channels, RMSNorm's eps."""
+    groups, the head width as KV channels, RMSNorm's eps, the per-head query and key norms of a Qwen3 model."""
     return dict(num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
                 num_attention_heads=config.num_attention_heads, num_query_groups=config.num_key_value_heads,
                 ffn_hidden_size=config.intermediate_size, kv_channels=config.head_dim,
-                layernorm_epsilon=config.rms_norm_eps, init_method_std=config.initializer_range)
+                layernorm_epsilon=config.rms_norm_eps, init_method_std=config.initializer_range,
+                qk_layernorm=has_qk_norm(config))
 
 
 def mcore_model_args(config, seq: int) -> dict:
@@ -156,7 +157,22 @@ def mcore_model_args(config, seq: int) -> dict:
                 rotary_base=int(rope_theta(config)), share_embeddings_and_output_weights=False)
 
 
-def _mcore_config(config, variant: str, switches: dict | None = None):
+def mcore_moe_args(config, cfg) -> dict:
+    """Megatron-Core's MoE fields for an MoE model config at its best single-GPU settings (LLM-jp's MoE
+    arguments): grouped GEMM, permute and router fusion, the alltoall dispatcher (at EP 1), the router in fp32,
+    the run config ``cfg``'s router losses, the dense layers as ``moe_layer_freq``; nothing for a dense model."""
+    if not getattr(config, "num_experts", 0):
+        return {}
+    m = cfg.model
+    layers = range(config.num_hidden_layers)
+    return dict(num_moe_experts=config.num_experts, moe_router_topk=config.num_experts_per_tok,
+                moe_ffn_hidden_size=config.moe_intermediate_size, moe_grouped_gemm=True, moe_permute_fusion=True,
+                moe_router_fusion=True, moe_token_dispatcher_type="alltoall", moe_router_dtype="fp32",
+                moe_router_load_balancing_type=m.moe_aux_loss, moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+                moe_z_loss_coeff=m.moe_z_loss_coeff, moe_layer_freq=[int(is_moe_layer(config, i)) for i in layers])
+
+
+def _mcore_config(config, variant: str, switches: dict | None = None, moe: dict | None = None):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     recipe, fp8_param = MCORE_VARIANTS[variant]
@@ -168,7 +184,8 @@ def _mcore_config(config, variant: str, switches: dict | None = None):
         bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, gradient_accumulation_fusion=True,
         **{"apply_rope_fusion": True, "fused_single_qkv_rope": True, "bias_activation_fusion": True,
            "cross_entropy_loss_fusion": True, "cross_entropy_fusion_impl": "te",
-           "use_transformer_engine_op_fuser": True, **(switches or {})}, **fp8)
+           # TE's op fuser for the dense MLP; Megatron-Core's grouped MLP asserts under it (Blackwell only)
+           "use_transformer_engine_op_fuser": not moe, **(switches or {})}, **fp8, **(moe or {}))
 
 
 def mcore_loss(per_token: torch.Tensor):
@@ -196,8 +213,11 @@ def mcore_peer(cfg, layout, variant: str, switches: dict | None = None):
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
     config = model_config_of(cfg)
     seq = cfg.data.seq_len or config.max_position_embeddings
-    tcfg = _mcore_config(config, variant, switches)
-    spec = get_gpt_layer_with_transformer_engine_spec(use_te_op_fuser=tcfg.use_transformer_engine_op_fuser)
+    moe = mcore_moe_args(config, cfg)
+    tcfg = _mcore_config(config, variant, switches, moe)
+    spec = get_gpt_layer_with_transformer_engine_spec(
+        use_te_op_fuser=tcfg.use_transformer_engine_op_fuser, num_experts=moe.get("num_moe_experts"),
+        moe_grouped_gemm=bool(moe), qk_layernorm=has_qk_norm(config))
     gpt = GPTModel(tcfg, spec, **mcore_model_args(config, seq)).cuda()
     ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
     model = DistributedDataParallel(config=tcfg, ddp_config=ddp, module=gpt)

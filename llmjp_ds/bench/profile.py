@@ -160,6 +160,43 @@ def idle_gaps(events: list[dict], queued_us: float = 5.0, top: int = 10) -> dict
             "by_outer": rows(outer), "by_inner": rows(inner)}
 
 
+# an MoE step's parts, by the host ops that launch their kernels (TE's, in ours and in Megatron-Core alike): the first
+# whose fragment is in the name of one of the enclosing ops, forward or backward
+MOE_PARTS = (("grouped GEMM", ("groupedlinear", "grouped_linear", "grouped_gemm")),
+             ("permutation", ("permute", "sort_chunks")),
+             ("routing", ("topk", "aux_loss", "score_for", "router")))
+
+
+def moe_shares(events: list[dict]) -> dict:
+    """The share of one traced step's kernel time in each of :data:`MOE_PARTS` (the rest is ``other``), each
+    kernel put down to the host ops enclosing its launch (its correlation id; the launching thread's op stack)."""
+    xs = [e for e in events if e.get("ph") == "X"]
+    kernels = [e for e in xs if e.get("cat") == "kernel"]
+    launches = {e["args"]["correlation"]: e for e in xs
+                if e.get("cat") in LAUNCH_EVENTS and "correlation" in e.get("args", {})}
+    by_tid: dict = {}
+    for e in xs:
+        if e.get("cat") in HOST_OPS:
+            by_tid.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    queries: dict = {}
+    for k in kernels:
+        launch = launches.get(k.get("args", {}).get("correlation"))
+        if launch is not None:
+            queries.setdefault(launch["tid"], []).append((launch["ts"], k["dur"]))
+    totals = {name: 0.0 for name, _ in MOE_PARTS}
+    totals["other"] = sum(k["dur"] for k in kernels)
+    for tid, qs in queries.items():
+        qs.sort()
+        for (_, dur), names in zip(qs, _enclosing_ops(by_tid.get(tid, []), [t for t, _ in qs])):
+            low = " ".join(names).lower()
+            part = next((name for name, fragments in MOE_PARTS if any(f in low for f in fragments)), None)
+            if part is not None:
+                totals[part] += dur
+                totals["other"] -= dur
+    busy = sum(k["dur"] for k in kernels)
+    return {name: {"ms": us / 1e3, "share": us / busy if busy else 0.0} for name, us in totals.items()}
+
+
 def host_summary(rows, wall_s: float, top: int = 15) -> dict:
     """The host's share of one step by Python function, from cProfile rows ``(file, line, function, calls,
     self seconds, cumulative seconds)``: the heaviest by self time (where the interpreter is busy) and by
@@ -198,6 +235,10 @@ def profile_table(result: dict) -> str:
     lines += [f"| {c['category']} | {c['ms']:.1f} | {100 * c['share']:.1f}% |" for c in p["categories"]]
     lines += ["| top kernel | category | ms | calls |", "|---|---|---|---|"]
     lines += [f"| `{k['kernel']}` | {k['category']} | {k['ms']:.1f} | {k['calls']} |" for k in p["top_kernels"]]
+    moe = p.get("moe")
+    if moe and any(part["ms"] for name, part in moe.items() if name != "other"):
+        lines.append("an MoE step's kernel time by the host ops that launch it: " + ", ".join(
+            f"{name} {part['ms']:.1f} ms ({100 * part['share']:.1f}%)" for name, part in moe.items()))
     gaps = p.get("idle_gaps")
     if gaps:
         sides = ", ".join(f"{side} {ms:.1f} ms" for side, ms in gaps["by_side"].items())
@@ -239,7 +280,9 @@ def profiled_step(step, sync, cuda: bool) -> dict:
             prof.export_chrome_trace(path)
             with open(path) as f:
                 trace = json.load(f)
-        summary["idle_gaps"] = idle_gaps(trace["traceEvents"] if isinstance(trace, dict) else trace)
+        events = trace["traceEvents"] if isinstance(trace, dict) else trace
+        summary["idle_gaps"] = idle_gaps(events)
+        summary["moe"] = moe_shares(events)
     return summary
 
 

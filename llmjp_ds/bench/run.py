@@ -74,6 +74,9 @@ SHAPES = {
     # (41.6 GiB of bf16 weights, fp32 grads, master weights and moments; 2 GiB of layer activations; 1.5 GiB of
     # bf16 logits, whose gradient both write in place). The llmjp4-8b recipe has no z-loss, as Megatron-Core's.
     "llmjp4-8b-slice": ("llmjp4-8b", {"num_layers": 4}, 1),
+    # 4 of llm-jp-4-32b-a3b's 32 MoE layers (128 experts, 8 a token, qk-norm) with its whole 196,608-row head:
+    # 4.9B parameters of which 1.4B active a token, ~90 GiB of weights, fp32 grads, master weights and moments
+    "llmjp4-moe-slice": ("llmjp4-32b-a3b", {"num_layers": 4}, 1),
 }
 TEST_SHAPES = {"tiny": ("demo", {}, 2), "tiny-stage": ("demo", {"head_dim": 16}, 2)}  # CPU tests (test_bench.py)
 STAGE_SHAPES = {"172b-tp4-stage", "tiny-stage"}  # no embedding, no head: FLOPs of the decoder layers only

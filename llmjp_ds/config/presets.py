@@ -77,6 +77,20 @@ def _preset_llmjp4(size: str) -> RunConfig:
         checkpoint=CheckpointConfig(interval=0, keep=list(LLMJP_LOG_SPACED)))
 
 
+def _preset_llmjp4_moe() -> RunConfig:
+    """llm-jp-4-32b-a3b's shape with LLM-jp's MoE training arguments (the v4 MoE params.sh): 128 experts, 8 a
+    token, SwiGLU width 960, qk-norm, the aux_loss load balancing at 1e-2 and the router z-loss at 1e-3 (router in
+    fp32, dropless), init std 0.006, LR 4e-4 to 4e-5 with 2000 warm-up steps and WSD with the decay left out, BF16.
+    The 32B-A3B's own batch and length are not published: the 8B's global batch of 512 and its 12M steps stand in
+    (set train.global_batch_size and train.steps to the run's)."""
+    cfg = _preset_llmjp4("8b")
+    cfg.run_dir = "runs/llmjp4-32b-a3b"
+    cfg.model = ModelConfig(shape="llmjp4-32b-a3b", z_loss=0.0, init_std=0.006, moe_aux_loss="aux_loss",
+                            moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3)
+    cfg.optim.lr, cfg.optim.min_lr_ratio = 4e-4, 0.1
+    return cfg
+
+
 RUN_PRESETS: dict[str, Callable[[], RunConfig]] = {
     "demo": _preset_demo,
     "llmjp3-1.8b": lambda: _preset_llmjp3("1.8b", 3e-4, 512),
@@ -85,6 +99,7 @@ RUN_PRESETS: dict[str, Callable[[], RunConfig]] = {
     "llmjp3-172b": _preset_172b,
     "llmjp4-8b": lambda: _preset_llmjp4("8b"),
     "llmjp4-32b": lambda: _preset_llmjp4("32b"),
+    "llmjp4-32b-a3b": _preset_llmjp4_moe,
 }
 
 

@@ -155,7 +155,7 @@ class MoEBlock(nn.Module):
             probs, routing_map = drop_over_capacity(probs, routing_map, self.top_k, self.capacity_factor,
                                                     self.drop_policy)
         sequences = shape[0] if self.aux_loss_type == "seq_aux_loss" else 1
-        aux = (load_balancing_loss(logits, self.top_k, sequences) if self.aux_loss_type != "none"
+        aux = (self._L.load_balancing_loss(logits, self.top_k, sequences) if self.aux_loss_type != "none"
                else logits.new_zeros(()))
         z = router_z_loss(logits)
         self.routed = Routed(aux.detach(), z.detach(), self.coeffs[0] * aux + self.coeffs[1] * z, chosen.detach(),

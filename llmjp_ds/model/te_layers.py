@@ -18,7 +18,8 @@ from transformer_engine.pytorch.attention.rope import apply_fused_qkv_rotary_pos
 from transformer_engine.pytorch.module import layernorm_linear as _te_layernorm_linear
 from transformer_engine.pytorch.module import layernorm_mlp as _te_layernorm_mlp
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager
-from transformer_engine.pytorch.router import fused_topk_with_score_function
+from transformer_engine.pytorch.router import (fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss,
+                                                fused_topk_with_score_function)
 
 from llmjp_ds.model import moe, residual_grad
 from llmjp_ds.model.kernels import rope
@@ -200,6 +201,15 @@ def route(logits, top_k: int):
     """TE's fused top-k + softmax over the chosen (``fused_topk_with_score_function``), as the torch formula."""
     return fused_topk_with_score_function(logits, top_k, use_pre_softmax=False, num_groups=None, group_topk=None,
                                           scaling_factor=None, score_function="softmax", expert_bias=None)
+
+
+def load_balancing_loss(logits, top_k: int, sequences: int = 1):
+    """TE's fused scores and switch loss (``fused_compute_score_for_moe_aux_loss``, ``fused_moe_aux_loss``), as
+    Megatron-Core's router fusion computes ``aux_loss``; ``seq_aux_loss`` by the torch formula."""
+    if sequences > 1:
+        return moe.load_balancing_loss(logits, top_k, sequences)
+    routing_map, scores = fused_compute_score_for_moe_aux_loss(logits, top_k, "softmax")
+    return fused_moe_aux_loss(scores, routing_map.sum(0), logits.shape[0], logits.shape[1], top_k, 1.0)
 
 
 def permute_tokens(hidden, probs, routing_map, count: int | None = None) -> moe.Rows:

@@ -181,8 +181,8 @@ class GroupedMLP(nn.Module):
         return self.linear_fc2(((F.silu(gate) * up) * weights).to(rows.dtype), tokens_per_expert)
 
 
-def route(logits, top_k: int):
-    return moe.route(logits, top_k)
+route = moe.route
+load_balancing_loss = moe.load_balancing_loss
 
 
 def permute_tokens(hidden, probs, routing_map, count: int | None = None) -> moe.Rows:

@@ -552,15 +552,15 @@ def test_llmjp4_slice_is_four_layers_of_the_8b_with_its_whole_head():
 
 
 def test_the_megatron_peer_gets_the_llmjp4_shape():
-    """GPTModel's arguments at llmjp4-8b-slice: 8 query groups, RMSNorm eps 1e-6, RoPE base 500000, the
-    vocabulary unpadded (196,608 is a multiple of 128 x TP already), the head untied."""
+    """GPTModel's arguments at llmjp4-8b-slice: 8 query groups, no qk-layernorm, RMSNorm eps 1e-6, RoPE base
+    500000, the vocabulary unpadded (196,608 is a multiple of 128 x TP already), the head untied."""
     from llmjp_ds.bench.peers import mcore_layer_shape, mcore_model_args
     from llmjp_ds.config import model_config_of
 
     config = model_config_of(bench.bench_config("llmjp4-8b-slice", "peer-mcore-bf16", 8))
     assert mcore_layer_shape(config) == dict(
         num_layers=4, hidden_size=4096, num_attention_heads=32, num_query_groups=8, ffn_hidden_size=14336,
-        kv_channels=128, layernorm_epsilon=1e-6, init_method_std=0.02)
+        kv_channels=128, layernorm_epsilon=1e-6, init_method_std=0.02, qk_layernorm=False)
     assert mcore_model_args(config, 4096) == dict(
         vocab_size=196608, max_sequence_length=4096, position_embedding_type="rope", rotary_base=500000,
         share_embeddings_and_output_weights=False)

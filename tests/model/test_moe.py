@@ -240,3 +240,98 @@ def test_export_loads_in_transformers_with_the_same_logits(shape, tmp_path):
         torch.testing.assert_close(theirs(input_ids=ids).logits, logits, rtol=1e-4, atol=2e-5)
         again = LlamaForCausalLM.from_pretrained(tmp_path / "hf", backend="torch").eval()
         assert torch.equal(again(input_ids=ids).logits, logits)
+
+
+needs_te = pytest.mark.skipif(
+    not torch.cuda.is_available() or not __import__("llmjp_ds.model.backend", fromlist=["x"]).te_importable(),
+    reason="needs CUDA and Transformer Engine (run on the H200)")
+
+
+@pytest.mark.gpu
+@needs_te
+def test_te_routing_and_permutation_are_the_torch_formulas():
+    """TE's fused top-k softmax, switch loss and permutation give the torch formulas' routing (every choice),
+    weights, loss, rows and gradients on the GPU, at LLM-jp-4's 128 experts, 8 a token."""
+    from llmjp_ds.model import te_layers, torch_layers
+
+    tokens, experts, k, h = 512, 128, 8, 64
+    logits = logits_of(0, tokens, experts).cuda()
+    probs, routing_map = te_layers.route(logits, k)
+    their_probs, their_map = torch_layers.route(logits, k)
+    assert torch.equal(routing_map, their_map)
+    torch.testing.assert_close(probs, their_probs, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(te_layers.load_balancing_loss(logits, k), torch_layers.load_balancing_loss(logits, k),
+                               rtol=1e-5, atol=1e-6)
+    x = torch.randn(tokens, h, device="cuda")
+    results = []
+    for L in (te_layers, torch_layers):
+        xi = x.clone().requires_grad_(True)
+        pi = probs.clone().requires_grad_(True)
+        rows = L.permute_tokens(xi, pi, routing_map, tokens * k)
+        out = L.unpermute_tokens(rows.tokens * rows.weights * 3.0, rows)
+        out.square().sum().backward()
+        results.append((rows.tokens, rows.tokens_per_expert, out, xi.grad, pi.grad))
+    for ours, theirs in zip(*results):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@needs_te
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_te_moe_model_is_its_torch_twin(dtype):
+    """The tiny MoE model on the TE backend (grouped GEMMs, fused router and permutation) and on the torch backend
+    with the same weights: the same experts chosen, the router losses, logits, loss and every gradient within
+    TF32's (fp32) or bf16's reach."""
+    from llmjp_ds.model import LlamaForCausalLM
+
+    config = _qwen3_moe_config()
+    torch.manual_seed(0)
+    te_model = LlamaForCausalLM(config, backend="te", params_dtype=dtype)
+    torch_model = LlamaForCausalLM(config, backend="torch", params_dtype=dtype).cuda()
+    torch_model.load_state_dict({k: v for k, v in te_model.state_dict().items() if not k.endswith("_extra_state")},
+                                strict=False)
+    ids = torch.randint(0, config.vocab_size, (2, 65), device="cuda")
+    outs = []
+    for model in (te_model, torch_model):
+        out = model(input_ids=ids[:, :-1], shift_labels=ids[:, 1:])
+        out.loss.backward()
+        outs.append((out, {n: p.grad.float() for n, p in model.named_parameters()}))
+    (ours, grads), (theirs, their_grads) = outs
+    tol = dict(rtol=1e-2, atol=2e-3) if dtype == torch.float32 else dict(rtol=5e-2, atol=2e-2)
+    assert torch.equal(ours.expert_load, theirs.expert_load)
+    torch.testing.assert_close(ours.logits.float(), theirs.logits.float(), **tol)
+    for name in ("loss", "router_aux_loss", "router_z_loss"):
+        torch.testing.assert_close(getattr(ours, name).float(), getattr(theirs, name).float(), **tol)
+    assert set(grads) == set(their_grads)
+    for name, grad in grads.items():
+        scale = their_grads[name].abs().max().clamp_min(1e-6)
+        err = ((grad - their_grads[name]).abs().max() / scale).item()
+        assert err < (2e-2 if dtype == torch.float32 else 1e-1), (name, err)
+
+
+@pytest.mark.gpu
+@needs_te
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_an_fp8_moe_step_pads_each_experts_rows_and_keeps_the_bf16_loss(recipe):
+    """Under an FP8 recipe the grouped GEMMs pad each expert's rows to the recipe's alignment (the rows per expert
+    are not multiples of 16 here) and the loss stays within 2 % of the same step in bf16; every expert weight gets
+    a finite gradient."""
+    import transformer_engine.pytorch as te
+
+    from llmjp_ds.model import LlamaForCausalLM
+    from llmjp_ds.precision.recipes import Phase, te_recipe
+
+    config = _qwen3_moe_config(hidden_size=256, num_attention_heads=4, head_dim=64, moe_ffn_hidden_size=128)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config, backend="te", params_dtype=torch.bfloat16)
+    ids = torch.randint(0, config.vocab_size, (2, 129), device="cuda")
+    with torch.no_grad():
+        bf16 = model(input_ids=ids[:, :-1], shift_labels=ids[:, 1:])
+    assert (bf16.expert_load % 16 != 0).any()
+    with te.autocast(enabled=True, recipe=te_recipe(Phase(0, "fp8", 1, recipe=recipe))):
+        fp8 = model(input_ids=ids[:, :-1], shift_labels=ids[:, 1:])
+    fp8.loss.backward()
+    print(f"[moe fp8 {recipe}] loss {fp8.lm_loss.item():.4f} vs bf16 {bf16.lm_loss.item():.4f}")
+    assert abs(fp8.lm_loss.item() - bf16.lm_loss.item()) < 0.02 * bf16.lm_loss.item()
+    experts = [p for n, p in model.named_parameters() if ".experts." in n]
+    assert experts and all(p.grad is not None and torch.isfinite(p.grad).all() for p in experts)

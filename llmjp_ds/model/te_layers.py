@@ -177,14 +177,15 @@ class GroupedMLP(nn.Module):
         self.pad, self.unpad = te.Fp8Padding(num_experts), te.Fp8Unpadding(num_experts)
 
     def forward(self, rows, tokens_per_expert, weights):
+        # by keyword: the FP8 weight cache's forward takes a second positional argument as is_first_microbatch
         splits = tokens_per_expert.tolist()  # the grouped GEMM's split sizes, on the host (as Megatron's)
         padded = FP8GlobalStateManager.is_fp8_enabled()
         m_splits = splits
         if padded:
             rows, m_splits = self.pad(rows, splits)
             weights = _padded_rows(weights, splits, m_splits)
-        gate, up = self.linear_fc1(rows, m_splits).chunk(2, dim=-1)
-        out = self.linear_fc2(((torch.nn.functional.silu(gate) * up) * weights).to(rows.dtype), m_splits)
+        gate, up = self.linear_fc1(rows, m_splits=m_splits).chunk(2, dim=-1)
+        out = self.linear_fc2(((torch.nn.functional.silu(gate) * up) * weights).to(rows.dtype), m_splits=m_splits)
         return self.unpad(out, splits) if padded else out
 
 

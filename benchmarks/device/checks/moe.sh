@@ -1,8 +1,9 @@
 # moe: LLM-jp-4's MoE on one GPU. Its GPU tests (TE's fused routing and permutation against the torch formulas,
 # the TE model against its torch twin, an FP8 step); `llmjp-ds bench` at llmjp4-moe-slice (4 layers of the
 # 32B-A3B, 128 experts, 8 a token, its 196,608-row head) against Megatron-Core's MoE at its best single-GPU
-# settings, BF16 and FP8 delayed, one variant profiled each (routing, permutation, grouped GEMM shares); then a
-# 2-layer llmjp4-32b-a3b (the same layers) on the bundled corpus, BF16 then FP8 delayed from step 11, 24 steps:
+# settings, BF16 and FP8 delayed, each profiled (routing, permutation, grouped GEMM shares); then a 2-layer
+# llmjp4-32b-a3b at 32 experts (its layer otherwise, its head) on the bundled corpus, BF16 then FP8 delayed from
+# step 11, 24 steps:
 #   moe-uninterrupted  the whole run;
 #   moe-sigterm        the same, SIGTERM after step 8: it saves and exits;
 #   moe-resumed        the same command again, from that checkpoint to step 24;
@@ -13,7 +14,7 @@ gpu_tests moe-gpu-tests tests/model/test_moe.py
 bench bench-moe --shapes llmjp4-moe-slice --steps 3 --warmup 2 --profile \
   --variants ours-bf16,peer-mcore-bf16,ours-fp8-delayed,peer-mcore-fp8-delayed "$@"
 LAUNCHER=python
-COMMON=(--preset llmjp4-32b-a3b --set model.backend=te --set "model.overrides={num_layers: 2}"
+COMMON=(--preset llmjp4-32b-a3b --set model.backend=te --set "model.overrides={num_layers: 2, num_experts: 32}"
         --set logging.wandb=disabled --set data.seq_len=2048 --set train.global_batch_size=8
         --set train.micro_batch_size=2 --set train.steps=24 --set optim.warmup_steps=2 --set optim.decay_steps=24
         --set checkpoint.interval=0 --set "checkpoint.keep=[]" --set checkpoint.save_at_end=false

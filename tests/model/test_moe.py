@@ -302,7 +302,11 @@ def test_te_moe_model_is_its_torch_twin(dtype):
     # way (measured on the H200: 2 of 256 choices)
     moved = (ours.expert_load - theirs.expert_load).abs().sum().item() / 2
     assert moved <= (0 if dtype == torch.float32 else 0.02 * theirs.expert_load.sum().item()), moved
-    torch.testing.assert_close(ours.logits.float(), theirs.logits.float(), **tol)
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours.logits.float(), theirs.logits.float(), **tol)
+    else:  # the logits of a token whose experts a near-tie changed differ by more (measured: 510 of 1,032,192)
+        close = torch.isclose(ours.logits.float(), theirs.logits.float(), **tol)
+        assert close.float().mean() > 0.999 and (ours.logits - theirs.logits).abs().max() < 0.25
     for name in ("loss", "router_aux_loss", "router_z_loss"):
         torch.testing.assert_close(getattr(ours, name).float(), getattr(theirs, name).float(), **tol)
     assert set(grads) == set(their_grads)

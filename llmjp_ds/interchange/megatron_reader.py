@@ -165,15 +165,15 @@ def _rank_dirs(directory: Path, tp: int, pp: int, ep: int) -> dict[tuple[int, in
     """The rank directories of a legacy checkpoint by (tensor, pipeline, expert) rank: ``mp_rank_TT``, with
     ``_PPP`` under pipeline parallelism and ``_EEE`` under expert parallelism (so ``mp_rank_00_001`` is a pipeline
     stage or an expert rank: the run's arguments say which)."""
+    layout = f"TP {tp} x PP {pp}" + (f" x EP {ep}" if ep > 1 else "")
     found = {}
     for p in directory.iterdir():
         m = _RANK_DIR.match(p.name)
         if m and p.is_dir():
             ranks = [int(g.lstrip("_")) for g in m.groups()[1:] if g is not None]
             if len(ranks) != (pp > 1) + (ep > 1):
-                fail(f"{directory} holds {p.name}, which does not name a rank of the TP {tp} x PP {pp} x EP {ep} its "
-                     "arguments give: the directory mixes checkpoints of several layouts; import it from a copy of "
-                     "one run's files")
+                fail(f"{directory} holds {p.name}, which does not add up to the {layout} its arguments give: the "
+                     "directory mixes checkpoints of several layouts; import it from a copy of one run's files")
             stage, expert = (ranks.pop(0) if pp > 1 else 0), (ranks.pop(0) if ep > 1 else 0)
             found[(int(m.group(1)), stage, expert)] = p
     want = {(t, s, e) for t in range(tp) for s in range(pp) for e in range(ep)}
@@ -183,12 +183,11 @@ def _rank_dirs(directory: Path, tp: int, pp: int, ep: int) -> dict[tuple[int, in
     missing = sorted(want - set(found))
     if missing:
         fail(f"{directory} lacks {name(*missing[0])}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
-             + f": its arguments say TP {tp} x PP {pp} x EP {ep}; the checkpoint is incomplete, copy every mp_rank "
-             "directory")
+             + f": its arguments say {layout}; the checkpoint is incomplete, copy every mp_rank directory")
     extra = [found[k].name for k in sorted(set(found) - want)]
     if extra:
-        fail(f"{directory} holds {extra[0]}, which does not add up to the TP {tp} x PP {pp} x EP {ep} its arguments "
-             "give: the directory mixes checkpoints of several layouts; import it from a copy of one run's files")
+        fail(f"{directory} holds {extra[0]}, which does not add up to the {layout} its arguments give: the "
+             "directory mixes checkpoints of several layouts; import it from a copy of one run's files")
     return found
 
 

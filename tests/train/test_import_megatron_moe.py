@@ -82,9 +82,9 @@ def test_expert_rank_directories_are_told_from_pipeline_stages_by_the_arguments(
         (tmp_path / name).mkdir()
     assert set(_rank_dirs(tmp_path, 1, 1, 2)) == {(0, 0, 0), (0, 0, 1)}
     assert set(_rank_dirs(tmp_path, 1, 2, 1)) == {(0, 0, 0), (0, 1, 0)}
-    for pp, ep in ((1, 1), (2, 2)):
-        with pytest.raises(UserError, match=f"holds mp_rank_00_00[01], which does not name a rank of the TP 1 x PP "
-                                            f"{pp} x EP {ep}"):
+    for pp, ep, layout in ((1, 1, "TP 1 x PP 1"), (2, 2, "TP 1 x PP 2 x EP 2")):
+        with pytest.raises(UserError, match=f"holds mp_rank_00_00[01], which does not add up to the {layout} its "
+                                            "arguments give"):
             _rank_dirs(tmp_path, 1, pp, ep)
     three = tmp_path / "three"
     for t, s, e in [(t, s, e) for t in range(2) for s in range(2) for e in range(2)]:

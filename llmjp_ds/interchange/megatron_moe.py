@@ -49,22 +49,19 @@ def num_experts(args) -> int:
     return int(args.get("num_experts") or 0)
 
 
-def _single(value, name: str, wrong: list[str]):
-    """Megatron-LM 0.16+ takes ``--moe-router-load-balancing-type`` and ``--moe-aux-loss-coeff`` as lists (one
-    per loss); a list of one is its value, and a run with several losses is refused."""
-    if isinstance(value, (list, tuple)):
-        if len(value) != 1:
-            wrong.append(f"{name}={list(value)!r}")
-            return value[0] if value else None
-        return value[0]
-    return value
+def _losses(args) -> tuple[list, list]:
+    """The run's load-balancing losses and their coefficients as lists: Megatron-LM 0.16+ takes
+    ``--moe-router-load-balancing-type`` and ``--moe-aux-loss-coeff`` as lists (one per loss; a list of one is
+    kept as its value), older releases as one value."""
+    kind, coeff = args.get("moe_router_load_balancing_type", "aux_loss"), args.get("moe_aux_loss_coeff", 0.0)
+    return (list(kind) if isinstance(kind, (list, tuple)) else [kind],
+            list(coeff) if isinstance(coeff, (list, tuple)) else [coeff])
 
 
 def balancing(args) -> tuple[str, float]:
-    """(the load-balancing loss, its coefficient) of the run."""
-    wrong: list[str] = []
-    kind = _single(args.get("moe_router_load_balancing_type", "aux_loss"), "", wrong) or "aux_loss"
-    return kind, float(_single(args.get("moe_aux_loss_coeff", 0.0), "", wrong) or 0.0)
+    """(the load-balancing loss, its coefficient) of a run of one such loss."""
+    kinds, coeffs = _losses(args)
+    return (kinds[0] if kinds else None) or "aux_loss", float((coeffs[0] if coeffs else None) or 0.0)
 
 
 def unsupported(args) -> list[str]:
@@ -72,10 +69,12 @@ def unsupported(args) -> list[str]:
     if not num_experts(args):
         return []
     wrong = [f"{name}={args.get(name)!r}" for name, off in _OFF if args.get(name, off) not in (off, None)]
-    kind = _single(args.get("moe_router_load_balancing_type", "aux_loss"), "moe_router_load_balancing_type", wrong)
-    _single(args.get("moe_aux_loss_coeff", 0.0), "moe_aux_loss_coeff", wrong)
-    if (kind or "aux_loss") not in MOE_AUX_LOSSES:
-        wrong.append(f"moe_router_load_balancing_type={kind!r}")
+    kinds, coeffs = _losses(args)
+    if len(kinds) > 1 or len(coeffs) > 1:  # several losses at once
+        name, value = ("moe_router_load_balancing_type", kinds) if len(kinds) > 1 else ("moe_aux_loss_coeff", coeffs)
+        wrong.append(f"{name}={value!r}")
+    elif balancing(args)[0] not in MOE_AUX_LOSSES:
+        wrong.append(f"moe_router_load_balancing_type={balancing(args)[0]!r}")
     if args.get("moe_router_dtype") not in ROUTER_DTYPES:
         wrong.append(f"moe_router_dtype={args.get('moe_router_dtype')!r}")
     if args.get("moe_token_drop_policy", "probs") not in DROP_POLICIES:

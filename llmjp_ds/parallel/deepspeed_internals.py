@@ -80,6 +80,7 @@ import torch
 
 from llmjp_ds.model.attach import accumulate_in_main_grad
 from llmjp_ds.model.expert_parallel import ExpertParallel
+from llmjp_ds.model.hf_adapter import ep_global_name, is_expert_weight
 from llmjp_ds.model.kernels import adamw
 
 BF16_OPTIMIZER_INTERNALS = ("_update_hp_grad", "fp32_groups_gradients", "fp32_groups_has_gradients", "bf16_groups",
@@ -331,22 +332,27 @@ def zero_checkpoint_step(tag_dir, load) -> torch.Tensor:
     return _optim_state(path, load)["base_optimizer_state"]["state"][0]["step"]
 
 
-def zero_checkpoint_params(tag_dir, stages: int, data: int, tensor: int, load):
+def zero_checkpoint_params(tag_dir, stages: int, data: int, tensor: int, load, expert: int = 1, experts: int = 0):
     """Yield ``(name, [{"fp32", "exp_avg", "exp_avg_sq"} tensors of each TP rank])`` of every parameter of a
     ZeRO-1 checkpoint written by ``stages`` x ``data`` x ``tensor`` ranks (names as the writing engine's module
-    called them), its files read with ``load(path)``. DeepSpeed names a rank's files by its model-parallel
-    rank, ``stage * tensor + tp_rank``."""
+    called them; an MoE model's ``experts`` split over groups of ``expert`` ranks: each expert under its global
+    index), its files read with ``load(path)``. DeepSpeed names a rank's files by its model-parallel rank,
+    ``stage * tensor + tp_rank``."""
     tag_dir = Path(tag_dir)
     for pp in range(stages):
-        per_tp = [_rank_params(tag_dir, pp * tensor + t, data, load) for t in range(tensor)]
+        per_tp = [_rank_params(tag_dir, pp * tensor + t, data, load, expert, experts) for t in range(tensor)]
         for name in per_tp[0]:
             yield name, [ranks[name] for ranks in per_tp]
 
 
-def _rank_params(tag_dir: Path, mp: int, data: int, load) -> dict[str, dict[str, torch.Tensor]]:
-    """One model-parallel rank's parameters, their slices gathered from the ``data`` ZeRO-1 partitions."""
+def _rank_params(tag_dir: Path, mp: int, data: int, load, expert: int = 1,
+                 experts: int = 0) -> dict[str, dict[str, torch.Tensor]]:
+    """One model-parallel rank's parameters, their slices gathered from the ``data`` ZeRO-1 partitions. Under
+    expert parallelism (``expert`` > 1) an expert's group is partitioned over the ranks that hold it: data-parallel
+    rank ``dp`` holds experts of expert-parallel rank ``dp % expert`` (DeepSpeed's expert groups are consecutive
+    ranks), the ``dp // expert``-th partition of them."""
     shapes = load(tag_dir / model_states_file(mp))["param_shapes"]
-    parts: dict[str, dict[str, list]] = {}
+    parts: dict[tuple, dict[str, list]] = {}
     for dp in range(data):
         osd = _optim_state(next(tag_dir.glob(f"*zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt")), load)
         for g, mapping in enumerate(osd["param_slice_mappings"]):
@@ -354,11 +360,14 @@ def _rank_params(tag_dir: Path, mp: int, data: int, load) -> dict[str, dict[str,
             flat = {"fp32": osd["single_partition_of_fp32_groups"][g], "exp_avg": adam["exp_avg"],
                     "exp_avg_sq": adam["exp_avg_sq"]}
             for name, where in mapping.items():
-                slot = parts.setdefault(name, {k: [] for k in flat})
+                slot = parts.setdefault((dp % expert if is_expert_weight(name) else 0, name), {k: [] for k in flat})
                 for key, tensor in flat.items():
                     slot[key].append(tensor.narrow(0, where.start, where.numel))
-    return {name: {k: torch.cat(v).reshape(shape).clone() for k, v in parts.pop(name).items()}
-            for group in shapes for name, shape in group.items()}
+    local = experts // expert
+    return {ep_global_name(name, r, local) if expert > 1 else name:
+            {k: torch.cat(v).reshape(shape).clone() for k, v in parts.pop((r, name)).items()}
+            for group in shapes for name, shape in group.items()
+            for r in (range(expert) if is_expert_weight(name) else (0,))}
 
 
 def seed_optimizer_state(optimizer, step: torch.Tensor) -> None:

@@ -228,9 +228,9 @@ def _check_expert_parallel(cfg: RunConfig, shape, layout: Layout) -> None:
         fail(f"parallel.expert_parallel={ep} needs ZeRO-1 or ZeRO-2, not ZeRO-{cfg.parallel.zero_stage}: "
              f"{why[cfg.parallel.zero_stage]}; use parallel.zero_stage=1 or 2")
     if layout.tensor > 1:
-        fail(f"parallel.expert_parallel={ep} with tensor_parallel={layout.tensor} is not supported: DeepSpeed's "
-             "expert groups sum the experts' gradients over the TP ranks too, which here route the same tokens "
-             "(counted tensor_parallel times); use parallel.tensor_parallel=1 with expert parallelism")
+        fail(f"parallel.expert_parallel={ep} with tensor_parallel={layout.tensor} is not supported: the MoE block "
+             "is not split over the TP group, and DeepSpeed's expert groups would take its TP ranks for "
+             "data-parallel copies of the experts; use parallel.tensor_parallel=1 with expert parallelism")
     if layout.pipeline > 1:
         fail(f"parallel.expert_parallel={ep} with pipeline_stages={layout.pipeline} is not supported: DeepSpeed's "
              "MoE step needs experts on every stage (a stage without them hangs the step) and its pipeline MoE "

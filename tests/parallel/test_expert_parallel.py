@@ -9,7 +9,10 @@ same model on one process.
   (loss, grad norm, router losses; the same expert loads), and end at its weights, read back from their
   checkpoints (DeepSpeed's MoE layout, one file per expert) and exported whole.
 * DP2 x EP2 stopped at step 2 and resumed repeats its uninterrupted run exactly; the same checkpoint resumed on
-  DP4 x EP4 (another EP size and data-parallel size: converted once) continues the one-process EP1 trail.
+  DP4 x EP4 and on one process without EP (another EP size and data-parallel size: converted once) continues the
+  one-process EP1 trail.
+* A rank builds only its own experts, the same as the whole model's (seeded layer by layer, and from an HF
+  directory).
 * The refusals (a dense model, indivisible sizes, ZeRO-0/3, TP or PP with EP > 1) are the bad-input catalogue's
   (``tests/reliability/cases_config.py``); here validation is asked directly.
 
@@ -124,6 +127,40 @@ def test_split_experts_compute_the_whole_blocks_output_and_gradients(world=4):
         assert diffs[worst] <= 1e-5, f"rank {rank}: {worst}'s gradient differs by {diffs[worst]:.2e}"
 
 
+def test_a_rank_starts_with_its_own_experts_of_the_whole_model(tmp_path):
+    """Rank 1 of EP2 builds its layers from the seeds every layout uses (``init_like_pipeline``) and loads an HF
+    directory (``model.init_from_hf``): its experts ``weight0..3`` are the whole model's experts 4..7 and every
+    other weight is the whole model's. No process group: building and loading never communicate."""
+    from llmjp_ds.model import LlamaForCausalLM
+    from llmjp_ds.model.expert_parallel import ExpertParallel
+    from llmjp_ds.model.hf_adapter import ep_local_name
+    from llmjp_ds.model.shapes import model_config
+    from llmjp_ds.parallel.build import init_like_pipeline, load_hf_into_layers
+
+    config = model_config("tiny-moe", num_layers=2)
+    ep = ExpertParallel(None, 2, 1, "ep_size_2")
+    whole = LlamaForCausalLM(config, backend="torch")
+    init_like_pipeline(whole, config, "torch", seed=7)
+    part = LlamaForCausalLM(config, backend="torch", ep=ep)
+    init_like_pipeline(part, config, "torch", seed=7, ep=ep)
+    expected = {ep_local_name(k, 1, 4): v for k, v in whole.state_dict().items() if ep_local_name(k, 1, 4)}
+    got = part.state_dict()
+    assert sorted(got) == sorted(expected)
+    assert not [k for k in got if not torch.equal(got[k], expected[k])]
+    assert torch.equal(got["model.layers.1.moe.experts.linear_fc2.weight0"],
+                       whole.state_dict()["model.layers.1.moe.experts.linear_fc2.weight4"])
+
+    torch.manual_seed(1)
+    hf = LlamaForCausalLM(config, backend="torch")  # other weights than the seeded ones
+    hf.save_pretrained(tmp_path / "hf", dtype=torch.float32)
+    decoder_layers = [(i + 1, layer) for i, layer in enumerate(part.model.layers)]  # pipeline layer indices
+    load_hf_into_layers(decoder_layers, str(tmp_path / "hf"), config, ep=ep)
+    expected = {ep_local_name(k, 1, 4): v for k, v in hf.state_dict().items() if ep_local_name(k, 1, 4)}
+    got = {k: v for k, v in part.state_dict().items() if k.startswith("model.layers.")}
+    assert len(got) > 16 and not [k for k in got if not k.endswith("_extra_state") and not torch.equal(
+        got[k], expected[k])]
+
+
 # --- the refusals ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("sets,world,expected", [
@@ -163,16 +200,18 @@ def _nested(sets: dict) -> dict:
 @pytest.fixture(scope="module")
 def ep_runs(train_env, tmp_path_factory):
     """Each layout's uninterrupted run, DP2 x EP2 stopped at ``HALF`` and resumed, and that checkpoint resumed
-    on DP4 x EP4 (a copy of the directory)."""
+    on DP4 x EP4 and on one process (copies of the directory)."""
     root = tmp_path_factory.mktemp("expert-parallel")
     out = {name: run_train(root / name, nproc, *MOE, *sets, f"train.steps={STEPS}")
            for name, (nproc, sets) in LAYOUTS.items()}
     nproc, sets = LAYOUTS["dp2-ep2"]
     run_train(root / "dp2-ep2-resumed", nproc, *MOE, *sets, f"train.steps={HALF}")
-    shutil.copytree(root / "dp2-ep2-resumed", root / "dp2-ep2-then-dp4-ep4")
+    for then in ("dp4-ep4", "ep1"):
+        shutil.copytree(root / "dp2-ep2-resumed", root / f"dp2-ep2-then-{then}")
     out["resumed"] = run_train(root / "dp2-ep2-resumed", nproc, *MOE, *sets, f"train.steps={STEPS}")
-    nproc, sets = LAYOUTS["dp4-ep4"]
-    out["reshaped"] = run_train(root / "dp2-ep2-then-dp4-ep4", nproc, *MOE, *sets, f"train.steps={STEPS}")
+    for then in ("dp4-ep4", "ep1"):
+        nproc, sets = LAYOUTS[then]
+        out[f"then-{then}"] = run_train(root / f"dp2-ep2-then-{then}", nproc, *MOE, *sets, f"train.steps={STEPS}")
     return out
 
 
@@ -242,10 +281,11 @@ def test_resume_with_expert_parallelism_is_exact(ep_runs):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_a_checkpoint_resumes_on_another_expert_and_data_parallel_size(ep_runs):
-    """DP2 x EP2's checkpoint of step 2 on DP4 x EP4: each expert moves to the rank that holds it now, with its
-    Adam moments, and the trail goes on as the one-process EP1 run's."""
-    run_dir = ep_runs["reshaped"]
-    _assert_follows(trail(run_dir), trail(ep_runs["ep1"]), "DP2 x EP2 then DP4 x EP4")
+@pytest.mark.parametrize("then,name", [("dp4-ep4", "PP1 x DP4 (EP4)"), ("ep1", "PP1 x DP1")])
+def test_a_checkpoint_resumes_on_another_expert_and_data_parallel_size(ep_runs, then, name):
+    """DP2 x EP2's checkpoint of step 2 on DP4 x EP4, and on one process without EP: each expert moves to the rank
+    that holds it now, with its Adam moments, and the trail goes on as the one-process EP1 run's."""
+    run_dir = ep_runs[f"then-{then}"]
+    _assert_follows(trail(run_dir), trail(ep_runs["ep1"]), f"DP2 x EP2 then {name}")
     events = [r for r in read_metrics(run_dir) if r.get("event") == "reshape"]
-    assert [(e["step"], e["saved"], e["now"]) for e in events] == [(HALF, "PP1 x DP2 (EP2)", "PP1 x DP4 (EP4)")]
+    assert [(e["step"], e["saved"], e["now"]) for e in events] == [(HALF, "PP1 x DP2 (EP2)", name)]

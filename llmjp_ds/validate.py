@@ -33,6 +33,7 @@ def validate_run(cfg: RunConfig, world_size: int | None = None, gpus_per_node: i
     _check_model(cfg, shape)
     _check_tensor_parallel(cfg, shape, gpus_per_node or gpus_per_node_from_env())
     _check_parallel(cfg, layout, shape.num_layers)
+    _check_expert_parallel(cfg, shape, layout)
     _check_data(cfg)
     check_schedule(cfg.optim, cfg.train.steps)
     _check_logging(cfg)
@@ -45,7 +46,13 @@ def validate_run(cfg: RunConfig, world_size: int | None = None, gpus_per_node: i
         fail("precision.phases: recipe auto chooses by the penalty measured on validation batches: set "
              "train.eval_interval > 0 (and a data.split with a valid share), or name the recipe")
 
-    build_ds_config(cfg, layout)  # the DeepSpeed JSON: exists, parses, has no optimizer/scheduler block
+    ds = build_ds_config(cfg, layout)  # the DeepSpeed JSON: exists, parses, has no optimizer/scheduler block
+    zero = ds["zero_optimization"]
+    if layout.expert > 1 and cfg.parallel.zero_stage == 2 and not (zero.get("contiguous_gradients", True)
+                                                                    and zero.get("reduce_scatter", True)):
+        fail("DeepSpeed's ZeRO-2 reduces the expert gradients of an MoE model only with contiguous_gradients and "
+             "reduce_scatter: set both true in zero_optimization of the DeepSpeed config (parallel.ds_config), or "
+             "use parallel.zero_stage=1")
     return layout
 
 
@@ -197,6 +204,38 @@ def _check_parallel(cfg: RunConfig, layout: Layout, num_layers: int) -> None:
         fail(f"train.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size x data parallel "
              f"= {t.micro_batch_size} x {layout.data}: make it a multiple of {t.micro_batch_size * layout.data}")
     check_batches(t, layout.data)
+
+
+def _check_expert_parallel(cfg: RunConfig, shape, layout: Layout) -> None:
+    """Expert parallelism (docs/moe.md): an MoE model's experts split evenly over groups of data-parallel ranks,
+    on the layouts DeepSpeed's MoE support trains correctly."""
+    ep, experts = layout.expert, shape.num_experts
+    if ep == 1:
+        return
+    if not experts:
+        fail(f"parallel.expert_parallel={ep} splits an MoE model's experts, but model.shape {cfg.model.shape} is "
+             "dense (no experts): set parallel.expert_parallel=1, or train an MoE shape (e.g. tiny-moe)")
+    if experts % ep:
+        fail(f"the model's {experts} experts are not divisible by parallel.expert_parallel={ep}: choose an "
+             f"expert_parallel that divides {experts} ({', '.join(str(d) for d in (2, 4, 8) if experts % d == 0)})")
+    if layout.fits() and layout.data % ep:
+        fail(f"parallel.expert_parallel={ep} does not divide the data-parallel size {layout.data}: each "
+             f"expert-parallel group is {ep} data-parallel ranks; launch a multiple of {ep} data-parallel ranks, or "
+             "choose an expert_parallel that divides the data-parallel size")
+    why = {0: "DeepSpeed's ZeRO-0 clipping averages the ranks' gradient norms (fp32) or leaves the experts out of "
+              "the norm (bf16)", 3: "DeepSpeed refuses its MoE with ZeRO-3"}
+    if cfg.parallel.zero_stage in why:
+        fail(f"parallel.expert_parallel={ep} needs ZeRO-1 or ZeRO-2, not ZeRO-{cfg.parallel.zero_stage}: "
+             f"{why[cfg.parallel.zero_stage]}; use parallel.zero_stage=1 or 2")
+    if layout.tensor > 1:
+        fail(f"parallel.expert_parallel={ep} with tensor_parallel={layout.tensor} is not supported: the MoE block "
+             "is not split over the TP group, and DeepSpeed's expert groups would take its TP ranks for "
+             "data-parallel copies of the experts; use parallel.tensor_parallel=1 with expert parallelism")
+    if layout.pipeline > 1:
+        fail(f"parallel.expert_parallel={ep} with pipeline_stages={layout.pipeline} is not supported: DeepSpeed's "
+             "MoE step needs experts on every stage (a stage without them hangs the step) and its pipeline MoE "
+             "checkpoints keep no layer files to reshape or export; use parallel.pipeline_stages=1 with "
+             "expert parallelism")
 
 
 def gpus_per_node_from_env() -> int | None:

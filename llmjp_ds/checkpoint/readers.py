@@ -19,8 +19,9 @@ from llmjp_ds.checkpoint.safe_load import load_checkpoint_file, vet_files
 from llmjp_ds.checkpoint.store import CheckpointMeta, checkpoint_dir, vet_tag
 from llmjp_ds.errors import fail
 from llmjp_ds.model.hf_adapter import pipeline_name_to_ours, tp_merge_state_dicts
-from llmjp_ds.parallel.deepspeed_internals import (MODEL_STATES_GLOB, PIPELINE_LAYER_GLOB, model_states_file,
-                                                   pipeline_layer_ranks, route_checkpoint_io)
+from llmjp_ds.parallel.deepspeed_internals import (EXPERT_STATES_GLOB, MODEL_STATES_GLOB, PIPELINE_LAYER_GLOB,
+                                                   from_expert_file_key, model_states_file, pipeline_layer_ranks,
+                                                   route_checkpoint_io)
 from llmjp_ds.parallel.reshape import CONVERTED
 
 CLIENT_STATE = "client_state.pt"  # the trainer's state of a checkpoint that has no DeepSpeed files (an import)
@@ -64,8 +65,10 @@ def read_client_state(run_dir, tag: str) -> dict:
 
 
 def read_model_state(run_dir, tag: str, marker: CheckpointMeta) -> dict[str, torch.Tensor]:
-    """The model's full state dict (our names) from a ZeRO-0..3 or pipeline checkpoint, on CPU. Every file is
-    read with weights_only=True, and one that names code is refused before anything of it is unpickled."""
+    """The model's full state dict (our names) from a ZeRO-0..3, pipeline or expert-parallel checkpoint, on CPU.
+    Every file is read with weights_only=True, and one that names code is refused before anything of it is
+    unpickled. An expert-parallel checkpoint's experts come from their own files (one per expert, DeepSpeed's MoE
+    layout), their FP8 state left out (one per rank)."""
     d = vet_tag(run_dir, tag)
     if marker.layout_free:  # an imported checkpoint: the fp32 master weights of the layout-free form
         return {f.name[:-3]: load_checkpoint_file(f)["fp32"] for f in sorted((d / CONVERTED).glob("*.pt"))
@@ -85,9 +88,25 @@ def read_model_state(run_dir, tag: str, marker: CheckpointMeta) -> dict[str, tor
 
         with contextlib.redirect_stdout(open(os.devnull, "w")):
             return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir(run_dir)), tag=tag)
+    if marker.expert_parallel > 1:
+        return _expert_parallel_state(d)
     files = sorted(d.glob(MODEL_STATES_GLOB))
     if len(files) < marker.tensor_parallel or not files:
         fail(f"{d} has {len(files)} model states files for tensor_parallel={marker.tensor_parallel}: the checkpoint "
              "is incomplete")
     return tp_merge_state_dicts([load_checkpoint_file(f)["module"] for f in files[:marker.tensor_parallel]])
 
+
+
+def _expert_parallel_state(d) -> dict[str, torch.Tensor]:
+    """The model of an expert-parallel checkpoint in directory ``d``: the dense weights of its model states, the
+    experts' weights of their own files under our names and global indices."""
+    state = load_checkpoint_file(d / model_states_file(0))["module"]
+    experts = sorted(d.glob(EXPERT_STATES_GLOB))
+    if not experts:
+        fail(f"{d} holds no expert files ({EXPERT_STATES_GLOB}) for its expert_parallel > 1: the checkpoint is "
+             "incomplete")
+    for f in experts:
+        state.update({from_expert_file_key(k): v for k, v in load_checkpoint_file(f).items()
+                      if not k.endswith("_extra_state")})
+    return state

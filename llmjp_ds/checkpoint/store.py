@@ -127,6 +127,9 @@ class CheckpointMeta:
     fp8_lm_head: bool = False
     data_parallel: int | None = None  # None in checkpoints of earlier releases (the files tell)
     tensor_parallel: int = 1
+    # an MoE model's experts split over groups of this many data-parallel ranks (DeepSpeed's MoE checkpoint: the
+    # experts in files of their own, one per expert)
+    expert_parallel: int = 1
     step: int | None = None
     tag: str | None = None
     files: dict | None = None  # relative path -> {"size", "xxh3"}; None in checkpoints of earlier releases
@@ -152,7 +155,7 @@ class CheckpointMeta:
                    pipeline_stages=cfg.parallel.pipeline_stages, dtype=cfg.precision.dtype,
                    seq_len=seq_len_of(cfg, model_config), fp8_lm_head=cfg.precision.fp8_lm_head,
                    data_parallel=data_parallel, tensor_parallel=cfg.parallel.tensor_parallel,
-                   run_config=cfg.to_dict())
+                   expert_parallel=cfg.parallel.expert_parallel, run_config=cfg.to_dict())
 
     @classmethod
     def from_dict(cls, data: dict) -> "CheckpointMeta":
@@ -168,7 +171,7 @@ class CheckpointMeta:
                 isinstance(meta.model_config.get(k), int) and not isinstance(meta.model_config.get(k), bool)
                 and meta.model_config.get(k) > 0 for k in SHAPE_KEYS):
             raise ValueError(f"model_config must be an object with positive integer {', '.join(SHAPE_KEYS)}")
-        for name in ("zero_stage", "pipeline_stages", "seq_len", "tensor_parallel"):
+        for name in ("zero_stage", "pipeline_stages", "seq_len", "tensor_parallel", "expert_parallel"):
             value = getattr(meta, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
@@ -230,7 +233,7 @@ def saved_layout(run_dir, tag: str, marker: CheckpointMeta) -> Layout:
         pipeline, data, tensor = marker.pipeline_stages, marker.data_parallel, marker.tensor_parallel
     else:
         (pipeline, data), tensor = from_files(checkpoint_dir(run_dir) / tag), 1
-    return Layout(world=pipeline * data * tensor, pipeline=pipeline, tensor=tensor)
+    return Layout(world=pipeline * data * tensor, pipeline=pipeline, tensor=tensor, expert=marker.expert_parallel)
 
 
 # --- saving ----------------------------------------------------------------------------------------------

@@ -218,6 +218,8 @@ class ParallelConfig:
     # TE's tensor parallelism inside each layer; its ranks are adjacent (one node)
     tensor_parallel: int = field(default=1, metadata=at_least(1))
     sequence_parallel: bool | None = None  # default: on when tensor_parallel > 1
+    # an MoE model's experts split over this many data-parallel ranks (Megatron's EP within DP; docs/moe.md)
+    expert_parallel: int = field(default=1, metadata=at_least(1))
     partition_method: str = "flops"  # or DeepSpeed's: type:DecoderLayerPipe | parameters | uniform
     fused_grad_accumulation: bool = True  # one-pass fp32 accumulation (parallel.deepspeed_internals)
     # DeepSpeed JSON; default ds_configs/zero{stage}.json or pipeline.json

@@ -82,11 +82,13 @@ def export(run_dir, output, tag: str | None = None, dtype: str = "bf16", force: 
     if has_tokenizer:
         _check_tokenizer(tokenizer)
     # transformers' modeling code loads only now (it takes seconds): the checks above answer a mistake at once
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-    config = LlamaConfig.from_dict(marker.model_config)
+    # the model's own config class (llama, qwen3, qwen3_moe); a checkpoint of an earlier release names none
+    config = CONFIG_MAPPING[marker.model_config.get("model_type", "llama")].from_dict(marker.model_config)
     origin = read_origin(run_dir)
     if origin is not None:  # a branch: where it came from, in config.json (transformers keeps unknown fields)
         config.llmjp_ds_branch = origin

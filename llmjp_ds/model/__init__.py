@@ -13,9 +13,11 @@
 * :mod:`.residual_grad`: the residual stream's gradient added inside the next norm's backward;
 * :mod:`.weight_reuse`: the protocol between TE's GEMMs and the FP8 weight cache, from the model's side;
 * :mod:`.tensor_parallel`: tensor and sequence parallelism: the group and the four communication operators;
+* :mod:`.expert_parallel`: expert parallelism: the group an MoE layer's experts are split over, and the
+  all-to-all dispatch of rows to the ranks that hold their experts and back;
 * :mod:`.pipeline_layers`: the pipeline split (embedding | decoder layers | final norm + head) as stage layers;
 * :mod:`.hf_adapter`: the model's weight names: Hugging Face Llama <-> ours (TE names) <-> pipeline layers, TP
-  shards; pure functions;
+  shards, the experts of an expert-parallel rank; pure functions;
 * :mod:`.hf_io`: Hugging Face Llama checkpoint directories (safetensors) read and written;
 * :mod:`.flops`: model FLOPs per token and parameter counts, pure arithmetic;
 * ``kernels/``: the fused kernels (RoPE, cross-entropy, AdamW) in torch and Triton.

@@ -1,5 +1,5 @@
 """Every weight-name map of the package, as pure functions: Hugging Face Llama <-> ours (TE names) <-> the
-pipeline's layer index.
+pipeline's layer index, and each rank's share of a weight under tensor or expert parallelism.
 
 No I/O here: dict of tensors in, dict of tensors out, bit-exact (only views, splits and concatenations).
 
@@ -228,3 +228,32 @@ def tp_merge(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
 def tp_merge_state_dicts(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """One state dict from the TP ranks' ones (rank order). ``_extra_state`` entries are rank 0's."""
     return {name: tp_merge(name, [s[name] for s in shards]) for name in shards[0]}
+
+
+# --- expert-parallel shards ---------------------------------------------------------------------------------
+# an MoE layer's experts are whole on their rank: rank r of an expert-parallel group of experts E / size each
+# holds experts r E / size .. under the local indices 0 ..; every other weight is on every rank
+_EXPERT_WEIGHT = re.compile(r"^((?:.*\.)?experts\.linear_fc[12]\.weight)(\d+)$")
+
+
+def is_expert_weight(name: str) -> bool:
+    """Whether ``name`` (ours or a pipeline layer's) is an expert's weight of an MoE layer."""
+    return _EXPERT_WEIGHT.match(name) is not None
+
+
+def ep_local_name(name: str, rank: int, local: int) -> str | None:
+    """Rank ``rank``'s name of the weight ``name`` (ours, the expert's global index) when each rank holds
+    ``local`` experts: the local index of an expert it holds, None for another rank's expert, ``name`` itself
+    for every other weight."""
+    match = _EXPERT_WEIGHT.match(name)
+    if match is None:
+        return name
+    index = int(match.group(2)) - rank * local
+    return f"{match.group(1)}{index}" if 0 <= index < local else None
+
+
+def ep_global_name(name: str, rank: int, local: int) -> str:
+    """Our name of rank ``rank``'s weight ``name`` (an expert's local index) when each rank holds ``local``
+    experts; inverse of :func:`ep_local_name`."""
+    match = _EXPERT_WEIGHT.match(name)
+    return name if match is None else f"{match.group(1)}{rank * local + int(match.group(2))}"

@@ -30,6 +30,7 @@ from transformers import DynamicCache, GenerationMixin, LlamaConfig, PreTrainedM
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from llmjp_ds.model.backend import layers_module, resolve_backend
+from llmjp_ds.model.expert_parallel import ExpertParallel
 from llmjp_ds.model.hf_io import load_hf_checkpoint, save_hf_checkpoint
 from llmjp_ds.model.loss import CausalLMLoss, LossParts
 from llmjp_ds.model.loss import shift_labels as shift_labels_of
@@ -122,7 +123,7 @@ class DecoderLayer(nn.Module):
     ``x`` is ``[s, b, h]``, sequence-sharded ``[s / tp, b, h]`` with sequence parallelism."""
 
     def __init__(self, config, layer_idx: int, backend: str, params_dtype=None, tp: TensorParallel | None = None,
-                 options: ModelOptions = ModelOptions(), ep=None):
+                 options: ModelOptions = ModelOptions(), ep: ExpertParallel | None = None):
         super().__init__()
         L = layers_module(backend)
         self.tp = tp
@@ -204,10 +205,10 @@ class FinalNormHead(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config, backend: str, params_dtype=None, tp: TensorParallel | None = None,
-                 options: ModelOptions = ModelOptions()):
+                 options: ModelOptions = ModelOptions(), ep: ExpertParallel | None = None):
         super().__init__()
         self.embed_tokens = Embedding(config, backend, params_dtype, tp)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, backend, params_dtype, tp, options)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, backend, params_dtype, tp, options, ep)
                                     for i in range(config.num_hidden_layers))
         self.norm: nn.Module | None = None  # set by LlamaForCausalLM from its FinalNormHead
 
@@ -241,7 +242,8 @@ class LlamaForCausalLM(PreTrainedModel, GenerationMixin):
     cache on both backends. ``training_loss`` computes the loss on pre-shifted targets without the HF output.
     ``options``: fused kernels and recompute (:class:`~llmjp_ds.model.options.ModelOptions`);
     ``checkpoint_fn``: the function that recomputes a decoder layer under ``recompute: full`` (default the
-    backend's; the precision schedule's emulator has its own).
+    backend's; the precision schedule's emulator has its own). ``ep``: the expert-parallel group an MoE model's
+    experts are split over (:class:`~llmjp_ds.model.expert_parallel.ExpertParallel`; None: every expert here).
     """
 
     config_class = LlamaConfig
@@ -252,7 +254,8 @@ class LlamaForCausalLM(PreTrainedModel, GenerationMixin):
 
     def __init__(self, config: LlamaConfig, backend: str | None = None, params_dtype: torch.dtype | None = None,
                  z_loss_coeff: float = 0.0, fused_loss: bool = False, fp8_lm_head: bool = False,
-                 tp: TensorParallel | None = None, options: ModelOptions = ModelOptions(), checkpoint_fn=None):
+                 tp: TensorParallel | None = None, options: ModelOptions = ModelOptions(), checkpoint_fn=None,
+                 ep: ExpertParallel | None = None):
         check_supported(config)
         super().__init__(config)
         self.backend = resolve_backend(backend)
@@ -260,7 +263,7 @@ class LlamaForCausalLM(PreTrainedModel, GenerationMixin):
         self.loss_fn = CausalLMLoss(z_loss_coeff, fused_loss, tp)  # see llmjp_ds.model.loss
         self.activation_checkpointing = options.recompute_layers
         self.checkpoint_fn = checkpoint_fn or layers_module(self.backend).checkpoint
-        self.model = LlamaModel(config, self.backend, params_dtype, tp, options)
+        self.model = LlamaModel(config, self.backend, params_dtype, tp, options, ep)
         head = FinalNormHead(config, self.backend, params_dtype, fp8_head=fp8_lm_head, tp=tp)
         self.model.norm, self.lm_head = head.norm, head.lm_head  # HF's names for the same two modules
         self.post_init()

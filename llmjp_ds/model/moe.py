@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmjp_ds.model.expert_parallel import mark_experts
 
 
 # --- the router, pure functions -----------------------------------------------------------------------------
@@ -136,13 +137,15 @@ class MoEBlock(nn.Module):
         self.aux_loss_type, self.capacity_factor = options.moe_aux_loss, options.moe_capacity_factor
         self.drop_policy, self.ep, self._L = options.moe_drop_policy, ep, L
         self.coeffs = (options.moe_aux_loss_coeff, options.moe_z_loss_coeff)
-        local = self.num_experts if ep is None else self.num_experts // ep.size
+        local = self.num_experts if ep is None else ep.local(self.num_experts)
         std, ffn = config.initializer_range, config.moe_intermediate_size
         self.norm = L.RMSNorm(h, eps=config.rms_norm_eps, params_dtype=params_dtype)
         self.router = Router(self.num_experts, h, std, params_dtype, device)
         self.experts = L.GroupedMLP(local, h, ffn, init_std=std,
                                     output_std=std / math.sqrt(2.0 * config.num_hidden_layers),
                                     params_dtype=params_dtype)
+        if ep is not None:
+            mark_experts(self.experts, ep)
         self.routed: Routed | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

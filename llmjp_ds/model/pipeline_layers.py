@@ -27,8 +27,8 @@ class EmbeddingPipe(Embedding):
 
 
 class DecoderLayerPipe(DecoderLayer):
-    def __init__(self, config, layer_idx, backend, params_dtype=None, tp=None, options=ModelOptions()):
-        super().__init__(config, layer_idx, backend, params_dtype, tp, options)
+    def __init__(self, config, layer_idx, backend, params_dtype=None, tp=None, options=ModelOptions(), ep=None):
+        super().__init__(config, layer_idx, backend, params_dtype, tp, options, ep)
         self.head_dim, self.theta = head_dim_of(config), rope_theta(config)
 
     def forward(self, hidden):
@@ -95,10 +95,10 @@ class StageLayer:
 
 
 def pipeline_layers(config, backend: str, params_dtype=None, fp8_head: bool = False, tp=None,
-                    options: ModelOptions = ModelOptions()) -> list[StageLayer]:
+                    options: ModelOptions = ModelOptions(), ep=None) -> list[StageLayer]:
     """The pipeline's layers in order; ``tp``: the tensor-parallel group every layer is split over (None: whole
-    layers)."""
+    layers); ``ep``: the expert-parallel group an MoE layer's experts are split over (None: every expert)."""
     return ([StageLayer(EmbeddingPipe, (config, backend, params_dtype, tp))]
-            + [StageLayer(DecoderLayerPipe, (config, i, backend, params_dtype, tp, options))
+            + [StageLayer(DecoderLayerPipe, (config, i, backend, params_dtype, tp, options, ep))
                for i in range(config.num_hidden_layers)]
             + [StageLayer(FinalNormHeadPipe, (config, backend, params_dtype), {"fp8_head": fp8_head, "tp": tp})])

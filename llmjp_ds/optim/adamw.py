@@ -9,13 +9,14 @@ import torch
 
 def parameter_groups(model, weight_decay: float) -> list[dict]:
     """Weight decay on matrices (and embeddings), not on norm weights (1-D). ``wd_mult`` scales the scheduled
-    weight decay per group (:func:`set_lr`), as megatron-core's param groups carry it."""
+    weight decay per group (:func:`set_lr`), as megatron-core's param groups carry it. Each group has a ``name``,
+    which DeepSpeed's split of an MoE model's groups needs (``build_optimizer``'s ``split_groups``)."""
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.dim() >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay, "wd_mult": 1.0},
-              {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay, "wd_mult": 1.0, "name": "decay"},
+              {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0, "name": "no_decay"}]
     return [g for g in groups if g["params"]]
 
 
@@ -37,11 +38,17 @@ class SkipNonFiniteAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
-def build_optimizer(model, optim_cfg, skip_nonfinite: bool = False):
-    """AdamW with the LLM-jp groups; ``skip_nonfinite`` where no DeepSpeed wrapper checks gradients (see above)."""
+def build_optimizer(model, optim_cfg, skip_nonfinite: bool = False, split_groups=None):
+    """AdamW with the LLM-jp groups; ``skip_nonfinite`` where no DeepSpeed wrapper checks gradients (see above).
+    ``split_groups(groups)``: the groups as the optimizer gets them (an MoE model's expert parameters moved into
+    groups of their own, DeepSpeed's ``split_params_into_different_moe_groups_for_optimizer``); empty ones are
+    dropped."""
     on_cuda = next(model.parameters()).is_cuda
     cls = SkipNonFiniteAdamW if skip_nonfinite else torch.optim.AdamW
-    return cls(parameter_groups(model, optim_cfg.weight_decay), lr=optim_cfg.lr,
+    groups = parameter_groups(model, optim_cfg.weight_decay)
+    if split_groups is not None:
+        groups = [g for g in split_groups(groups) if g["params"]]
+    return cls(groups, lr=optim_cfg.lr,
                betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps,
                **({"fused": True} if on_cuda else {"foreach": True}))
 

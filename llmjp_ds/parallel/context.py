@@ -4,7 +4,8 @@ A :class:`ParallelContext` is made once per process, after the config is validat
 it knows the world (rank, device, :class:`~llmjp_ds.parallel.layout.Layout`) and, under tensor parallelism,
 DeepSpeed's pipe x data x model topology with its groups: this rank's :class:`TensorParallel` slice (the
 model axis is innermost, so a slice's ranks are adjacent, on one node), its data-parallel group, and its
-pipeline stage's TP x DP group (FP8's amax reduction group). :meth:`ParallelContext.bind` then takes the
+pipeline stage's TP x DP group (FP8's amax reduction group), and under expert parallelism DeepSpeed's expert groups
+with this rank's :class:`ExpertParallel` group. :meth:`ParallelContext.bind` then takes the
 data-parallel group from the engine's pipeline grid (DeepSpeed builds the same topology inside
 ``PipelineModule``). No process group lives in a module global.
 """
@@ -26,7 +27,9 @@ from llmjp_ds.errors import fail
 from llmjp_ds.io_utils import write_bytes_atomic
 from llmjp_ds.launch import launcher, rendezvous, scheduler
 from llmjp_ds.launch.failure import PeerFailure, is_peer_failure
+from llmjp_ds.model.expert_parallel import ExpertParallel
 from llmjp_ds.model.tensor_parallel import TensorParallel
+from llmjp_ds.parallel.deepspeed_internals import expert_parallel_group
 from llmjp_ds.parallel.layout import Layout
 
 SHARED_TOKEN = ".llmjp_ds_shared"
@@ -134,6 +137,7 @@ class ParallelContext:
     dp_size: int = 1
     dp_group: object | None = None  # None: the world (no pipeline, no TP)
     tp: TensorParallel | None = None  # this rank's tensor-parallel slice (None: no tensor parallelism)
+    ep: ExpertParallel | None = None  # this rank's expert-parallel group (None: every expert on every rank)
     mpu: object | None = None  # DeepSpeed's grid of the layout, handed to a ZeRO engine under TP
     stage_group: object | None = None  # this pipeline stage's ranks (TP x DP) under TP
     launchers: list = field(default_factory=list)  # the processes that launched this rank (launch.launcher)
@@ -151,6 +155,8 @@ class ParallelContext:
                   dp_size=dist.get_world_size(), launchers=launchers, heartbeat=heartbeat)
         if layout.tensor > 1:
             ctx._tensor_groups(sequence_parallel)
+        if layout.expert > 1:
+            ctx.ep = expert_parallel_group(layout.expert)
         return ctx
 
     def _tensor_groups(self, sequence_parallel: bool) -> None:

@@ -57,6 +57,17 @@ with ``_layer_specs``, ``_topo``, ``global_rank``, ``num_stages``, ``parts`` and
 **The engine's progress counters** (:func:`set_progress`), read from DeepSpeed 0.19.8's ``runtime/engine.py``:
 ``global_steps`` and ``global_samples``, which a resume through ``load_checkpoint`` restores and a resume on
 another layout must set itself.
+
+**Expert parallelism through DeepSpeed's MoE support** (:func:`expert_parallel_group`,
+:func:`expert_parallel_module`, :func:`from_expert_file_key`), read from DeepSpeed 0.19.8's ``utils/groups.py``
+(``_create_expert_and_data_parallel``, ``_get_expert_parallel_group``, ``_get_expert_parallel_rank``: the groups
+live in that module's dictionaries, keyed ``ep_size_<n>``) and ``runtime/engine.py``: the engine treats a model as
+MoE (expert groups in its optimizer, expert gradients reduced over the expert-data-parallel group, the MoE
+checkpoint layout) only when an instance of ``deepspeed.moe.layer.MoE`` is in its module tree
+(``_configure_distributed_model``), and reads ``num_experts``, ``num_local_experts`` and ``expert_group_name`` from
+it; ``_save_moe_checkpoint`` writes every state entry of that module whose key contains ``expert`` into one file per
+global expert, which each key must name as ``.deepspeed_moe.experts.deepspeed_experts.<local index>.`` (else
+``int(None)``), and ``load_moe_state_dict`` reads this rank's experts back under the local indices.
 """
 
 from __future__ import annotations
@@ -68,6 +79,8 @@ from pathlib import Path
 import torch
 
 from llmjp_ds.model.attach import accumulate_in_main_grad
+from llmjp_ds.model.expert_parallel import ExpertParallel
+from llmjp_ds.model.hf_adapter import ep_global_name, is_expert_weight
 from llmjp_ds.model.kernels import adamw
 
 BF16_OPTIMIZER_INTERNALS = ("_update_hp_grad", "fp32_groups_gradients", "fp32_groups_has_gradients", "bf16_groups",
@@ -319,22 +332,27 @@ def zero_checkpoint_step(tag_dir, load) -> torch.Tensor:
     return _optim_state(path, load)["base_optimizer_state"]["state"][0]["step"]
 
 
-def zero_checkpoint_params(tag_dir, stages: int, data: int, tensor: int, load):
+def zero_checkpoint_params(tag_dir, stages: int, data: int, tensor: int, load, expert: int = 1, experts: int = 0):
     """Yield ``(name, [{"fp32", "exp_avg", "exp_avg_sq"} tensors of each TP rank])`` of every parameter of a
     ZeRO-1 checkpoint written by ``stages`` x ``data`` x ``tensor`` ranks (names as the writing engine's module
-    called them), its files read with ``load(path)``. DeepSpeed names a rank's files by its model-parallel
-    rank, ``stage * tensor + tp_rank``."""
+    called them; an MoE model's ``experts`` split over groups of ``expert`` ranks: each expert under its global
+    index), its files read with ``load(path)``. DeepSpeed names a rank's files by its model-parallel rank,
+    ``stage * tensor + tp_rank``."""
     tag_dir = Path(tag_dir)
     for pp in range(stages):
-        per_tp = [_rank_params(tag_dir, pp * tensor + t, data, load) for t in range(tensor)]
+        per_tp = [_rank_params(tag_dir, pp * tensor + t, data, load, expert, experts) for t in range(tensor)]
         for name in per_tp[0]:
             yield name, [ranks[name] for ranks in per_tp]
 
 
-def _rank_params(tag_dir: Path, mp: int, data: int, load) -> dict[str, dict[str, torch.Tensor]]:
-    """One model-parallel rank's parameters, their slices gathered from the ``data`` ZeRO-1 partitions."""
+def _rank_params(tag_dir: Path, mp: int, data: int, load, expert: int = 1,
+                 experts: int = 0) -> dict[str, dict[str, torch.Tensor]]:
+    """One model-parallel rank's parameters, their slices gathered from the ``data`` ZeRO-1 partitions. Under
+    expert parallelism (``expert`` > 1) an expert's group is partitioned over the ranks that hold it: data-parallel
+    rank ``dp`` holds experts of expert-parallel rank ``dp % expert`` (DeepSpeed's expert groups are consecutive
+    ranks), the ``dp // expert``-th partition of them."""
     shapes = load(tag_dir / model_states_file(mp))["param_shapes"]
-    parts: dict[str, dict[str, list]] = {}
+    parts: dict[tuple, dict[str, list]] = {}
     for dp in range(data):
         osd = _optim_state(next(tag_dir.glob(f"*zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt")), load)
         for g, mapping in enumerate(osd["param_slice_mappings"]):
@@ -342,11 +360,14 @@ def _rank_params(tag_dir: Path, mp: int, data: int, load) -> dict[str, dict[str,
             flat = {"fp32": osd["single_partition_of_fp32_groups"][g], "exp_avg": adam["exp_avg"],
                     "exp_avg_sq": adam["exp_avg_sq"]}
             for name, where in mapping.items():
-                slot = parts.setdefault(name, {k: [] for k in flat})
+                slot = parts.setdefault((dp % expert if is_expert_weight(name) else 0, name), {k: [] for k in flat})
                 for key, tensor in flat.items():
                     slot[key].append(tensor.narrow(0, where.start, where.numel))
-    return {name: {k: torch.cat(v).reshape(shape).clone() for k, v in parts.pop(name).items()}
-            for group in shapes for name, shape in group.items()}
+    local = experts // expert
+    return {ep_global_name(name, r, local) if expert > 1 else name:
+            {k: torch.cat(v).reshape(shape).clone() for k, v in parts.pop((r, name)).items()}
+            for group in shapes for name, shape in group.items()
+            for r in (range(expert) if is_expert_weight(name) else (0,))}
 
 
 def seed_optimizer_state(optimizer, step: torch.Tensor) -> None:
@@ -362,3 +383,85 @@ def seed_optimizer_state(optimizer, step: torch.Tensor) -> None:
                                            "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
     optimizer._hp_optimizer_states_linked = False
     optimizer._lazy_init_hp_params_optimizer_state()
+
+
+# --- expert parallelism: DeepSpeed's expert groups and its MoE engine ------------------------------------------
+
+def expert_parallel_group(size: int) -> ExpertParallel:
+    """DeepSpeed's expert-parallel groups of ``size`` consecutive ranks and their expert-data-parallel groups (the
+    ranks that hold the same experts: every ``size``-th rank), made by every rank before the model is built; this
+    rank's expert-parallel group."""
+    from deepspeed.utils import groups  # DeepSpeed 0.19.8: utils/groups.py
+
+    name = f"ep_size_{size}"
+    groups._create_expert_and_data_parallel(size, mp_size=1, pp_size=1)
+    return ExpertParallel(groups._get_expert_parallel_group(name), size, groups._get_expert_parallel_rank(name), name)
+
+
+# DeepSpeed 0.19.8 runtime/engine.py: an expert's entry in the MoE checkpoint's files; the engine saves it with the
+# expert's global index (layer_0_expert_<global>_mp_rank_00_model_states.pt) and loads it under the local one
+_DS_EXPERT = "deepspeed_moe.experts.deepspeed_experts"
+EXPERT_STATES_GLOB = "layer_*_expert_*_mp_rank_*_model_states.pt"
+_OUR_EXPERT_KEY = re.compile(r"^(.*\.experts)\.(linear_fc[12])\.(?:weight(\d+)|(_extra_state))$")
+_DS_EXPERT_KEY = re.compile(
+    rf"^\.?(.*\.experts)\.{re.escape(_DS_EXPERT)}\.(\d+)\.(linear_fc[12])\.(weight|_extra_state)$")
+
+
+def _to_expert_file_key(key: str) -> str:
+    """Our key of an expert weight as DeepSpeed's MoE checkpoint names it; a grouped GEMM's one ``_extra_state``
+    (its FP8 state) goes with its first expert. Other keys unchanged."""
+    match = _OUR_EXPERT_KEY.match(key)
+    if match is None:
+        return key
+    experts, gemm, index, extra = match.groups()
+    return f"{experts}.{_DS_EXPERT}.{index or 0}.{gemm}.{extra or 'weight'}"
+
+
+def from_expert_file_key(key: str) -> str:
+    """Our key of an entry of DeepSpeed's MoE checkpoint (its expert index ours: the global one in its files);
+    other keys unchanged."""
+    match = _DS_EXPERT_KEY.match(key)
+    if match is None:
+        return key
+    experts, index, gemm, what = match.groups()
+    return f"{experts}.{gemm}.{what}{index}" if what == "weight" else f"{experts}.{gemm}.{what}"
+
+
+def expert_parallel_module(model: torch.nn.Module, ep: ExpertParallel, num_experts: int) -> torch.nn.Module:
+    """``model`` as DeepSpeed's engine takes an MoE model with expert parallelism: a module of
+    ``deepspeed.moe.layer.MoE``'s class (the engine's only sign of one) holding ``model``'s own children under their
+    own names, so every parameter keeps its name, and running ``model``'s forward. Its state dict names the experts'
+    weights as DeepSpeed's MoE checkpoint needs them (:func:`from_expert_file_key` reads them back); ``model``'s own
+    state dict keeps ours."""
+    from deepspeed.moe.layer import MoE
+
+    def to_files(module, state, prefix, local_metadata):
+        for key in [k for k in state if _OUR_EXPERT_KEY.match(k)]:
+            state[_to_expert_file_key(key)] = state.pop(key)
+
+    def from_files(module, state, prefix, local_metadata, strict, missing, unexpected, errors):
+        for key in [k for k in state if _DS_EXPERT_KEY.match(k)]:
+            state[from_expert_file_key(key)] = state.pop(key)
+
+    class ExpertParallelModel(MoE):
+        def __init__(self):
+            torch.nn.Module.__init__(self)  # not MoE's: its gate, experts and dispatch are the model's own
+            for name, child in model.named_children():
+                self.add_module(name, child)
+            self.wrapped = (model,)  # not a child: its children are this module's
+            self.num_experts, self.num_local_experts = num_experts, ep.local(num_experts)
+            self.expert_group_name, self.ep_size = ep.group_name, ep.size
+            self.register_state_dict_post_hook(to_files)
+            self.register_load_state_dict_pre_hook(from_files)
+
+        def set_deepspeed_parallelism(self, use_data_before_expert_parallel_=False):
+            pass  # the engine asks each MoE module to make its groups: expert_parallel_group made them
+
+        def forward(self, *args, **kwargs):
+            return self.wrapped[0](*args, **kwargs)
+
+        def train(self, mode: bool = True):
+            self.wrapped[0].train(mode)
+            return super().train(mode)
+
+    return ExpertParallelModel()

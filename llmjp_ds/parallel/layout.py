@@ -1,4 +1,5 @@
-"""How the ranks of a run factor into parallel axes: ``world = pipeline x data x tensor``. Pure arithmetic.
+"""How the ranks of a run factor into parallel axes: ``world = pipeline x data x tensor``, and an MoE model's
+experts split over groups of ``expert`` data-parallel ranks. Pure arithmetic.
 
 Every quantity that depends on the factorisation (data-parallel size, gradient accumulation) is computed here;
 the process groups of the axes are :mod:`llmjp_ds.parallel.context`'s.
@@ -19,11 +20,12 @@ class Layout:
     world: int
     pipeline: int = 1
     tensor: int = 1
+    expert: int = 1  # the expert-parallel size: a subgroup of the data-parallel ranks
 
     @classmethod
     def of(cls, cfg, world: int | None = None) -> "Layout":
         return cls(world=world or world_size_from_env(), pipeline=cfg.parallel.pipeline_stages,
-                   tensor=cfg.parallel.tensor_parallel)
+                   tensor=cfg.parallel.tensor_parallel, expert=cfg.parallel.expert_parallel)
 
     @property
     def data(self) -> int:
@@ -37,9 +39,11 @@ class Layout:
 
     @property
     def name(self) -> str:
-        """``TP4 x PP16 x DP8`` (``PP2 x DP1`` without tensor parallelism)."""
+        """``TP4 x PP16 x DP8`` (``PP2 x DP1`` without tensor parallelism; ``PP1 x DP4 (EP2)`` with the experts
+        split over pairs of data-parallel ranks)."""
         tensor = f"TP{self.tensor} x " if self.tensor > 1 else ""
-        return f"{tensor}PP{self.pipeline} x DP{self.data}"
+        expert = f" (EP{self.expert})" if self.expert > 1 else ""
+        return f"{tensor}PP{self.pipeline} x DP{self.data}{expert}"
 
     def describe(self, zero_stage: int) -> str:
         return f"{self.name}, ZeRO-{zero_stage}"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from llmjp_ds.config import model_options_of, seq_len_of
-from llmjp_ds.model.hf_adapter import pipeline_name_to_ours, tp_shard
+from llmjp_ds.model.hf_adapter import ep_local_name, pipeline_name_to_ours, tp_shard
 from llmjp_ds.model.options import ModelOptions
 from llmjp_ds.parallel.context import topology
 from llmjp_ds.parallel.deepspeed_internals import partition_balanced, pipeline_module_class
@@ -26,6 +26,18 @@ def layer_seed(seed: int, layer_index: int) -> int:
 def shard_of(name: str, tensor: torch.Tensor, tp) -> torch.Tensor:
     """This rank's TP shard of the whole ``tensor`` of our ``name`` (all of it without tensor parallelism)."""
     return tensor if tp is None else tp_shard(name, tensor, tp.rank, tp.size)
+
+
+def local_weights(names: dict[str, str], whole: dict, tp=None, ep=None, num_experts: int = 0) -> dict:
+    """This rank's part of a layer's ``whole`` weights, under our names (``names``: the layer's name of each ->
+    ours): the TP shard of each and, under expert parallelism (``ep``), only the experts this rank holds, under
+    their local indices (``hf_adapter.ep_local_name``)."""
+    out = {}
+    for name, ours in names.items():
+        local = ours if ep is None else ep_local_name(ours, ep.rank, ep.local(num_experts))
+        if local is not None:
+            out[local] = shard_of(ours, whole[name], tp)
+    return out
 
 
 def our_names(index: int, num_layers: int, layer_state: dict) -> dict[str, str]:

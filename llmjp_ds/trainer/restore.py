@@ -13,10 +13,12 @@ from llmjp_ds.parallel.reshape import CONVERTED, convert, load_converted
 
 class Resume:
     """Loads the checkpoints of ``run_dir`` into the ``engine`` and the ``precision`` schedule; each load returns
-    the checkpoint's client state (``checkpoint.client_state``), whose parts the trainer hands to their owners."""
+    the checkpoint's client state (``checkpoint.client_state``), whose parts the trainer hands to their owners.
+    ``num_experts``: an MoE model's (its experts move between ranks when the expert-parallel size changes)."""
 
-    def __init__(self, run_dir, layout, num_layers: int, ctx, engine, precision, watchdog):
+    def __init__(self, run_dir, layout, num_layers: int, ctx, engine, precision, watchdog, num_experts: int = 0):
         self.run_dir, self.layout, self.num_layers, self.ctx, self.engine = run_dir, layout, num_layers, ctx, engine
+        self.num_experts = num_experts
         self.precision, self.watchdog = precision, watchdog
         self.tag: str | None = None  # the checkpoint the run resumed from
         self.damaged: list[tuple[str, str]] = []  # (tag, why) of each newer checkpoint set aside
@@ -60,11 +62,11 @@ class Resume:
 
         if self.ctx.rank == 0:
             convert(checkpoint.checkpoint_dir(self.run_dir) / tag, n, extra_states, saved,
-                    checkpoint.load_checkpoint_file)
+                    checkpoint.load_checkpoint_file, self.num_experts)
         self.ctx.barrier()
         with checkpoint.trusted_te_extra_state():  # TE unpickles FP8 state that the safe reader vetted
             load_converted(self.engine, checkpoint.checkpoint_dir(self.run_dir) / tag / CONVERTED, n,
-                           checkpoint.load_checkpoint_file, self.ctx.tp)
+                           checkpoint.load_checkpoint_file, self.ctx.tp, self.ctx.ep, self.num_experts)
         self.precision.weights_changed()
         client = checkpoint.read_client_state(self.run_dir, tag)
         progress = client["train_state"]

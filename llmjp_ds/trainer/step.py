@@ -42,8 +42,9 @@ class StepEngine:
         pipeline_loss = None
         if model is None:
             checkpoint_fn = precision.checkpoint_function(layers_module(self.backend).checkpoint)
-            model, pipeline_loss = build_model(cfg, self.model_config, self.backend, checkpoint_fn, ctx.tp, layout)
-        self.engine = initialize(cfg, model, layout, ctx.mpu)
+            model, pipeline_loss = build_model(cfg, self.model_config, self.backend, checkpoint_fn, ctx.tp, layout,
+                                               ctx.ep)
+        self.engine = initialize(cfg, model, layout, ctx.mpu, ctx.ep)
         ctx.bind(self.engine)
         layers = [m for m in self.engine.module.modules() if isinstance(m, DecoderLayer)]
         precision.attach(self.engine.module, layers, self.model_config.num_hidden_layers, ctx.amax_reduction_group,

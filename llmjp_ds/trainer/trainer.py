@@ -174,7 +174,8 @@ class Trainer:
         cfg = self.cfg
         self.steps = StepEngine(cfg, self.layout, self.ctx, precision)
         self.resume = Resume(self.run_dir, self.layout, self.model_config.num_hidden_layers, self.ctx,
-                             self.steps.engine, precision, self.steps.watchdog)
+                             self.steps.engine, precision, self.steps.watchdog,
+                             getattr(self.model_config, "num_experts", 0))
         client = ClientState.from_dict(self.resume.latest())
         self.state = TrainState(**client.train_state)
         self.data.train_at(self.state.step)  # a corpus too small for the run is refused here

@@ -19,6 +19,9 @@ def F(name: str, *sets: str, preset: str | None = None):
     return argv
 
 
+# expert parallelism's refusals: an MoE shape, batches every world size below divides
+EP = ("model.shape=tiny-moe", "train.micro_batch_size=1", "train.global_batch_size=12")
+
 CASES: list[Case] = [
     # --- numbers: each field's declared range, and no NaN / infinity -------------------------------------
     Case("optim-beta-out-of-range", T("optim.beta1=1.5"),
@@ -106,6 +109,32 @@ CASES: list[Case] = [
          ("config key 'precision.phases[0].candidates[1]' must be str",)),
     Case("set-mapping-key-not-a-string", T("model.overrides={1: 2}"),
          ("config key 1 in model.overrides is not a name (it is int)",)),
+    # --- expert parallelism (docs/moe.md) ----------------------------------------------------------------
+    Case("ep-dense-model", T("parallel.expert_parallel=2", *EP[1:]),
+         ("parallel.expert_parallel=2 splits an MoE model's experts, but model.shape tiny is dense (no experts)",
+          "set parallel.expert_parallel=1, or train an MoE shape"), env={"WORLD_SIZE": "2"}),
+    Case("ep-experts-not-divisible", T("parallel.expert_parallel=3", *EP),
+         ("the model's 8 experts are not divisible by parallel.expert_parallel=3",
+          "choose an expert_parallel that divides 8 (2, 4, 8)"), env={"WORLD_SIZE": "3"}),
+    Case("ep-data-parallel-not-divisible", T("parallel.expert_parallel=4", *EP),
+         ("parallel.expert_parallel=4 does not divide the data-parallel size 2",), env={"WORLD_SIZE": "2"}),
+    Case("ep-zero0", T("parallel.expert_parallel=2", "parallel.zero_stage=0", *EP),
+         ("parallel.expert_parallel=2 needs ZeRO-1 or ZeRO-2, not ZeRO-0", "use parallel.zero_stage=1 or 2"),
+         env={"WORLD_SIZE": "2"}),
+    Case("ep-zero3", T("parallel.expert_parallel=2", "parallel.zero_stage=3", *EP),
+         ("parallel.expert_parallel=2 needs ZeRO-1 or ZeRO-2, not ZeRO-3: DeepSpeed refuses its MoE with ZeRO-3",),
+         env={"WORLD_SIZE": "2"}),
+    Case("ep-zero2-without-contiguous-gradients",
+         T("parallel.expert_parallel=2", "parallel.zero_stage=2", "parallel.ds_config={tmp}/config/zero2_split.json",
+           *EP),
+         ("DeepSpeed's ZeRO-2 reduces the expert gradients of an MoE model only with contiguous_gradients and "
+          "reduce_scatter",), env={"WORLD_SIZE": "2"}),
+    Case("ep-with-tensor-parallel", T("parallel.expert_parallel=2", "parallel.tensor_parallel=2", *EP),
+         ("parallel.expert_parallel=2 with tensor_parallel=2 is not supported",
+          "use parallel.tensor_parallel=1 with expert parallelism"), env={"WORLD_SIZE": "4"}),
+    Case("ep-with-pipeline", T("parallel.expert_parallel=2", "parallel.pipeline_stages=2", *EP),
+         ("parallel.expert_parallel=2 with pipeline_stages=2 is not supported",
+          "use parallel.pipeline_stages=1 with expert parallelism"), env={"WORLD_SIZE": "4"}),
 ]
 
 
@@ -126,4 +155,5 @@ def prepare(ctx) -> None:
     (d / "bad_preset.yaml").write_text("preset: llmjp3-7b\n")
     (d / "list_preset.yaml").write_text("preset: [demo]\n")
     (d / "demo_preset.yaml").write_text(json.dumps({"preset": "demo"}))
+    (d / "zero2_split.json").write_text(json.dumps({"zero_optimization": {"stage": 2, "contiguous_gradients": False}}))
     (d / "a_file").write_text("not a directory")

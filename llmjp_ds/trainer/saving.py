@@ -8,7 +8,8 @@ import sys
 import time
 
 from llmjp_ds import checkpoint
-from llmjp_ds.checkpoint.async_save import arena_bytes, check_host_memory, interval_advice, smallest_interval
+from llmjp_ds.checkpoint.async_save import (arena_bytes, check_host_memory, interval_advice, seconds,
+                                            smallest_interval)
 from llmjp_ds.config import kept_step
 from llmjp_ds.validate import gpus_per_node_from_env
 
@@ -61,21 +62,22 @@ class Checkpointer:
         return tag
 
     def _advise_interval(self, step: int, now: float, gib: float, waited: float) -> None:
-        """The first save that waits for the previous write says why, once, with the numbers (the write's
-        GB/s, the interval in seconds, the smallest interval that would not wait); metrics get the event."""
+        """The first save that waits for the previous write says why, once, with what was measured (the write's
+        size, GB/s and time, how long the previous save kept the saver busy from its start, the interval in steps and
+        seconds) and the smallest interval that would not have waited; metrics get the event."""
         if self._interval_told:
             return
         self._interval_told = True
         started, saved_step = self._last_save
         steps = max(1, step - saved_step)
         step_s = (now - started) / steps
-        write_s = self.saver.write_s
-        self.logger.event(step, "checkpoint_waited", waited_s=waited, write_s=write_s,
+        write_s, busy_s = self.saver.write_s, now - started + waited  # the save's start to its write's end
+        self.logger.event(step, "checkpoint_waited", waited_s=waited, write_s=write_s, busy_s=busy_s,
                           snapshot_gib=gib, interval_steps=steps, step_s=step_s,
-                          smallest_interval=smallest_interval(write_s, step_s))
+                          smallest_interval=smallest_interval(busy_s, step_s))
         if self.ctx.rank == 0:
-            print(f"warning: the checkpoint at step {step} waited {waited:.1f} s for the previous one: "
-                  f"{interval_advice(gib, write_s, steps, step_s)}", file=sys.stderr, flush=True)
+            print(f"warning: the checkpoint at step {step} waited {seconds(waited)} s for the previous one: "
+                  f"{interval_advice(gib, write_s, steps, step_s, busy_s)}", file=sys.stderr, flush=True)
 
     def commit(self, step: int, block: bool) -> None:
         """Commit a background save once every rank's writer is done (``block``: wait for it); ``step``: the

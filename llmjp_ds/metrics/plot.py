@@ -22,7 +22,7 @@ from pathlib import Path
 
 from llmjp_ds.metrics.curves import gap, read_curve, run_curve
 from llmjp_ds.errors import fail
-from llmjp_ds.metrics.logger import METRICS_FILE, parse_records
+from llmjp_ds.metrics.record import METRICS_FILE, current_steps, parse_records
 
 __all__ = ["plot_run", "cli_main"]
 
@@ -59,16 +59,9 @@ def read_records(path: Path) -> tuple[list[dict], int]:
 
 
 def _by_step(records: list[dict]) -> tuple[dict[int, dict], list[dict]]:
-    """Step records merged per step (a later record wins: a step replayed after a resume without truncation,
-    or a validation loss logged separately), and the events in file order."""
-    steps: dict[int, dict] = {}
-    events = []
-    for record in records:
-        if "event" in record:
-            events.append(record)
-        else:
-            steps.setdefault(record["step"], {}).update(record)
-    return dict(sorted(steps.items())), events
+    """Each step's current record (a step that a resume or a rollback went back over: its last attempt's), and
+    every event in file order."""
+    return current_steps(records), [r for r in records if "event" in r]
 
 
 def _series(steps: dict[int, dict], key: str) -> tuple[list[int], list[float]]:

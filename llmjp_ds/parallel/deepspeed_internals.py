@@ -57,11 +57,17 @@ with ``_layer_specs``, ``_topo``, ``global_rank``, ``num_stages``, ``parts`` and
 **The engine's progress counters** (:func:`set_progress`), read from DeepSpeed 0.19.8's ``runtime/engine.py``:
 ``global_steps`` and ``global_samples``, which a resume through ``load_checkpoint`` restores and a resume on
 another layout must set itself.
+
+**The overflow notice** (:func:`overflow_notices_held`), read from DeepSpeed 0.19.8's ``runtime/fp16/loss_scaler.py``
+(``LossScaler.update_scale`` and ``DynamicLossScaler.update_scale``) and ``utils/logging.py``: an optimizer step over
+non-finite gradients logs ``[deepspeed] OVERFLOW! ... Skipping step`` through ``deepspeed.utils.logger`` (rank 0's
+``log_dist``). A step the health gate skips makes its gradients NaN on purpose; its notice is held and dropped.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 from pathlib import Path
 
@@ -362,3 +368,40 @@ def seed_optimizer_state(optimizer, step: torch.Tensor) -> None:
                                            "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
     optimizer._hp_optimizer_states_linked = False
     optimizer._lazy_init_hp_params_optimizer_state()
+
+
+OVERFLOW_NOTICE = "[deepspeed] OVERFLOW!"
+
+
+class _HeldNotices(logging.Filter):
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if OVERFLOW_NOTICE in record.getMessage():
+            self.records.append(record)
+            return False
+        return True
+
+
+@contextlib.contextmanager
+def overflow_notices_held():
+    """DeepSpeed's overflow notices logged inside are held back, in the list this yields: :func:`release_notices`
+    prints them once the step is known to have overflowed (a skip the gate asked for is no overflow)."""
+    from deepspeed.utils import logger
+
+    held = _HeldNotices()
+    logger.addFilter(held)
+    try:
+        yield held.records
+    finally:
+        logger.removeFilter(held)
+
+
+def release_notices(records) -> None:
+    """Print the notices :func:`overflow_notices_held` held, as DeepSpeed would have."""
+    from deepspeed.utils import logger
+
+    for record in records:
+        logger.handle(record)

@@ -32,6 +32,7 @@ from llmjp_ds.model.flops import flops_per_token_for
 from llmjp_ds.parallel.context import ParallelContext
 from llmjp_ds.parallel.layout import Layout
 from llmjp_ds.precision.controller import PrecisionController
+from llmjp_ds.trainer import ending
 from llmjp_ds.trainer.heldout_loss import Evaluator
 from llmjp_ds.trainer.restore import Resume
 from llmjp_ds.trainer.saving import Checkpointer
@@ -80,6 +81,11 @@ class TrainState:
         """The number of the step to run next (steps are numbered from 1, as the records show them)."""
         return self.step + 1
 
+    def skipped_ranges(self, configured) -> list:
+        """The step ranges ``[first, last]`` whose samples the run reads and does not train on: ``configured``
+        (train.skip_steps) and its rollbacks'."""
+        return [list(r) for r in [*configured, *self.skip_steps]]
+
     def schedule_position(self) -> tuple[int, int]:
         """(steps, samples) the LR schedule has advanced over: the updates made."""
         return self.step - self.skipped_total, self.consumed_samples - self.skipped_samples
@@ -92,8 +98,7 @@ def open_logger(cfg: RunConfig, client: ClientState, resumed_tag: str | None, st
     starts_branch = origin is not None and resumed_tag == origin["tag"]
     logger = MetricsLogger(cfg.run_dir, wandb_mode=cfg.logging.wandb, project=cfg.logging.project,
                            run_name=cfg.logging.run_name, run_id=None if starts_branch else client.wandb_run_id,
-                           config={**cfg.to_dict(), **({"branch": origin} if origin else {})},
-                           resume_step=step if resumed_tag else None, rank=rank)
+                           config={**cfg.to_dict(), **({"branch": origin} if origin else {})}, step=step, rank=rank)
     if starts_branch:
         logger.event(step, "branch", **{f"from_{k}": v for k, v in origin.items()})
     return logger
@@ -154,7 +159,8 @@ class Trainer:
             self.controller.load_state_dict(client.to_dict())
             self.health = HealthMonitor(cfg.health)
             self.health.load_state_dict(client.health)
-            self.resume.report(self.logger, self.state.step, self._gas(self.state.step))
+            self.resume.report(self.logger, self.state.step, self.batches.batch(
+                self.state.step, self.state.consumed_samples) // (cfg.train.micro_batch_size * layout.data))
             self.evaluator = Evaluator(self.data.valid_at, self.micro_batches, cfg, self.steps.runner,
                                        self.steps.watchdog)
             self.stop = StopRequest(cfg.checkpoint.grace_seconds, self.ctx.rank, self.ctx.launchers,
@@ -168,15 +174,6 @@ class Trainer:
             self.last_loss = float("nan")
 
     # --- reading a step's samples ---------------------------------------------------------------------------
-    def _gas(self, step: int) -> int:
-        return self.batches.batch(step, self.state.consumed_samples) // (self.cfg.train.micro_batch_size *
-                                                                         self.layout.data)
-
-    def skip_steps(self) -> list:
-        """The step ranges ``[first, last]`` whose samples the run reads and does not train on: train.skip_steps
-        and its rollbacks'."""
-        return [list(r) for r in self.cfg.train.skip_steps] + [list(r) for r in self.state.skip_steps]
-
     def micro_batches(self, dataset, first: int, batch: int):
         """This rank's micro-batches of a global batch of ``batch`` samples from sample ``first`` of ``dataset``."""
         gas = batch // (self.cfg.train.micro_batch_size * self.ctx.dp_size)
@@ -218,7 +215,7 @@ class Trainer:
         t0 = time.perf_counter()
         self.steps.watchdog.beat("data", step)
         batch = self.batches.batch(s.step, s.consumed_samples)
-        if skipped(step, self.skip_steps()):  # read, not trained on: the LR schedule does not advance
+        if skipped(step, s.skipped_ranges(self.cfg.train.skip_steps)):  # read, not trained on: no LR advance
             s.advance(batch, trained=False)
             return False
         sched_step, sched_samples = s.schedule_position()
@@ -247,7 +244,8 @@ class Trainer:
             s.skipped_in_a_row = 0
         s.advance(batch, trained=applied)
         self.last_loss = lm_loss
-        metrics = {"loss": lm_loss, "z_loss": z_loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": step_time,
+        metrics = {"loss": lm_loss, "z_loss": z_loss, "lr": lr, "step_time_s": step_time,
+                   **({"skipped": "loss spike"} if result.gated else {"grad_norm": grad_norm}),
                    "global_batch_size": batch, "peak_memory_gib": peak_memory_gib(),
                    "consumed_samples": s.consumed_samples, "skipped_steps": s.skipped_total,
                    **({"data_phase": self.data.phases.index(self.data.phase_at(step - 1))}
@@ -258,19 +256,21 @@ class Trainer:
 
     def _act(self, verdict: Verdict, gated: bool) -> bool:
         """The configured action on ``verdict``: an event always; a skipped update counted (the caller), the run
-        rolled back (True), or stopped with one line."""
-        self.logger.event(verdict.step, "health", **verdict.fields())
+        rolled back (True), or stopped with one line (a rollback over health.max_rollbacks too)."""
+        limited = verdict.action == "rollback" and not self.health.rollback_allowed(verdict.step)
+        self.logger.event(verdict.step, "health", **verdict.fields(), **({"limit": "health.max_rollbacks"}
+                                                                         if limited else {}))
         if verdict.kind == "nonfinite" and verdict.action == "skip":
             self._count_nonfinite(verdict.step)
         elif verdict.action == "skip" and gated:
             self.say(f"[llmjp-ds] {verdict.describe()}: its update skipped")
         elif verdict.action in ("warn", "skip"):
             self.say(f"[llmjp-ds] warning: {verdict.describe()}")
-        elif verdict.action == "stop":
+        elif verdict.action == "stop" or limited:
             self.checkpointer.commit(self.state.step, block=True)
-            fail(f"{verdict.describe()}; health.{verdict.kind}{'.action' if verdict.kind != 'nonfinite' else ''} "
-                 f"is stop: the run ends here, and {checkpoint.latest_tag(self.run_dir) or 'no checkpoint'} is its "
-                 "latest checkpoint; look at the data around it, or choose another action")
+            latest = checkpoint.latest_tag(self.run_dir)
+            ending.stop(self.logger, verdict.step, ending.rollback_limit_line(verdict, self.cfg.health) if limited
+                        else ending.verdict_line(verdict, latest), latest)
         else:
             self._health_rollback(verdict)
             return True
@@ -282,19 +282,13 @@ class Trainer:
         self.logger.event(step, "skipped_step", reason="non-finite loss or gradients", in_a_row=s.skipped_in_a_row)
         if s.skipped_in_a_row >= self.cfg.train.max_nonfinite_steps:
             s.advance(self.batches.batch(s.step, s.consumed_samples), trained=False)
-            self.save(wait=True)
-            fail(f"{s.skipped_in_a_row} consecutive steps had non-finite loss or gradients (last: step {step}); a "
-                 "checkpoint was saved. Lower optim.lr or check the data, then resume")
+            tag = self.save(wait=True)
+            ending.stop(self.logger, step, ending.nonfinite_line(s.skipped_in_a_row, step), tag)
 
     def _health_rollback(self, verdict: Verdict) -> None:
         """Back to the newest checkpoint health.rollback_before steps before ``verdict``'s step, the steps of
-        health.skip_before / skip_after around it skipped (recorded in the run's state); too many rollbacks end the
-        run with one line."""
+        health.skip_before / skip_after around it skipped (recorded in the run's state)."""
         h = self.cfg.health
-        if not self.health.rollback_allowed(verdict.step):
-            fail(f"{verdict.describe()}, one rollback more than health.max_rollbacks={h.max_rollbacks} within "
-                 f"health.rollback_window={h.rollback_window} steps: the run stops rather than loop; look at the "
-                 "data or lower optim.lr, then resume (or raise health.max_rollbacks)")
         skips_before = self.state.skip_steps
         good_step, good_tag, client = self.rollback(verdict.step - h.rollback_before, verdict.describe())
         resumed = ClientState.from_dict(client)
@@ -317,6 +311,7 @@ class Trainer:
         good_step, good_tag, client = self.resume.rollback(first_bad_step, why)
         self.state = TrainState(**ClientState.from_dict(client).train_state)
         self.state.rollbacks = rollbacks
+        self.logger.new_attempt(good_step, "rollback")  # the step records after good_step are superseded
         if self.ctx.rank == 0:
             checkpoint.discard_after(self.run_dir, good_step)
         self.ctx.barrier()
@@ -350,6 +345,6 @@ class Trainer:
         s = self.state
         client = ClientState(train_state=asdict(s), **self.controller.state_dict(), health=self.health.state_dict(),
                              wandb_run_id=self.logger.run_id, rng=torch.get_rng_state())
-        marker = {"consumed_samples": s.consumed_samples, "skip_steps": self.skip_steps(),
+        marker = {"consumed_samples": s.consumed_samples, "skip_steps": s.skipped_ranges(self.cfg.train.skip_steps),
                   "lr_schedule": self.schedule.state_dict(s.schedule_position()[1])}
         return self.checkpointer.save(s.step, client, s.rollbacks, marker, wait)

@@ -69,6 +69,16 @@ CASES: list[Case] = [
          ("run_dir . is the current directory", "give it a directory of its own")),
     Case("run-dir-holds-current-directory", T(*LATER, run=".."),
          ("run_dir .. holds the current directory", "give it a directory of its own")),
+    # --- health: settings under which no verdict can ever be reached ---------------------------------------
+    Case("health-window-below-min-history", T("health.window=10", "health.min_history=20"),
+         ("health.window=10 holds fewer values than health.min_history=20 asks for before any verdict: no loss or "
+          "grad-norm spike would ever be judged; set health.window to at least 20",)),
+    Case("health-action-after-the-run", T("health.loss.action=stop", "train.steps=20"),
+         ("health.loss.action=stop can never act: a spike is judged from step 21 (after health.min_history=20 steps "
+          "of history), and train.steps=20",)),
+    Case("health-valid-loss-without-validations", T("health.valid_loss.action=rollback", "train.eval_interval=0"),
+         ("health.valid_loss.action=rollback can never act: a validation jump is judged against 3 earlier "
+          "validations, and the run validates 0 times (train.eval_interval=0",)),
     # --- path fields ---------------------------------------------------------------------------------------
     Case("tokenizer-missing-without-blend", T("data.tokenizer={tmp}/config/no_tokenizer"),
          ("no_tokenizer does not exist: pass a SentencePiece .model or an HF tokenizer dir",)),

@@ -67,8 +67,10 @@ CASES: list[Case] = [
                                                            "own, e.g. runs/my-run")),
     Case("run-dir-current-directory", T(*LATER, run="."),
          ("run_dir . is the current directory", "give it a directory of its own")),
+    # from a directory of the catalogue's own: whatever holds the checkout (the home, /tmp) is not what `..` is
     Case("run-dir-holds-current-directory", T(*LATER, run=".."),
-         ("run_dir .. holds the current directory", "give it a directory of its own")),
+         ("run_dir .. holds the current directory (", "cwd/inner): a run writes checkpoints/",
+          "give it a directory of its own"), cwd="{tmp}/cwd/inner"),
     # --- health: settings under which no verdict can ever be reached ---------------------------------------
     Case("health-window-below-min-history", T("health.window=10", "health.min_history=20"),
          ("health.window=10 holds fewer values than health.min_history=20 asks for before any verdict: no loss or "
@@ -123,6 +125,7 @@ def prepare(ctx) -> None:
     """Write this topic's inputs under ``ctx.tmp``."""
     d = ctx.tmp / "config"
     d.mkdir()
+    (ctx.tmp / "cwd" / "inner").mkdir(parents=True)  # the working directory of run-dir-holds-current-directory
     (d / "nan_lr.yaml").write_text("optim:\n  lr: .nan\n")
     (d / "inf_lr.json").write_text('{"optim": {"lr": Infinity}}\n')
     (d / "dup_key.yaml").write_text("optim:\n  lr: 1.0e-4\n  beta1: 0.9\n  lr: 3.0e-4\n")

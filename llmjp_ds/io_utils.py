@@ -22,7 +22,7 @@ from llmjp_ds.errors import UserError, fail
 
 # a library's words for a write the OS refused: safetensors ("... (os error 28)"), torch's zip writer ("unexpected
 # pos 576 vs 534" once part of a record was not written)
-_OS_ERROR = re.compile(r"os error (\d+)")
+_OS_ERROR = re.compile(r"os error (\d+)|\[Errno (\d+)\]")  # shutil.Error lists its files' OSErrors as text
 _CUT_SHORT = ("unexpected pos", "PytorchStreamWriter failed writing")
 
 
@@ -47,7 +47,7 @@ def write_failure(exc: BaseException) -> str | None:
     if code is None:
         found = _OS_ERROR.search(str(exc))
         if found:
-            code = int(found.group(1))
+            code = int(found.group(1) or found.group(2))
         elif any(text in str(exc) for text in _CUT_SHORT):
             return "a write was cut short"
         elif not isinstance(exc, OSError):
@@ -115,10 +115,12 @@ def remove_quietly(path: str | Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_file(path: str | Path, mode: str = "wb") -> Iterator:
-    """Open a temp file beside ``path``; on success fsync and rename it over ``path``; on error remove it."""
+def atomic_file(path: str | Path, mode: str = "wb", make_parents: bool = True) -> Iterator:
+    """Open a temp file beside ``path``; on success fsync and rename it over ``path``; on error remove it.
+    ``make_parents=False``: the directory must exist (a write into a run's checkpoint never makes a tree of its own
+    where the run's directory has gone)."""
     path = Path(path)
-    parent = ensure_writable_dir(path.parent)
+    parent = ensure_writable_dir(path.parent) if make_parents else path.parent
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
     try:
         with os.fdopen(fd, mode) as f:

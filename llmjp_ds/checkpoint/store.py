@@ -277,10 +277,10 @@ def commit(run_dir, tag: str, step: int, meta: CheckpointMeta, written: dict, ke
         try:
             for name in tag_files(target, exclude=(MARKER, *files)):  # what DeepSpeed wrote another way
                 files[name] = digest(target / name)
-            with atomic_file(target / MARKER, "w") as f:
+            with atomic_file(target / MARKER, "w", make_parents=False) as f:
                 json.dump({**meta.to_dict(), "step": step, "tag": tag, "files": dict(sorted(files.items()))}, f,
                           indent=1)
-            with atomic_file(root / LATEST, "w") as f:
+            with atomic_file(root / LATEST, "w", make_parents=False) as f:
                 f.write(tag)
         except OSError as exc:
             report_failed_save(run_dir, tag, exc)

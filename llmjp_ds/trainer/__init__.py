@@ -9,7 +9,7 @@
   divergence in a rollback;
 * :mod:`.stopping`: a stop signal, or this rank's launcher gone, ending the run at a step boundary;
 * :mod:`.ending`: a run that ends early with one line (a stop verdict, the rollback limit, non-finite steps in a
-  row), a ``stop`` event first.
+  row, a record that cannot be written), a ``stop`` event first.
 """
 
 from llmjp_ds.trainer.step import StepEngine, precision_schedule

@@ -17,11 +17,12 @@ from llmjp_ds.validate import gpus_per_node_from_env
 class Checkpointer:
     """The run's saves into ``run_dir`` (``meta``: the marker's run description). A checkpoint holds the engine and
     the client state the trainer hands each save; what a save stalls the loop for goes to the next step's record
-    (:meth:`take_metrics`)."""
+    (:meth:`take_metrics`). ``guard`` is called before a save and a commit write anything (the run directory's
+    lock: it ends the run with one line when the directory is no longer the one locked)."""
 
-    def __init__(self, cfg, engine, ctx, run_dir, meta, logger, watchdog, step: int):
+    def __init__(self, cfg, engine, ctx, run_dir, meta, logger, watchdog, step: int, guard=lambda: None):
         self.cfg, self.engine, self.ctx, self.run_dir, self.meta = cfg, engine, ctx, run_dir, meta
-        self.logger, self.watchdog = logger, watchdog
+        self.logger, self.watchdog, self.guard = logger, watchdog, guard
         self.saver = checkpoint.AsyncSaver() if cfg.checkpoint.async_save else None
         if self.saver is not None:
             nbytes = arena_bytes(self.engine.module, self.ctx.dp_rank, self.ctx.dp_size)
@@ -54,6 +55,7 @@ class Checkpointer:
             self._advise_interval(step, t0, gib, waited)
         self._last_save = (t0, step)
         meta = dataclasses.replace(self.meta, kept=kept_step(step, self.cfg.checkpoint.keep), **marker)
+        self.guard()
         tag = checkpoint.save(self.engine, self.run_dir, step, client.to_dict(), meta, self.cfg.checkpoint.keep_last,
                               rollbacks=rollbacks, saver=self.saver)
         self.save_metrics.update(save_stall_s=time.perf_counter() - t0, save_wait_s=waited)
@@ -86,6 +88,7 @@ class Checkpointer:
         if saver is None or not saver.in_flight:
             return
         self.watchdog.beat("checkpoint")
+        self.guard()
         tag, gib = saver.tag, saver.snapshot_bytes / 2**30
         if checkpoint.commit_when_done(saver, self.ctx, self.run_dir, self.cfg.checkpoint.keep_last, block):
             self.save_metrics["checkpoint_write_s"] = saver.write_s

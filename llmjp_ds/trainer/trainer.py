@@ -91,14 +91,17 @@ class TrainState:
         return self.step - self.skipped_total, self.consumed_samples - self.skipped_samples
 
 
-def open_logger(cfg: RunConfig, client: ClientState, resumed_tag: str | None, step: int, rank: int) -> MetricsLogger:
+def open_logger(cfg: RunConfig, client: ClientState, resumed_tag: str | None, step: int, rank: int,
+                guard) -> MetricsLogger:
     """The run's metrics log and wandb run: the resumed checkpoint's, or for a branch's first start a run of its own
-    whose config (and first event) says where the branch came from."""
+    whose config (and first event) says where the branch came from. ``guard``: called before each write (the run
+    directory's lock, :meth:`checkpoint.RunDirLock.check_in_place`)."""
     origin = read_origin(cfg.run_dir)
     starts_branch = origin is not None and resumed_tag == origin["tag"]
     logger = MetricsLogger(cfg.run_dir, wandb_mode=cfg.logging.wandb, project=cfg.logging.project,
                            run_name=cfg.logging.run_name, run_id=None if starts_branch else client.wandb_run_id,
-                           config={**cfg.to_dict(), **({"branch": origin} if origin else {})}, step=step, rank=rank)
+                           config={**cfg.to_dict(), **({"branch": origin} if origin else {})}, step=step, rank=rank,
+                           guard=guard)
     if starts_branch:
         logger.event(step, "branch", **{f"from_{k}": v for k, v in origin.items()})
     return logger
@@ -138,6 +141,7 @@ class Trainer:
         # as it was found
         with self.ctx.reporting_failures(), self.lock.undone_on_refusal():
             self.ctx.check_shared_dir(self.run_dir)  # before anything else is written there
+            self.lock.remember()  # on the other ranks: the lock file rank 0 holds, checked before each save
             if self.ctx.rank == 0:
                 checkpoint.prune_incomplete(self.run_dir)  # what a kill or a failed save left: its disk space back
                 self.data.install_tokenizer(self.run_dir)
@@ -152,7 +156,8 @@ class Trainer:
             if self.resume.tag:
                 marker = checkpoint.read_marker(self.run_dir, self.resume.tag)
                 self.schedule = checkpoint.resumed_schedule(marker, cfg)
-            self.logger = open_logger(cfg, client, self.resume.tag, self.state.step, self.ctx.rank)
+            self.logger = open_logger(cfg, client, self.resume.tag, self.state.step, self.ctx.rank,
+                                      self.lock.check_in_place)
             self.say = say_on_rank0(self.ctx.rank)
             self.say(f"[llmjp-ds] {plan_line(cfg, self.schedule)}")
             self.controller = PrecisionController(precision, cfg.precision, event=self.logger.event, say=self.say)
@@ -170,8 +175,11 @@ class Trainer:
                                          cfg.train.global_batch_size * self.seq_len, layout.world)
             self.checkpointer = Checkpointer(cfg, self.steps.engine, self.ctx, self.run_dir,
                                              checkpoint.CheckpointMeta.for_run(cfg, self.model_config, layout.data),
-                                             self.logger, self.steps.watchdog, self.state.step)
+                                             self.logger, self.steps.watchdog, self.state.step,
+                                             self.lock.check_in_place)
             self.last_loss = float("nan")
+            if self.logger.failure:  # the start's events: nothing trained yet, nothing to save
+                fail(f"{self.logger.failure}: free space, then start again")
 
     # --- reading a step's samples ---------------------------------------------------------------------------
     def micro_batches(self, dataset, first: int, batch: int):
@@ -197,6 +205,8 @@ class Trainer:
             if self.cfg.checkpoint.save_at_end and checkpoint.latest_tag(self.run_dir) != checkpoint.tag_for(
                     self.state.step, self.state.rollbacks):
                 self.save(wait=True)
+            if self.logger.failure:  # the last save's events did not fit
+                ending.end_on_lost_record(self.logger.failure, lambda: checkpoint.latest_tag(self.run_dir), 0)
         self.logger.close()
         self.ctx.finish()  # the heartbeat stops before the barrier: a rank that ends is not taken for a lost one
         self.ctx.barrier()
@@ -313,6 +323,7 @@ class Trainer:
         self.state.rollbacks = rollbacks
         self.logger.new_attempt(good_step, "rollback")  # the step records after good_step are superseded
         if self.ctx.rank == 0:
+            self.lock.check_in_place()
             checkpoint.discard_after(self.run_dir, good_step)
         self.ctx.barrier()
         return good_step, good_tag, client
@@ -330,7 +341,9 @@ class Trainer:
             self.logger.log(step, metrics)
             if cfg.logging.progress:
                 self.say(format_log_line(step, cfg.train.steps, metrics))
-        stopping = any_rank_stopping(self.stop, self.ctx)
+        stopping, lost = any_rank_stopping(self.stop, self.ctx, self.logger.failure is not None)
+        if lost:
+            ending.end_on_lost_record(self.logger.failure, lambda: self.save(wait=True), self.ctx.rank)
         if stopping or save_due(step, cfg.checkpoint):
             self.save(wait=stopping)
         else:

@@ -24,7 +24,7 @@ from llmjp_ds.config import (add_config_args, apply_set, build_config, config_fr
                              sample_counts, seq_len_of)
 from llmjp_ds.errors import did_you_mean, fail
 from llmjp_ds.data.batching import skipped
-from llmjp_ds.io_utils import atomic_file
+from llmjp_ds.io_utils import atomic_file, one_line_write_errors
 from llmjp_ds.validate import validate_data
 
 SPLITS = ("train", "valid")
@@ -103,7 +103,8 @@ def cli_main(argv: list[str], verb: str = "samples") -> int:
     sample = data.train_sample if args.split == "train" else data.valid_at(0).__getitem__
     windows = np.stack([np.asarray(sample(i), dtype=np.int64) for i in wanted]) if wanted else \
         np.zeros((0, seq_len + 1), dtype=np.int64)
-    with atomic_file(args.output) as f:
+    with one_line_write_errors(args.output, "free space or choose another --output, then run it again"), \
+            atomic_file(args.output) as f:
         np.save(f, windows)
     left_out = args.count - len(wanted)
     print(f"wrote {args.output}: {args.split} samples {args.start}..{end - 1} ({windows.shape[0]} x {windows.shape[1]} "

@@ -84,6 +84,6 @@ def cli_main(argv: list[str], verb: str = "health") -> int:
         fail(f"run directory {run_dir} does not exist: pass the run_dir of a training run")
     print("\n".join(report(run_dir)))
     if a.plot is not None:
-        out = plot_run(run_dir, a.plot or run_dir / "health.png", events=HEALTH_EVENTS)
+        out = plot_run(run_dir, a.plot or run_dir / "health.png", events=HEALTH_EVENTS, option="--plot")
         print(f"wrote {out}")
     return 0

@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 
 from llmjp_ds.config import add_config_args, load_config
-from llmjp_ds.metrics.logger import read_metrics
+from llmjp_ds.metrics.record import trail
 from llmjp_ds.train import shutdown, train
 
 PROMPTS = ["日本の首都は", "今日は天気が", "The history of", "def fibonacci(n):"]
@@ -50,7 +50,7 @@ def cli_main(argv: list[str], verb: str = "demo") -> int:
         summary = train(cfg)
     finally:
         shutdown()
-    losses = [r["loss"] for r in read_metrics(cfg.run_dir) if "loss" in r]
+    losses = [r["loss"] for r in trail(cfg.run_dir)]
     result = export(cfg.run_dir, out / "hf", dtype="fp32", force=True)
     print(f"[demo] loss {losses[0]:.3f} -> {losses[-1]:.3f} over {summary['step']} steps; "
           f"exported to {result['output']} (reload check max |dlogit| {result['max_logit_diff']:.1e})")

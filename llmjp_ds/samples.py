@@ -25,7 +25,7 @@ from llmjp_ds.config import (add_config_args, apply_set, build_config, config_fr
                              sample_counts, seq_len_of)
 from llmjp_ds.errors import did_you_mean, fail
 from llmjp_ds.data.batching import skipped
-from llmjp_ds.io_utils import atomic_file
+from llmjp_ds.io_utils import atomic_file, one_line_write_errors
 from llmjp_ds.validate import validate_data
 
 SPLITS = ("train", "valid")
@@ -98,16 +98,29 @@ def cli_main(argv: list[str], verb: str = "samples") -> int:
     t0 = time.perf_counter()
     data = run_data(cfg, model_config, seq_len)
     # a train sample from the data phase of the step that reads it; valid samples of data.blend's valid split
-    wanted = range(args.start, end)
-    if args.split == "train" and skips:  # the samples of skipped steps were read, not trained on
-        wanted = [i for i in wanted if not skipped(data.batches.step_of_sample(i) + 1, skips)]  # steps from 1
+    wanted, gone = range(args.start, end), []
+    if args.split == "train" and skips:  # the samples of skipped steps were read, not trained on (steps from 1)
+        gone = sorted({st for st in {data.batches.step_of_sample(i) + 1 for i in wanted} if skipped(st, skips)})
+        wanted = [i for i in wanted if data.batches.step_of_sample(i) + 1 not in gone]
     sample = data.train_sample if args.split == "train" else data.valid_at(0).__getitem__
     windows = np.stack([np.asarray(sample(i), dtype=np.int64) for i in wanted]) if wanted else \
         np.zeros((0, seq_len + 1), dtype=np.int64)
-    with atomic_file(args.output) as f:
+    with one_line_write_errors(args.output, "free space or choose another --output, then run it again"), \
+            atomic_file(args.output) as f:
         np.save(f, windows)
     left_out = args.count - len(wanted)
     print(f"wrote {args.output}: {args.split} samples {args.start}..{end - 1} ({windows.shape[0]} x {windows.shape[1]} "
           f"tokens, order {cfg.data.order}, datasets ready in {time.perf_counter() - t0:.1f} s)"
-          + (f"; {left_out} of skipped steps left out" if left_out else ""))
+          + (f"; {left_out} of skipped steps {_ranges(gone)} left out" if left_out else ""))
     return 0
+
+
+def _ranges(steps: list[int]) -> str:
+    """Steps as the records number them, runs of them as ``a..b``: ``5..6, 9``."""
+    runs: list[list[int]] = []
+    for step in steps:
+        if runs and step == runs[-1][1] + 1:
+            runs[-1][1] = step
+        else:
+            runs.append([step, step])
+    return ", ".join(f"{a}..{b}" if a != b else str(a) for a, b in runs)

@@ -316,11 +316,35 @@ def _check_health(cfg: RunConfig) -> None:
             fail(f"health.{kind}.action=skip: the {kind.replace('_', ' ')} is measured after the update it would skip "
                  "(DeepSpeed's optimizer step computes the gradient norm; validation follows the step): choose warn, "
                  "rollback or stop")
+    _check_health_can_judge(cfg)
     ranges = cfg.train.skip_steps
     for i, r in enumerate(ranges):
         if len(r) != 2 or not r[0] <= r[1]:
             fail(f"train.skip_steps[{i}] {r} is not a range [first, last] of steps with first <= last: write it as "
                  "[first, last] (Megatron-LM's --iterations-to-skip N is [N, N])")
+
+
+def _check_health_can_judge(cfg: RunConfig) -> None:
+    """A health setting under which no verdict can ever be reached: a spike is judged against at least
+    health.min_history values of a history that holds health.window, from step min_history + 1; a validation jump
+    against three earlier validations."""
+    h = cfg.health
+    if h.window < h.min_history:
+        fail(f"health.window={h.window} holds fewer values than health.min_history={h.min_history} asks for before "
+             "any verdict: no loss or grad-norm spike would ever be judged; set health.window to at least "
+             f"{h.min_history}, or lower health.min_history")
+    for kind in ("loss", "grad_norm"):
+        action = getattr(h, kind).action
+        if action != "warn" and cfg.train.steps <= h.min_history:
+            fail(f"health.{kind}.action={action} can never act: a spike is judged from step {h.min_history + 1} "
+                 f"(after health.min_history={h.min_history} steps of history), and train.steps={cfg.train.steps}; "
+                 "lower health.min_history, or lengthen the run")
+    action, interval = h.valid_loss.action, cfg.train.eval_interval
+    validations = cfg.train.steps // interval if interval else 0
+    if action != "warn" and validations <= 3:
+        fail(f"health.valid_loss.action={action} can never act: a validation jump is judged against 3 earlier "
+             f"validations, and the run validates {validations} times (train.eval_interval={interval}, train.steps="
+             f"{cfg.train.steps}); validate more often, or leave health.valid_loss.action at warn")
 
 
 def _check_logging(cfg: RunConfig) -> None:

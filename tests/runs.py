@@ -88,10 +88,11 @@ def cli(args: list[str], log_prefix: Path, *, check: bool = True, timeout: float
 
 
 def trail(run_dir) -> list[dict]:
-    """The step records (not events) of a run's metrics.jsonl, in order."""
-    from llmjp_ds.metrics.logger import read_metrics
+    """The current step records (not events) of a run's metrics.jsonl, in step order: each step as its latest
+    attempt logged it, no step a resume or a rollback went back over (llmjp_ds/metrics/record.py)."""
+    from llmjp_ds.metrics.record import trail as current_trail
 
-    return [r for r in read_metrics(run_dir) if "event" not in r and "loss" in r]
+    return current_trail(run_dir)
 
 
 def losses(run_dir) -> list[float]:

@@ -26,7 +26,7 @@ ALLOWED = {
     "errors": set(),
     "io_utils": {"errors"},
     "model": {"errors", "io_utils"},
-    "metrics": {"errors"},
+    "metrics": {"errors", "io_utils"},
     "data": {"errors", "io_utils", "metrics"},
     "config": {"errors", "model", "data"},
     "optim": {"errors", "config", "data"},

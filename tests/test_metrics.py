@@ -13,8 +13,11 @@ import pytest
 
 from llmjp_ds.errors import UserError
 from llmjp_ds.metrics.logger import (
-    MetricsLogger, Throughput, format_log_line, peak_flops_for_device, peak_memory_gib, peak_tflops, read_metrics,
+    MetricsLogger, Throughput, format_log_line, peak_flops_for_device, peak_memory_gib, peak_tflops,
 )
+from llmjp_ds.metrics.record import current_steps, read_metrics, trail
+
+from tests import disk
 
 
 # --- throughput and MFU ------------------------------------------------------------------------------------------
@@ -68,6 +71,9 @@ def test_format_log_line():
     assert line == ("step  120/1000 | loss 3.4521 z 1.23e-04 | lr 2.50e-04 | gnorm 0.870 | 12.3k tok/s | "
                     "401.2 TFLOP/s | MFU 40.6% | mem 45.3 GiB | fp8")
     assert format_log_line(7, None, {"loss": float("nan")}) == "step 7 | loss nan"
+    # a step whose update the health gate skipped: its loss, and no gradient norm (there was no update to measure)
+    assert format_log_line(6, 9, {"loss": 212.5, "skipped": "loss spike", "lr": 1e-3}) == \
+        "step 6/9 | loss 212.5000 | update skipped (loss spike) | lr 1.00e-03"
 
 
 # --- the jsonl trail, wandb disabled -----------------------------------------------------------------------------
@@ -82,10 +88,10 @@ def test_disabled_logger_writes_jsonl_and_reads_back(tmp_path):
         assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 2]
     records = read_metrics(tmp_path)
     assert [{k: v for k, v in r.items() if k != "time"} for r in records[:1]] == [
-        {"step": 1, "loss": 10.5, "lr": 1e-4, "phase": "bf16"}]
+        {"step": 1, "loss": 10.5, "lr": 1e-4, "phase": "bf16", "attempt": 1}]
     assert math.isnan(records[1]["loss"])
     assert {k: v for k, v in records[2].items() if k != "time"} == {
-        "step": 2, "event": "rollback", "to_step": 1, "reason": "nan loss"}
+        "step": 2, "event": "rollback", "to_step": 1, "reason": "nan loss", "attempt": 1}
     assert not (tmp_path / "wandb").exists()
 
 
@@ -96,46 +102,103 @@ def test_logger_accepts_tensor_and_numpy_scalars(tmp_path):
     with MetricsLogger(tmp_path, wandb_mode="disabled") as logger:
         logger.log(1, {"loss": torch.tensor(2.5), "grad_norm": np.float32(0.5), "tokens": np.int64(4096)})
     assert read_metrics(tmp_path)[0] | {"time": 0} == {"step": 1, "time": 0, "loss": 2.5, "grad_norm": 0.5,
-                                                       "tokens": 4096}
+                                                       "tokens": 4096, "attempt": 1}
 
 
-def test_resume_step_drops_records_a_killed_run_left(tmp_path):
+def test_a_resume_appends_and_marks_the_steps_it_goes_back_over(tmp_path):
+    """A killed run logged past its checkpoint (steps 6..10, an event at step 7, a torn line); the resume from step
+    5 appends: every byte written before stays, the event too, and each step's current record is the resume's."""
     with MetricsLogger(tmp_path, wandb_mode="disabled") as first:
         for step in range(1, 11):
             first.log(step, {"loss": 10.0 - step})
         first.event(7, "rollback", to_step=5)
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 11, "loss": 0.')  # torn by the kill
+    before = (tmp_path / "metrics.jsonl").read_bytes()
 
     # Resume from the checkpoint at step 5 with the run id stored in it.
-    with MetricsLogger(tmp_path, wandb_mode="disabled", run_id=first.run_id, resume_step=5) as resumed:
-        assert resumed.run_id == first.run_id
-        assert resumed.dropped == 6  # steps 6..10, the event at 7; the torn line was never a record
-        assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4, 5]
+    with MetricsLogger(tmp_path, wandb_mode="disabled", run_id=first.run_id, step=5) as resumed:
+        assert resumed.run_id == first.run_id and resumed.attempt == 2
         for step in range(6, 9):
             resumed.log(step, {"loss": 100.0 + step})
+    assert (tmp_path / "metrics.jsonl").read_bytes().startswith(before + b"\n")  # nothing rewritten
     records = read_metrics(tmp_path)
-    assert [r["step"] for r in records] == list(range(1, 9))  # no duplicates, no gap
-    assert [r["loss"] for r in records] == [9.0, 8.0, 7.0, 6.0, 5.0, 106.0, 107.0, 108.0]
+    assert [(r["step"], r.get("event"), r["attempt"]) for r in records if "event" in r] == [
+        (7, "rollback", 1), (5, "attempt", 2)]
+    assert len([r for r in records if "event" not in r]) == 13  # steps 6..8 twice, each marked by its attempt
+    assert {s: r["loss"] for s, r in current_steps(records).items()} == {
+        1: 9.0, 2: 8.0, 3: 7.0, 4: 6.0, 5: 5.0, 6: 106.0, 7: 107.0, 8: 108.0}  # not 9, 10: gone back over
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no temp file left behind
 
 
+def test_a_rollback_is_an_attempt_too(tmp_path):
+    """A rollback inside one process: back to step 4 after logging 1..6; steps 5 and 6 skipped afterwards (read, not
+    trained on, not logged): their records of the abandoned timeline are no step's current record any more."""
+    with MetricsLogger(tmp_path, wandb_mode="disabled") as logger:
+        for step in range(1, 7):
+            logger.log(step, {"loss": float(step)})
+        logger.new_attempt(4, "rollback")
+        logger.event(6, "rollback", to_step=4, skipped_steps=[5, 6])
+        for step in (7, 8):
+            logger.log(step, {"loss": 70.0 + step})
+    assert [(r["step"], r["loss"]) for r in trail(tmp_path)] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0),
+                                                                (7, 77.0), (8, 78.0)]
+    # resumed later from the checkpoint of step 7: step 8 again, attempt 3; attempt 2's step 7 stays current
+    with MetricsLogger(tmp_path, wandb_mode="disabled", step=7) as resumed:
+        assert resumed.attempt == 3
+        resumed.log(8, {"loss": 88.0})
+    assert [r["loss"] for r in trail(tmp_path)][-2:] == [77.0, 88.0]
+    assert [r["event"] for r in read_metrics(tmp_path) if "event" in r] == ["attempt", "rollback", "attempt"]
+
+
 def test_a_garbled_line_does_not_stop_a_resume(tmp_path):
-    """Bytes that are not UTF-8 (a disk error, a hand edit) in metrics.jsonl: the resume's truncation and
-    read_metrics skip that line, as plot does, where opening the file as text raised UnicodeDecodeError."""
+    """Bytes that are not UTF-8 (a disk error, a hand edit) in metrics.jsonl: the resume and read_metrics skip that
+    line, as plot does, where opening the file as text raised UnicodeDecodeError; the line stays where it was."""
     path = tmp_path / "metrics.jsonl"
     path.write_bytes(b'{"step": 1, "loss": 2.0}\n\xff\xfe garbled\n{"step": 2, "loss": 1.5}\n{"step": 3, "loss": 1.0}\n')
-    with MetricsLogger(tmp_path, wandb_mode="disabled", resume_step=2) as resumed:
-        assert resumed.dropped == 1  # step 3; the garbled line was never a record
-    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [(1, 2.0), (2, 1.5)]
-    assert b"\xff" not in path.read_bytes()
+    with MetricsLogger(tmp_path, wandb_mode="disabled", step=2) as resumed:
+        assert resumed.attempt == 2  # records without an attempt were the first
+        resumed.log(3, {"loss": 0.5})
+    assert [(s, r["loss"]) for s, r in current_steps(read_metrics(tmp_path)).items()] == [(1, 2.0), (2, 1.5), (3, 0.5)]
+    assert b"\xff" in path.read_bytes()
+
+
+def test_a_full_disk_leaves_no_part_of_a_line_and_stops_the_logger(tmp_path):
+    """On a tmpfs filled up to a few bytes: the write that does not fit leaves nothing of its line, says which file
+    and what is free, and the logger writes no more; what was written before is intact."""
+    with disk.tmpfs(tmp_path / "small", "1m") as small:
+        with MetricsLogger(small, wandb_mode="disabled") as logger:
+            logger.log(1, {"loss": 2.0})
+            before = (small / "metrics.jsonl").read_bytes()
+            disk.fill(small, leave=0)
+            logger.log(2, {"loss": 1.5, "note": "x" * 5000})  # beyond the page the first line started
+            assert logger.failure and logger.failure.startswith(f"writing {small / 'metrics.jsonl'} failed (No space "
+                                                                "left on device (ENOSPC); ")
+            assert logger.failure.endswith(" free there)") and not logger.active
+            logger.event(2, "health")  # no more writes, no more errors
+        assert (small / "metrics.jsonl").read_bytes() == before
+
+
+def test_the_guard_is_asked_before_every_write(tmp_path):
+    """A run directory that is no longer the one locked: the guard's one line, and nothing written."""
+    def guard():
+        if (tmp_path / "moved").exists():
+            raise UserError("run_dir is no longer the directory this run locked")
+
+    with MetricsLogger(tmp_path, wandb_mode="disabled", guard=guard) as logger:
+        logger.log(1, {"loss": 2.0})
+        (tmp_path / "moved").touch()
+        with pytest.raises(UserError, match="no longer the directory"):
+            logger.log(2, {"loss": 1.0})
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1]
 
 
 def test_append_after_a_torn_line_starts_a_new_line(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
-    with MetricsLogger(tmp_path, wandb_mode="disabled") as logger:
+    with MetricsLogger(tmp_path, wandb_mode="disabled") as logger:  # a start afresh (no checkpoint): from step 0
         logger.log(3, {"loss": 1.0})
-    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [(1, 2.0), (3, 1.0)]
+    assert [(r["step"], r.get("loss")) for r in read_metrics(tmp_path)] == [(1, 2.0), (0, None), (3, 1.0)]
+    assert list(current_steps(read_metrics(tmp_path))) == [3]  # the first start's step 1 was gone back over
 
 
 def test_other_ranks_write_nothing(tmp_path):
@@ -161,7 +224,7 @@ def test_disabled_mode_never_imports_wandb(tmp_path):
     code = textwrap.dedent(f"""
         import sys
         from llmjp_ds.metrics.logger import MetricsLogger, Throughput, format_log_line, peak_memory_gib
-        with MetricsLogger({str(tmp_path)!r}, wandb_mode="disabled", resume_step=3) as logger:
+        with MetricsLogger({str(tmp_path)!r}, wandb_mode="disabled", step=3) as logger:
             logger.log(1, {{"loss": 1.0, **Throughput(1e9, 100, peak_flops=None).update(1.0)}})
             logger.event(1, "rollback")
             format_log_line(1, 2, {{"loss": 1.0}}); peak_memory_gib()
@@ -217,7 +280,7 @@ def test_offline_wandb_run_logs_and_resumes_the_same_run(tmp_path, monkeypatch):
     # A killed run resumed from its step-2 checkpoint: the same wandb run id, replayed steps kept (they are
     # plotted against the `step` metric, so wandb's monotonic _step does not drop them).
     with MetricsLogger(tmp_path, wandb_mode="offline", project="llmjp-ds-test", run_id=run_id,
-                       resume_step=2) as resumed:
+                       step=2) as resumed:
         assert resumed.run_id == run_id
         resumed.log(3, {"loss": 1.5, "lr": 3e-4, "phase": "fp8"})
 
@@ -226,5 +289,5 @@ def test_offline_wandb_run_logs_and_resumes_the_same_run(tmp_path, monkeypatch):
     run_record = next(r["run"] for r in second if r["type"] == "run")
     assert run_record["run_id"] == run_id and run_record["resume"] is True
     assert _history(second) == [{"step": 3, "loss": 1.5, "lr": 3e-4, "phase": "fp8"}]
-    assert [(r["step"], r.get("loss"), r.get("event")) for r in read_metrics(tmp_path)] == [
-        (1, 4.0, None), (2, 2.0, None), (3, 1.5, None)]
+    assert [(s, r["loss"]) for s, r in current_steps(read_metrics(tmp_path)).items()] == [(1, 4.0), (2, 2.0),
+                                                                                        (3, 1.5)]

@@ -13,6 +13,8 @@ import json
 import sys
 from pathlib import Path
 
+from llmjp_ds.metrics.record import current_steps
+
 
 def summarise(run_dir: Path) -> None:
     records = []
@@ -21,7 +23,7 @@ def summarise(run_dir: Path) -> None:
             records.append(json.loads(line))
         except ValueError:
             continue
-    steps = {r["step"]: r for r in records if "loss" in r and "event" not in r}
+    steps = {s: r for s, r in current_steps(records).items() if "loss" in r}
     committed = {r["tag"]: r for r in records if r.get("event") == "checkpoint_committed"}
     print(f"== {run_dir}")
     in_flight: set[int] = set()

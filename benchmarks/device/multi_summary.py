@@ -13,13 +13,13 @@ import argparse
 import statistics
 from pathlib import Path
 
-from llmjp_ds.metrics.logger import read_metrics
+from llmjp_ds.metrics.record import current_steps, read_metrics
 
 
 def records(run: str) -> dict:
     if not (Path(run) / "metrics.jsonl").is_file():
         return {}
-    return {r["step"]: r for r in read_metrics(run) if "event" not in r and "loss" in r}
+    return {s: r for s, r in current_steps(read_metrics(run)).items() if "loss" in r}
 
 
 def median(values) -> float:

@@ -13,12 +13,12 @@ deterministic; docs/performance.md, run F), so the tolerance is a few times that
 import argparse
 import sys
 
-from llmjp_ds.metrics.logger import read_metrics
+from llmjp_ds.metrics.record import current_steps, read_metrics
 
 
 def split(run):
     records = read_metrics(run)
-    return ({r["step"]: r for r in records if "event" not in r and "loss" in r},
+    return ({s: r for s, r in current_steps(records).items() if "loss" in r},
             [(r["step"], r["event"]) for r in records if "event" in r], records)
 
 

@@ -219,15 +219,36 @@ def smallest_interval(write_s: float, step_s: float) -> int:
     return max(1, math.ceil(write_s / max(step_s, 1e-9)))
 
 
-def interval_advice(snapshot_gib: float, write_s: float, interval_steps: int, step_s: float) -> str:
+def seconds(value: float) -> str:
+    """A duration as the advice says it: three significant digits (26, 8.4, 0.012)."""
+    return f"{value:.3g}"
+
+
+def _apart(a: float, b: float) -> tuple[str, str]:
+    """``a`` and ``b`` in seconds with as many decimals as it takes to tell them apart (up to 4)."""
+    for decimals in range(1, 5):
+        texts = f"{a:.{decimals}f}", f"{b:.{decimals}f}"
+        if texts[0] != texts[1]:
+            break
+    return texts
+
+
+def interval_advice(snapshot_gib: float, write_s: float, interval_steps: int, step_s: float,
+                    busy_s: float | None = None) -> str:
     """Why a save waits for the previous write, with the numbers (the write's size, speed and time, the interval
     in steps and seconds) and the smallest ``checkpoint.interval`` that would not wait: the trainer says it the
-    first time a save waits, and ``llmjp-ds preflight --disk-gbps`` from the estimated snapshot."""
+    first time a save waits, and ``llmjp-ds preflight --disk-gbps`` from the estimated snapshot. ``busy_s``: what
+    the trainer measured, the time from the previous save's start to its write's end (its snapshot too), which the
+    interval must exceed; by default the write's time."""
     gbps = snapshot_gib * 2**30 / 1e9 / max(write_s, 1e-9)
-    return (f"a background save writes {snapshot_gib:.2f} GiB at {gbps:.2f} GB/s in {write_s:.1f} s, longer than "
-            f"checkpoint.interval={interval_steps} steps ({interval_steps * step_s:.1f} s at {step_s:.2f} s a step), "
-            f"so each save waits for the previous write: set checkpoint.interval to at least "
-            f"{smallest_interval(write_s, step_s)}, or write the run directory to a faster disk")
+    busy, interval = _apart(write_s if busy_s is None else busy_s, interval_steps * step_s)
+    took = (f"in {busy} s" if busy_s is None else
+            f"in {seconds(write_s)} s, and that save took {busy} s from its start to its write's end")
+    return (f"a background save writes {snapshot_gib:.2f} GiB at {gbps:.2f} GB/s {took}, longer than "
+            f"checkpoint.interval={interval_steps} steps ({interval} s at {step_s:.2f} s a step), so each save waits "
+            f"for the previous write: set checkpoint.interval to at least "
+            f"{smallest_interval(write_s if busy_s is None else busy_s, step_s)}, or write the run directory to a "
+            "faster disk")
 
 
 def arena_bytes(module, dp_rank: int, dp_size: int) -> int:

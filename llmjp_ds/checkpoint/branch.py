@@ -34,7 +34,7 @@ from llmjp_ds.checkpoint.resume_checks import check_same_past, verify_tag
 from llmjp_ds.checkpoint.store import LATEST, MARKER, checkpoint_dir, latest_tag, read_marker, tag_dir, vet_tag
 from llmjp_ds.config import add_config_args, apply_set, build_config, load_file, merge
 from llmjp_ds.errors import fail
-from llmjp_ds.io_utils import atomic_directory, atomic_file
+from llmjp_ds.io_utils import atomic_directory, atomic_file, one_line_write_errors
 from llmjp_ds.validate import validate_run
 
 BRANCH_FILE = "branch.json"
@@ -127,7 +127,8 @@ def create_branch(source_run, run, tag: str | None = None, config: str | None = 
     validate_run(branch_cfg, marker.pipeline_stages * (marker.data_parallel or 1) * marker.tensor_parallel)
     origin = {"run": str(source_run.resolve()), "tag": tag, "step": step,
               "consumed_samples": marker.consumed_samples, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    with atomic_directory(run_dir) as tmp:
+    with one_line_write_errors(run_dir, "free space or choose another --run, then run it again; nothing was "
+                                        "written"), atomic_directory(run_dir) as tmp:
         target = checkpoint_dir(tmp) / tag
         target.mkdir(parents=True)
         how = _link_tag(where, target, [*marker.files, MARKER])

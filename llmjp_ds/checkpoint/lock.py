@@ -11,6 +11,11 @@ A holder that is asked to stop (a stop signal; its save then has ``checkpoint.gr
 ``<run_dir>/.llmjp_ds.stopping`` (its owner record, the reason, when, the grace time; replaced atomically), so a
 relaunch refused meanwhile says how long to wait. ``--wait-for-run-dir SECONDS`` makes a relaunch poll for the
 lock instead of ending at once (:meth:`RunDirLock.acquire`, :meth:`RunDirLock.check_peer`).
+
+A run also checks, before each checkpoint and each metrics write, that its ``run_dir`` is still the directory it
+locked (:meth:`RunDirLock.check_in_place`: the lock file at its path is the file it holds, by device and inode), so
+a filesystem unmounted under it (lazily, as a lost network mount is) or a directory moved or removed ends the run
+with one line instead of a run that goes on writing into whatever now sits at that path.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from llmjp_ds.errors import UserError, fail
+from llmjp_ds.io_utils import free_space, write_failure
 
 LOCK = ".llmjp_ds.lock"
 STOPPING = ".llmjp_ds.stopping"
@@ -121,6 +127,7 @@ class RunDirLock:
         self.record: dict = {}
         self.waited = False  # it waited for another holder (whose last save may have moved `latest`)
         self.found: set[str] | None = None  # what the run directory held when acquired (None: it did not exist)
+        self._identity: tuple[int, int] | None = None  # (device, inode) of the lock file this run locked
 
     def acquire(self, what: str = "training", wait_s: float = 0.0) -> "RunDirLock":
         """Take the lock (creating the run directory) or fail with one line naming the holder; ``wait_s``: while
@@ -141,10 +148,20 @@ class RunDirLock:
         self.record = {"host": socket.gethostname(), "pid": os.getpid(), "job": job_id(), "what": what,
                        "started": datetime.now(timezone.utc).astimezone().isoformat(timespec="seconds"),
                        "token": os.urandom(8).hex()}
-        os.ftruncate(fd, 0)  # in place: replacing the file would give the next process another inode to lock
-        os.pwrite(fd, json.dumps(self.record).encode(), 0)
-        os.fsync(fd)
+        try:
+            os.ftruncate(fd, 0)  # in place: replacing the file would give the next process another inode to lock
+            os.pwrite(fd, json.dumps(self.record).encode(), 0)
+            os.fsync(fd)
+        except OSError as exc:  # a full disk: the directory left as it was found
+            os.close(fd)
+            if self.found is None or LOCK not in self.found:
+                self.path.unlink(missing_ok=True)
+            if self.found is None:
+                self.run_dir.rmdir()
+            fail(f"cannot write {self.path} ({write_failure(exc)}; {free_space(self.run_dir)} there): free space "
+                 "or choose another run_dir, then start again")
         self._fd = fd
+        self._identity = _identity(os.fstat(fd))
         (self.run_dir / STOPPING).unlink(missing_ok=True)  # an earlier owner's, read by nobody now
         return self
 
@@ -171,10 +188,39 @@ class RunDirLock:
                 told = self.waited = True
             time.sleep(POLL_S)
 
+    def remember(self) -> None:
+        """On a rank that does not hold the lock: the lock file its holder (this job's rank 0) holds now, which
+        :meth:`check_in_place` then compares with (the holder knows its own)."""
+        if self._fd is not None:
+            return
+        with contextlib.suppress(OSError):
+            self._identity = _identity(os.stat(self.path))
+
+    def check_in_place(self) -> None:
+        """End the run with one line when ``run_dir`` is no longer the directory this run locked: the lock file at
+        its path gone or another file (its filesystem unmounted under the run, the directory moved or removed).
+        One stat; called before each checkpoint and each metrics write, so nothing is written there then."""
+        if self._identity is None:
+            return
+        try:
+            now = _identity(os.stat(self.path))
+        except OSError:
+            now = None
+        if now != self._identity:
+            fail(f"run_dir {self.run_dir} is no longer the directory this run locked: its lock file {LOCK} "
+                 f"{'is gone' if now is None else 'there is another file'} (its filesystem unmounted, or the "
+                 "directory moved or removed?); the run ends without writing there: mount or move it back, then "
+                 "resume from its latest checkpoint")
+
     def mark_stopping(self, reason: str, grace_seconds: float) -> None:
         """Record that this holder is stopping (``reason``: the signal, or which launcher is gone), so a relaunch
-        refused meanwhile names it and the time its save may still take. Never fails the stop itself."""
+        refused meanwhile names it and the time its save may still take. Never fails the stop itself, nor writes
+        into a directory that is no longer the one locked."""
         if self._fd is None:
+            return
+        try:
+            self.check_in_place()
+        except UserError:
             return
         record = {**self.record, "reason": reason, "at": time.time(), "grace_seconds": grace_seconds}
         tmp = self.run_dir / f"{STOPPING}.{os.getpid()}.tmp"
@@ -208,6 +254,10 @@ class RunDirLock:
     @property
     def held(self) -> bool:
         return self._fd is not None
+
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
 
 
 def _held_by(path: Path) -> dict | None:

@@ -35,7 +35,7 @@ from llmjp_ds.checkpoint.manifest import digest, save_hashed, tag_files
 from llmjp_ds.checkpoint.safe_load import load_checkpoint_file
 from llmjp_ds.config import seq_len_of
 from llmjp_ds.errors import fail
-from llmjp_ds.io_utils import atomic_file
+from llmjp_ds.io_utils import atomic_file, free_space
 from llmjp_ds.launch.failure import is_peer_failure
 from llmjp_ds.parallel.deepspeed_internals import route_checkpoint_io
 from llmjp_ds.parallel.layout import Layout
@@ -284,10 +284,10 @@ def commit(run_dir, tag: str, step: int, meta: CheckpointMeta, written: dict, ke
         try:
             for name in tag_files(target, exclude=(MARKER, *files)):  # what DeepSpeed wrote another way
                 files[name] = digest(target / name)
-            with atomic_file(target / MARKER, "w") as f:
+            with atomic_file(target / MARKER, "w", make_parents=False) as f:
                 json.dump({**meta.to_dict(), "step": step, "tag": tag, "files": dict(sorted(files.items()))}, f,
                           indent=1)
-            with atomic_file(root / LATEST, "w") as f:
+            with atomic_file(root / LATEST, "w", make_parents=False) as f:
                 f.write(tag)
         except OSError as exc:
             report_failed_save(run_dir, tag, exc)
@@ -312,11 +312,7 @@ def report_failed_save(run_dir, tag: str, exc: BaseException, path=None, cut=Non
     reason = getattr(exc, "strerror", None) or (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
     if "unexpected pos" in reason:  # torch's zip writer, when the OS refused part of a write
         reason = "a write was cut short"
-    try:
-        n = shutil.disk_usage(root).free
-        free = f"{n / 2**30:.1f} GiB free" if n >= 2**30 else f"{n / 2**20:.1f} MiB free"
-    except OSError:
-        free = "free space unknown"
+    free = free_space(root)
     latest = _read_latest(run_dir)
     what = f"writing {path} in the background" if path else f"saving checkpoint {tag} to {root}"
     fail(f"{what} failed ({reason}; {free}): is the disk full? Free space or lower "

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from llmjp_ds.data import bundled_corpus_files
 from llmjp_ds.data.tokenizer import load_tokenizer, resolve_model_path, save_hf_tokenizer, train_tokenizer
-from llmjp_ds.errors import fail
+from llmjp_ds.errors import UserError, fail
+from llmjp_ds.io_utils import one_line_write_errors
 
 BUNDLED_VOCAB = 8000
 
@@ -113,14 +114,21 @@ def _install_tokenizer(source: Path, run_dir: Path) -> Path:
     target = run_dir / "tokenizer"
     if (target / "tokenizer_config.json").is_file():
         return target
-    # built beside and renamed into place: a kill leaves no tokenizer/ or a complete one, never a partial one
+    # built beside and renamed into place: a kill leaves no tokenizer/ or a complete one, never a partial one; a full
+    # disk leaves neither
     tmp = run_dir / ".tokenizer.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    if source.is_dir() and (source / "tokenizer_config.json").is_file() and (source / "tokenizer.model").is_file():
-        _refuse_links_out(source)
-        shutil.copytree(source, tmp)  # a link inside it: its target's content, copied as a file
-    else:
-        save_hf_tokenizer(resolve_model_path(source), tmp)
+    try:
+        with one_line_write_errors(target, "free space or choose another run_dir, then start again"):
+            if source.is_dir() and (source / "tokenizer_config.json").is_file() and \
+                    (source / "tokenizer.model").is_file():
+                _refuse_links_out(source)
+                shutil.copytree(source, tmp)  # a link inside it: its target's content, copied as a file
+            else:
+                save_hf_tokenizer(resolve_model_path(source), tmp)
+    except UserError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(target, ignore_errors=True)  # an incomplete one written in place by an older version
     os.replace(tmp, target)
     return target

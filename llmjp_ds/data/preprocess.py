@@ -24,7 +24,6 @@ import errno
 import hashlib
 import json
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ from llmjp_ds.data.jsonl import stream_error
 from llmjp_ds.data.pool import ordered_map
 from llmjp_ds.data.tokenizer import load_tokenizer
 from llmjp_ds.errors import fail
+from llmjp_ds.io_utils import free_space
 
 OUTPUT_SUFFIX = "_text_document"
 CHUNK_BYTES = 1 << 20
@@ -69,24 +69,11 @@ def _check_output_dir(prefix: str) -> None:
             return
 
 
-def _free_space(path: Path) -> str:
-    for d in [path, *path.parents]:
-        try:
-            free = shutil.disk_usage(d).free
-        except OSError:
-            continue
-        for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-            if free >= size:
-                return f"{free / size:.1f} {unit} free"
-        return f"{free} bytes free"
-    return "free space unknown"
-
-
 def _write_failed(prefix: str, exc: OSError) -> NoReturn:
     """One line for an OSError while writing the corpus (full disk, file-size limit, quota, I/O error)."""
     name = errno.errorcode.get(exc.errno, "") if exc.errno else ""
     why = f"{exc.strerror or exc}{f' ({name})' if name else ''}"
-    fail(f"cannot write {prefix}.bin/.idx: {why}; {_free_space(Path(prefix).parent)} there: free space (or raise "
+    fail(f"cannot write {prefix}.bin/.idx: {why}; {free_space(Path(prefix).parent)} there: free space (or raise "
          f"the file-size limit or quota) or choose another --output-prefix, then run again; nothing was written")
 
 

@@ -1,6 +1,9 @@
 """``llmjp-ds health RUN_DIR [--plot [FILE]]``: what happened to a run's health, from its metrics log and its latest
-checkpoint: spikes and what was done about them, skipped updates and steps, rollbacks, FP8's penalty and fallbacks,
-precision and data phases, resumes and branches, as one table; ``--plot`` marks them on the loss curve."""
+checkpoint: spikes and what was done about them, skipped updates and steps, rollbacks, stops, FP8's penalty and
+fallbacks, precision and data phases, resumes and branches, as one table; ``--plot`` marks them on the loss curve.
+
+The log is read whole, every attempt of the run (metrics/record.py): the events of a timeline a rollback or a
+resume went back over are kept and listed, and each step counts once, as its current record."""
 
 from __future__ import annotations
 
@@ -9,12 +12,12 @@ from pathlib import Path
 
 from llmjp_ds.checkpoint.store import latest_tag, read_marker
 from llmjp_ds.errors import fail
-from llmjp_ds.metrics.logger import read_metrics
+from llmjp_ds.metrics.record import current_steps, events as events_of, read_metrics
 from llmjp_ds.metrics.plot import plot_run
 
 # the events the report lists, and how each reads in one cell
-HEALTH_EVENTS = ("health", "rollback", "skipped_step", "precision_flip", "precision_fallback", "recipe_choice",
-                 "fp8_penalty", "resume", "reshape", "checkpoint_fallback", "branch", "preempted")
+HEALTH_EVENTS = ("health", "rollback", "stop", "skipped_step", "precision_flip", "precision_fallback",
+                 "recipe_choice", "fp8_penalty", "resume", "reshape", "checkpoint_fallback", "branch", "preempted")
 
 
 def _number(value) -> str:
@@ -26,8 +29,11 @@ def describe(event: dict) -> tuple[str, str]:
     kind = event["event"]
     if kind == "health":
         stats = ", ".join(f"{k} {_number(event[k])}" for k in ("value", "median", "z") if k in event)
+        action = f"stop ({event['limit']} reached)" if event.get("limit") else event.get("action", "?")
         return f"{event.get('kind', '?')} spike" if event.get("kind") != "nonfinite" else "non-finite step", \
-            f"{event.get('action', '?')}: {stats}"
+            f"{action}: {stats}"
+    if kind == "stop":
+        return "the run stopped", f"{event.get('reason', '')} (latest checkpoint: {event.get('latest') or 'none'})"
     if kind == "rollback":
         skipped = event.get("skipped_steps")
         return "rollback", (f"to {event.get('tag')} (step {event.get('to_step')})"
@@ -42,23 +48,28 @@ def describe(event: dict) -> tuple[str, str]:
         return "FP8 penalty", f"{event.get('recipe')}: {event.get('reason')}"
     if kind == "branch":
         return "branch", f"from {event.get('from_run')} at {event.get('from_tag')}"
-    fields = {k: v for k, v in event.items() if k not in ("step", "time", "event")}
+    fields = {k: v for k, v in event.items() if k not in ("step", "time", "event", "attempt")}
     return kind.replace("_", " "), ", ".join(f"{k} {_number(v)}" for k, v in fields.items())
 
 
 def report(run_dir) -> list[str]:
-    """The table's lines (markdown), then the steps the run skipped (its latest checkpoint's record)."""
+    """The table's lines (markdown), then the counts: steps, rollbacks, stops, skipped updates, and the steps whose
+    samples were not trained on (its latest checkpoint's record, each window with the rollback that made it)."""
     records = read_metrics(run_dir)
-    events = [r for r in records if r.get("event") in HEALTH_EVENTS]
-    steps = [r for r in records if "event" not in r and "loss" in r]
+    events = events_of(records, HEALTH_EVENTS)
+    steps = [r for r in current_steps(records).values() if "loss" in r]
     lines = ["| step | what | detail |", "| ---: | --- | --- |"]
     lines += [f"| {e['step']} | {what} | {detail} |" for e in events for what, detail in [describe(e)]]
     skipped_updates = steps[-1].get("skipped_steps", 0) if steps else 0
     tag = latest_tag(run_dir)
     ranges = (read_marker(run_dir, tag).skip_steps or []) if tag else []
-    lines += ["", f"{len(steps)} steps logged, {sum(e['event'] == 'rollback' for e in events)} rollbacks, "
-              f"{skipped_updates} updates skipped; steps whose samples were not trained on: "
-              + (", ".join(f"{a}..{b}" for a, b in ranges) or "none")]
+    made = {tuple(e["skipped_steps"]): e["step"] for e in events if e["event"] == "rollback" and e.get("skipped_steps")}
+    windows = [f"{a}..{b}" + (f" (rollback at step {made[(a, b)]})" if (a, b) in made else " (train.skip_steps)")
+               for a, b in ranges]
+    rollbacks, stops = (sum(e["event"] == name for e in events) for name in ("rollback", "stop"))
+    lines += ["", f"{len(steps)} steps logged, {rollbacks} rollbacks"
+              f"{f', {stops} stops' if stops else ''}, {skipped_updates} updates skipped; steps whose samples were "
+              "not trained on: " + (", ".join(windows) or "none")]
     return lines
 
 
@@ -73,6 +84,6 @@ def cli_main(argv: list[str], verb: str = "health") -> int:
         fail(f"run directory {run_dir} does not exist: pass the run_dir of a training run")
     print("\n".join(report(run_dir)))
     if a.plot is not None:
-        out = plot_run(run_dir, a.plot or run_dir / "health.png", events=HEALTH_EVENTS)
+        out = plot_run(run_dir, a.plot or run_dir / "health.png", events=HEALTH_EVENTS, option="--plot")
         print(f"wrote {out}")
     return 0

@@ -22,7 +22,7 @@ from llmjp_ds.checkpoint.resume_checks import verify_tag
 from llmjp_ds.checkpoint.store import checkpoint_dir, complete_tags, latest_tag, read_marker, vet_tag
 from llmjp_ds.config import RUN_PRESETS, merge, preset_dict
 from llmjp_ds.errors import fail
-from llmjp_ds.io_utils import atomic_file
+from llmjp_ds.io_utils import atomic_file, one_line_write_errors
 from llmjp_ds.model import LlamaForCausalLM
 from llmjp_ds.model.hf_io import check_hf_shapes, read_hf_config, save_hf_checkpoint
 from llmjp_ds.model.shapes import check_supported, is_moe_layer, resolve_shape, rope_theta
@@ -97,8 +97,11 @@ def export(run_dir, output, tag: str | None = None, dtype: str = "bf16", force: 
     model.load_state_dict({k: v.to(torch_dtype) for k, v in state.items()}, strict=False)
     made_from = {"run_dir": str(run_dir.resolve()), "tag": tag, "step": marker.step, "dtype": dtype,
                  **({"branch": origin} if origin else {})}
-    save_hf_checkpoint(model, output, dtype=torch_dtype, force=True, tokenizer_dir=tokenizer if has_tokenizer else None,
-                       extra_files={EXPORT_MARKER: json.dumps(made_from, indent=1).encode()})
+    with one_line_write_errors(output, "free space or choose another --output, then export again; what was at "
+                                       "--output is as it was"):
+        save_hf_checkpoint(model, output, dtype=torch_dtype, force=True,
+                           tokenizer_dir=tokenizer if has_tokenizer else None,
+                           extra_files={EXPORT_MARKER: json.dumps(made_from, indent=1).encode()})
     # parity: the export, loaded by transformers alone, must compute what the trained weights compute
     probe = torch.randint(0, config.vocab_size, (2, min(64, config.max_position_embeddings)),
                           generator=torch.Generator().manual_seed(0))
@@ -195,7 +198,8 @@ def import_hf(model_dir, run_dir, preset: str = "llmjp3-1.8b", force: bool = Fal
     if (model_dir / "tokenizer_config.json").is_file():
         data.setdefault("data", {})["tokenizer"] = str(model_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    with atomic_file(run_dir / "config.yaml", "w") as f:
+    with one_line_write_errors(run_dir / "config.yaml", "free space or choose another --run, then run it again"), \
+            atomic_file(run_dir / "config.yaml", "w") as f:
         yaml.safe_dump(data, f, sort_keys=False)
     return run_dir / "config.yaml"
 

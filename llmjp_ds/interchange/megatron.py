@@ -33,7 +33,7 @@ from llmjp_ds.errors import fail
 from llmjp_ds.interchange import megatron_moe, megatron_reader
 from llmjp_ds.interchange.megatron_adapter import from_megatron_state_dict, megatron_name
 from llmjp_ds.interchange.megatron_reader import MegatronCheckpoint
-from llmjp_ds.io_utils import atomic_directory
+from llmjp_ds.io_utils import atomic_directory, one_line_write_errors
 from llmjp_ds.model.shapes import has_qk_norm, pad_vocab_size, rope_theta
 from llmjp_ds.parallel.reshape import CONVERTED, DONE
 
@@ -267,7 +267,8 @@ def _write_run(run_dir: Path, data: dict, cfg, model_config, states: dict, clien
     meta.pipeline_stages, meta.tensor_parallel, meta.layout_free = pp, tp, True  # Megatron's layout, for the log
     meta.run_config, meta.consumed_samples = data, client["train_state"]["consumed_samples"]
     meta.lr_schedule = dict(scheduler)  # Megatron's own: a resume in check mode holds the config to it
-    with atomic_directory(run_dir) as tmp:
+    with one_line_write_errors(run_dir, "free space or choose another --run, then run it again; nothing was "
+                                        "written"), atomic_directory(run_dir) as tmp:
         with open(tmp / "config.yaml", "w") as f:
             yaml.safe_dump(data, f, sort_keys=False)
         tag_dir = tmp / "checkpoints" / tag

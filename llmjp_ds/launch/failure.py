@@ -80,7 +80,7 @@ def end_on_error(exc: BaseException) -> None:
 # the function, of its caller or None for any) -> phase. Read from the main thread's stack when the watchdog
 # fires, so a stall outside the beaten phases is not reported as the last phase beaten.
 SECTIONS = {
-    ("ParallelContext.any_rank", "any_rank_stopping"): "stop check",
+    ("ParallelContext.any_rank_of", "any_rank_stopping"): "stop check",
     ("ParallelContext.all_reduce", "EngineRunner.train_step"): "loss all-reduce",
     ("ParallelContext.all_reduce", "PipelineRunner.train_step"): "loss all-reduce",
     ("ParallelContext.all_reduce", "EngineRunner.eval_loss"): "evaluation",
@@ -90,7 +90,7 @@ SECTIONS = {
     ("Evaluator.evaluate", None): "evaluation",
     ("PrecisionController.choose_recipe", None): "evaluation",
     ("MetricsLogger.log", None): "logging",
-    ("ParallelContext.any_rank", None): "an any-rank check",
+    ("ParallelContext.any_rank_of", None): "an any-rank check",
     ("ParallelContext.barrier", None): "a barrier",
 }
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 
 from llmjp_ds.errors import fail
-from llmjp_ds.metrics.logger import METRICS_FILE, parse_records
+from llmjp_ds.metrics.record import METRICS_FILE, current_steps, parse_records
 
 KEYS = ("loss", "grad_norm", "lr", "valid_loss")
 _ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*\d+\s*\|(.*)$")
@@ -75,12 +75,11 @@ def megatron_unmixed(curve: dict[int, dict[str, float]], starts) -> dict[int, di
 
 
 def run_curve(records: list[dict]) -> dict[int, dict[str, float]]:
-    """The curve of a llmjp-ds run's metrics records (events skipped; a later record of a step wins)."""
+    """The curve of a llmjp-ds run's metrics records: each step's current record (a step a resume or a rollback
+    went back over counts as its last attempt logged it; :func:`llmjp_ds.metrics.record.current_steps`)."""
     curve: dict[int, dict[str, float]] = {}
-    for record in records:
-        if "event" in record:
-            continue
-        point = curve.setdefault(record["step"], {})
+    for step, record in current_steps(records).items():
+        point = curve.setdefault(step, {})
         for key in KEYS:
             value = record.get(key)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):

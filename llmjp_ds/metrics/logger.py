@@ -3,10 +3,11 @@
 The trail of a run is ``<run_dir>/metrics.jsonl``: one JSON object per line, written by rank 0 only, flushed
 per line, ``{"step": int, "time": unix seconds, <metric>: value, ...}`` for steps and
 ``{"step": int, "time": ..., "event": name, <field>: value, ...}`` for events (``rollback``, ``precision_flip``,
-``resume`` ...). Metric names the rest of the package uses: ``loss``, ``z_loss``, ``valid_loss``, ``lr``,
-``grad_norm``, ``tokens_per_s``, ``tflops_per_gpu``, ``mfu``, ``peak_memory_gib``, ``step_time_s`` and
-``phase`` (the precision phase, a string such as ``"bf16"`` or ``"fp8"``). NaN losses are written as ``NaN``
-(Python's json reads them back).
+``resume`` ...), each with its ``attempt``. The file only grows: a resume or a rollback appends, and readers take
+each step's current record (:mod:`llmjp_ds.metrics.record`). Metric names the rest of the package uses: ``loss``,
+``z_loss``, ``valid_loss``, ``lr``, ``grad_norm``, ``tokens_per_s``, ``tflops_per_gpu``, ``mfu``,
+``peak_memory_gib``, ``step_time_s`` and ``phase`` (the precision phase, a string such as ``"bf16"`` or ``"fp8"``).
+NaN losses are written as ``NaN`` (Python's json reads them back).
 
 The same records go to wandb (offline by default; ``disabled`` never imports wandb). wandb's own step counter
 must only grow, and a resumed run restarts from a checkpoint *behind* the last step the killed run logged, so
@@ -16,27 +17,27 @@ instead of passing ``step=`` to ``wandb.log``, which would silently drop the rep
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import resource
 import secrets
-import stat
 import string
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from llmjp_ds.errors import fail
+from llmjp_ds.io_utils import free_space, write_failure
+from llmjp_ds.metrics.record import ATTEMPT_EVENT, METRICS_FILE, last_attempt
 
 __all__ = [
     "PEAK_TFLOPS", "peak_tflops", "peak_flops_for_device", "Throughput", "peak_memory_gib", "reset_peak_memory",
-    "MetricsLogger", "read_metrics", "format_log_line", "METRICS_FILE", "WANDB_MODES",
+    "MetricsLogger", "format_log_line", "WANDB_MODES",
 ]
 
-METRICS_FILE = "metrics.jsonl"
 WANDB_MODES = ("online", "offline", "disabled")
 
 # Dense (no sparsity) peak tensor-core TFLOP/s per GPU from NVIDIA's data sheets, keyed by a fragment of
@@ -157,86 +158,40 @@ def _scalars(values: dict) -> dict:
     return out
 
 
-def parse_records(data: bytes) -> tuple[list[dict], int]:
-    """The records of a metrics.jsonl's bytes in file order, and how many non-blank lines were skipped: a line
-    cut short by a killed run, bytes that are not UTF-8 or not JSON, a value that is not an object with an
-    integer step."""
-    records, skipped = [], 0
-    for raw in data.splitlines():
-        if not raw.strip():
-            continue
-        try:
-            record = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError):
-            skipped += 1
-            continue
-        step = record.get("step") if isinstance(record, dict) else None
-        if not isinstance(step, int) or isinstance(step, bool):
-            skipped += 1
-            continue
-        records.append(record)
-    return records, skipped
-
-
-def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
-    """The records of ``<run_dir>/metrics.jsonl`` in file order (unreadable lines, such as a torn last one,
-    skipped)."""
-    path = Path(run_dir) / METRICS_FILE
-    if not path.is_file():
-        fail(f"no {METRICS_FILE} in {run_dir}: is it a run directory, and has the run logged a step yet?")
-    return parse_records(path.read_bytes())[0]
-
-
 def _ends_with_newline(path: Path) -> bool:
     with open(path, "rb") as f:
         f.seek(-1, os.SEEK_END)
         return f.read(1) == b"\n"
 
 
-def _truncate_after(path: Path, step: int) -> int:
-    """Drop the records after ``step`` (left by a killed run) and any torn line, rewriting the file atomically
-    (temp file, fsync, rename); return how many records were dropped."""
-    if not path.is_file():
-        return 0
-    data = path.read_bytes()
-    records, _ = parse_records(data)
-    kept = [r for r in records if r["step"] <= step]
-    if len(kept) == len(data.splitlines()):
-        return 0  # nothing after `step`, no torn, unreadable or blank line: leave the file alone
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, stat.S_IMODE(path.stat().st_mode))  # keep the trail's mode, not mkstemp's 0600
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    return len(records) - len(kept)
-
-
 class MetricsLogger:
     """Rank 0's metrics trail: ``<run_dir>/metrics.jsonl`` plus a wandb run; other ranks do nothing.
 
-    ``run_id`` resumes that wandb run (``resume="allow"``); without it a fresh id is drawn even when wandb is
-    disabled, so the trainer can store ``logger.run_id`` in its checkpoint and a resumed run keeps the id.
-    ``resume_step`` drops the records after that step (a killed run logged past its last checkpoint), so the
-    trail has each step once. wandb files go to ``<run_dir>/wandb/`` (``WANDB_DIR`` is set to ``run_dir``,
-    under which wandb makes its own ``wandb/`` directory).
+    The file only grows (:mod:`llmjp_ds.metrics.record`): a process that finds records there is a new attempt,
+    going on from ``step`` (its checkpoint's step; 0 afresh), and says so with an ``attempt`` event; a rollback is
+    one too (:meth:`new_attempt`). ``run_id`` resumes that wandb run (``resume="allow"``); without it a fresh id is
+    drawn even when wandb is disabled, so the trainer can store ``logger.run_id`` in its checkpoint and a resumed
+    run keeps the id. wandb files go to ``<run_dir>/wandb/`` (``WANDB_DIR`` is set to ``run_dir``, under which
+    wandb makes its own ``wandb/`` directory).
+
+    ``guard`` is called before each write (the run directory's lock: it ends the run with one line when the
+    directory is no longer the one it locked). A write that fails (a full disk) leaves nothing of its line, and
+    the logger writes no more: :attr:`failure` says what failed, for the trainer to end the run on.
     """
 
     def __init__(self, run_dir: str | os.PathLike, *, wandb_mode: str = "offline", project: str = "llmjp-ds",
                  run_name: str | None = None, run_id: str | None = None, config: dict | None = None,
-                 resume_step: int | None = None, rank: int = 0):
+                 step: int = 0, rank: int = 0, guard=None):
         if wandb_mode not in WANDB_MODES:
             fail(f"wandb mode must be one of {', '.join(WANDB_MODES)}, got {wandb_mode!r}")
         self.run_dir = Path(run_dir)
+        self.path = self.run_dir / METRICS_FILE
         self.rank = rank
         self.wandb_mode = wandb_mode
-        self.dropped = 0  # records removed by resume_step
-        self._file = None
+        self.failure: str | None = None  # the write that failed, in words
+        self.attempt = 0
+        self._guard = guard
+        self._fd: int | None = None
         self._wandb_run = None
         self._run_id = run_id
         if rank != 0:
@@ -244,12 +199,12 @@ class MetricsLogger:
         if self._run_id is None:
             self._run_id = _new_run_id()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        path = self.run_dir / METRICS_FILE
-        if resume_step is not None:
-            self.dropped = _truncate_after(path, resume_step)
-        self._file = open(path, "a", encoding="utf-8")
-        if self._file.tell() > 0 and not _ends_with_newline(path):
+        self.attempt = last_attempt(self.path) + 1
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        if os.fstat(self._fd).st_size and not _ends_with_newline(self.path):
             self._write_raw("\n")  # end a line torn by a killed run before appending after it
+        if self.attempt > 1:
+            self.event(step, ATTEMPT_EVENT, reason="resume" if step else "restart")
         if wandb_mode != "disabled":
             try:
                 self._wandb_run = self._start_wandb(project, run_name, config, resumed=run_id is not None)
@@ -284,20 +239,37 @@ class MetricsLogger:
 
     @property
     def active(self) -> bool:
-        return self._file is not None
+        return self._fd is not None and self.failure is None
 
     def _write_raw(self, text: str) -> None:
-        self._file.write(text)
-        self._file.flush()
+        """Append ``text`` whole or not at all (a failed write's part is cut off again)."""
+        if self._guard is not None:
+            self._guard()
+        data = text.encode("utf-8")
+        size = os.fstat(self._fd).st_size
+        try:
+            while data:
+                data = data[os.write(self._fd, data):]
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, size)
+            self.failure = f"writing {self.path} failed ({write_failure(exc)}; {free_space(self.run_dir)} there)"
 
     def _write(self, record: dict) -> None:
-        self._write_raw(json.dumps(record) + "\n")
+        self._write_raw(json.dumps({**record, "attempt": self.attempt}) + "\n")
+
+    def new_attempt(self, step: int, reason: str) -> None:
+        """The run went back to its checkpoint of ``step`` (a rollback): what follows supersedes the step records
+        after it."""
+        if self.active:
+            self.attempt += 1
+            self.event(step, ATTEMPT_EVENT, reason=reason)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """One step's metrics; ``step`` is the optimizer step the metrics belong to."""
         if not self.active:
             return
-        values = {k: _plain(v) for k, v in metrics.items() if k not in ("step", "time")}
+        values = {k: _plain(v) for k, v in metrics.items() if k not in ("step", "time", "attempt")}
         self._write({"step": int(step), "time": round(time.time(), 3), **values})
         if self._wandb_run is not None:
             self._wandb_run.log({"step": int(step), **_scalars(values)})
@@ -307,16 +279,16 @@ class MetricsLogger:
         ``event/<name> = 1`` at ``step``, and ``last_event/<name>`` in the wandb summary with its fields."""
         if not self.active:
             return
-        fields = {k: _plain(v) for k, v in fields.items() if k not in ("step", "time", "event")}
+        fields = {k: _plain(v) for k, v in fields.items() if k not in ("step", "time", "event", "attempt")}
         self._write({"step": int(step), "time": round(time.time(), 3), "event": name, **fields})
         if self._wandb_run is not None:
             self._wandb_run.log({"step": int(step), f"event/{name}": 1})
             self._wandb_run.summary[f"last_event/{name}"] = {"step": int(step), **fields}
 
     def close(self, exit_code: int = 0) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         if self._wandb_run is not None:
             run, self._wandb_run = self._wandb_run, None
             run.finish(exit_code=exit_code)
@@ -366,6 +338,8 @@ def format_log_line(step: int, total_steps: int | None, metrics: dict[str, Any])
         if num("z_loss") is not None:
             text += f" z {num('z_loss'):.2e}"
         parts.append(text)
+    if metrics.get("skipped"):  # the health gate skipped the update: no gradient norm to show
+        parts.append(f"update skipped ({metrics['skipped']})")
     for key, show in _LOG_FIELDS:
         value = num(key)
         if value is not None:

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from llmjp_ds.metrics.curves import gap, read_curve, run_curve
 from llmjp_ds.errors import fail
-from llmjp_ds.metrics.logger import METRICS_FILE, parse_records
+from llmjp_ds.io_utils import free_space, write_failure
+from llmjp_ds.metrics.record import METRICS_FILE, current_steps, parse_records
 
 __all__ = ["plot_run", "cli_main"]
 
@@ -59,16 +60,9 @@ def read_records(path: Path) -> tuple[list[dict], int]:
 
 
 def _by_step(records: list[dict]) -> tuple[dict[int, dict], list[dict]]:
-    """Step records merged per step (a later record wins: a step replayed after a resume without truncation,
-    or a validation loss logged separately), and the events in file order."""
-    steps: dict[int, dict] = {}
-    events = []
-    for record in records:
-        if "event" in record:
-            events.append(record)
-        else:
-            steps.setdefault(record["step"], {}).update(record)
-    return dict(sorted(steps.items())), events
+    """Each step's current record (a step that a resume or a rollback went back over: its last attempt's), and
+    every event in file order."""
+    return current_steps(records), [r for r in records if "event" in r]
 
 
 def _series(steps: dict[int, dict], key: str) -> tuple[list[int], list[float]]:
@@ -205,10 +199,12 @@ def _draw(steps: dict[int, dict], events: list[dict], title: str, where: str = "
     return fig
 
 
-def plot_run(run_dir: str | os.PathLike, output: str | os.PathLike | None = None, beside=(), events=None) -> Path:
+def plot_run(run_dir: str | os.PathLike, output: str | os.PathLike | None = None, beside=(), events=None,
+             option: str = "--output") -> Path:
     """Draw ``<run_dir>/metrics.jsonl`` to ``output`` (default ``<run_dir>/metrics.png``); return its path.
     ``beside``: other runs' directories or Megatron-LM logs (:mod:`llmjp_ds.metrics.curves`), drawn beside this one;
-    ``events``: the names of the events to mark (default: every event)."""
+    ``events``: the names of the events to mark (default: every event); ``option``: the verb's option that named
+    ``output``, for the messages."""
     run_dir = Path(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         fail(f"run directory {run_dir} is a file: pass the run_dir of a training run (it holds {METRICS_FILE})")
@@ -219,7 +215,7 @@ def plot_run(run_dir: str | os.PathLike, output: str | os.PathLike | None = None
         fail(f"no {METRICS_FILE} in {run_dir}: has the run logged a step yet?")
     output = Path(output) if output is not None else run_dir / "metrics.png"
     if output.is_dir():
-        fail(f"cannot write {output}: it is a directory; pass a file name with --output")
+        fail(f"cannot write {output}: it is a directory; pass a file name with {option}")
     if not output.parent.is_dir():
         fail(f"cannot write {output}: directory {output.parent} does not exist")
     records, skipped = read_records(metrics)
@@ -251,8 +247,8 @@ def plot_run(run_dir: str | os.PathLike, output: str | os.PathLike | None = None
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp made it 0600
         os.replace(tmp, output)
     except OSError as exc:
-        fail(f"cannot write {output} ({exc.strerror or exc}): choose another --output, or free space or fix the "
-             f"permissions of {output.parent}")
+        fail(f"cannot write {output} ({write_failure(exc)}; {free_space(output.parent)} there): choose another "
+             f"{option}, or free space or fix the permissions of {output.parent}")
     finally:
         if tmp is not None:
             with contextlib.suppress(OSError):

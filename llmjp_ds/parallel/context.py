@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from llmjp_ds.errors import fail
-from llmjp_ds.io_utils import write_bytes_atomic
+from llmjp_ds.io_utils import one_line_write_errors, write_bytes_atomic
 from llmjp_ds.launch import launcher, rendezvous, scheduler
 from llmjp_ds.launch.failure import PeerFailure, is_peer_failure
 from llmjp_ds.model.expert_parallel import ExpertParallel
@@ -237,7 +237,8 @@ class ParallelContext:
         token = [secrets.token_hex(16) if self.rank == 0 else None]
         dist.broadcast_object_list(token, src=0)
         if self.rank == 0:
-            write_bytes_atomic(path / SHARED_TOKEN, token[0].encode())
+            with one_line_write_errors(path / SHARED_TOKEN, "free space or choose another run_dir, then start again"):
+                write_bytes_atomic(path / SHARED_TOKEN, token[0].encode())
         self.barrier()
         seen = _read_token(path / SHARED_TOKEN, token[0])
         missing = torch.tensor([0.0 if seen == token[0] else 1.0], device=self.device)
@@ -251,9 +252,13 @@ class ParallelContext:
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is true on any."""
-        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        return self.any_rank_of(flag)[0]
+
+    def any_rank_of(self, *flags: bool) -> tuple[bool, ...]:
+        """Each of ``flags``, true on every rank when it is true on any (one all-reduce)."""
+        t = torch.tensor([1.0 if flag else 0.0 for flag in flags], device=self.device)
         self.all_reduce(t)
-        return bool(t.item() > 0)
+        return tuple(bool(v > 0) for v in t.tolist())
 
 
 def topology(layout: Layout):

@@ -68,11 +68,17 @@ checkpoint layout) only when an instance of ``deepspeed.moe.layer.MoE`` is in it
 it; ``_save_moe_checkpoint`` writes every state entry of that module whose key contains ``expert`` into one file per
 global expert, which each key must name as ``.deepspeed_moe.experts.deepspeed_experts.<local index>.`` (else
 ``int(None)``), and ``load_moe_state_dict`` reads this rank's experts back under the local indices.
+
+**The overflow notice** (:func:`overflow_notices_held`), read from DeepSpeed 0.19.8's ``runtime/fp16/loss_scaler.py``
+(``LossScaler.update_scale`` and ``DynamicLossScaler.update_scale``) and ``utils/logging.py``: an optimizer step over
+non-finite gradients logs ``[deepspeed] OVERFLOW! ... Skipping step`` through ``deepspeed.utils.logger`` (rank 0's
+``log_dist``). A step the health gate skips makes its gradients NaN on purpose; its notice is held and dropped.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 from pathlib import Path
 
@@ -465,3 +471,39 @@ def expert_parallel_module(model: torch.nn.Module, ep: ExpertParallel, num_exper
             return super().train(mode)
 
     return ExpertParallelModel()
+
+OVERFLOW_NOTICE = "[deepspeed] OVERFLOW!"
+
+
+class _HeldNotices(logging.Filter):
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if OVERFLOW_NOTICE in record.getMessage():
+            self.records.append(record)
+            return False
+        return True
+
+
+@contextlib.contextmanager
+def overflow_notices_held():
+    """DeepSpeed's overflow notices logged inside are held back, in the list this yields: :func:`release_notices`
+    prints them once the step is known to have overflowed (a skip the gate asked for is no overflow)."""
+    from deepspeed.utils import logger
+
+    held = _HeldNotices()
+    logger.addFilter(held)
+    try:
+        yield held.records
+    finally:
+        logger.removeFilter(held)
+
+
+def release_notices(records) -> None:
+    """Print the notices :func:`overflow_notices_held` held, as DeepSpeed would have."""
+    from deepspeed.utils import logger
+
+    for record in records:
+        logger.handle(record)

@@ -11,20 +11,22 @@ returns the losses reduced over all ranks as device tensors (nothing here waits 
 A step is asked with ``gate`` (or None): when given, it is asked with the step's mean loss over every rank before
 the last micro-batch's backward, and True skips the update (that backward is taken of a NaN loss, so DeepSpeed's
 optimizer, which skips non-finite gradients, leaves the weights and its state as they are; the reported loss stays
-the real one). ``loss_scale`` multiplies the loss (1; NaN or a planted spike in a fault drill,
-:mod:`llmjp_ds.health.drills`), and ``grad_scale`` the loss only where it makes the gradients (a planted gradient
-spike). A step returns a :class:`StepResult`. ``beat(phase)`` is called as each phase of the step starts (the
-trainer hands its watchdog's, :mod:`llmjp_ds.launch.failure`).
+the real one, no gradient norm is reported, and DeepSpeed's overflow notice for it is not printed). ``loss_scale``
+multiplies the loss (1; NaN or a planted spike in a fault drill, :mod:`llmjp_ds.health.drills`), and ``grad_scale``
+the loss only where it makes the gradients (a planted gradient spike). A step returns a :class:`StepResult`.
+``beat(phase)`` is called as each phase of the step starts (the trainer hands its watchdog's,
+:mod:`llmjp_ds.launch.failure`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
 from llmjp_ds.parallel.context import ParallelContext
-from llmjp_ds.parallel.deepspeed_internals import set_stage_forward_context
+from llmjp_ds.parallel.deepspeed_internals import overflow_notices_held, release_notices, set_stage_forward_context
 
 
 def _no_watchdog(phase: str) -> None:
@@ -46,8 +48,9 @@ class Routing:
 @dataclass(frozen=True)
 class StepValues:
     """One step as the trainer reads it: the mean losses over every rank's micro-batches, whether the gate skipped
-    the update, whether the optimizer applied it (not skipped, its gradients finite), the gradient norm, and an
-    MoE model's :class:`Routing` (None for a dense model)."""
+    the update, whether the optimizer applied it (not skipped, its gradients finite), the gradient norm (None
+    where the gate skipped the update: there was none to measure), and an MoE model's :class:`Routing` (None for a
+    dense model)."""
 
     lm_loss: float
     z_loss: float
@@ -60,24 +63,32 @@ class StepValues:
 @dataclass(frozen=True)
 class StepResult:
     """What one optimizer step returns, nothing waited for: ``losses`` on the device (``[lm_loss, z_loss,
-    gated]``), an MoE model's routing (``[aux, z, dropped]`` and the expert loads, on the device), and the engine
-    whose optimizer :meth:`read` asks the rest of."""
+    gated]``), the engine whose optimizer :meth:`read` asks the rest of, an MoE model's routing (``[aux, z,
+    dropped]`` and the expert loads, on the device), and DeepSpeed's overflow notices held while a gate could skip
+    the update."""
 
     losses: torch.Tensor
     engine: object
     routing: torch.Tensor | None = None
     expert_load: torch.Tensor | None = None
+    held: tuple = ()
 
     def read(self) -> StepValues:
-        """The step's values (this waits for the device)."""
+        """The step's values (this waits for the device); the overflow notices held are printed unless the gate
+        skipped the update."""
         lm_loss, z_loss, gated = self.losses.tolist()
+        if gated:
+            return StepValues(lm_loss, z_loss, True, False, None, self._routing())
+        release_notices(self.held)
         norm = self.engine.get_global_grad_norm()
         norm = None if norm is None else float(norm.item() if hasattr(norm, "item") else norm)
-        routing = None
-        if self.routing is not None:
-            aux, rz, dropped = self.routing.tolist()
-            routing = Routing(aux, rz, int(dropped), self.expert_load.long().tolist())
-        return StepValues(lm_loss, z_loss, gated > 0, not gated and self.engine.was_step_applied(), norm, routing)
+        return StepValues(lm_loss, z_loss, False, self.engine.was_step_applied(), norm, self._routing())
+
+    def _routing(self) -> Routing | None:
+        if self.routing is None:
+            return None
+        aux, rz, dropped = self.routing.tolist()
+        return Routing(aux, rz, int(dropped), self.expert_load.long().tolist())
 
 
 class StepRunner:
@@ -95,6 +106,11 @@ class StepRunner:
 
 class EngineRunner(StepRunner):
     def train_step(self, batches, gate=None, loss_scale: float = 1.0, grad_scale: float = 1.0) -> StepResult:
+        with _held_if(gate) as held:
+            losses, routing, loads = self._train_step(batches, gate, loss_scale, grad_scale)
+        return StepResult(losses, self.engine, routing, loads, tuple(held))
+
+    def _train_step(self, batches, gate, loss_scale: float, grad_scale: float):
         parts, skipped, routing, loads = None, 0.0, None, None
         for m, (input_ids, targets) in enumerate(batches):
             self.beat("forward")
@@ -121,7 +137,7 @@ class EngineRunner(StepRunner):
             routing = self._mean(routing * routing.new_tensor([1.0, 1.0, len(batches) * self.ctx.dp_size]),
                                  len(batches))
             loads = self.ctx.all_reduce(loads.float() / tensor)
-        return StepResult(torch.cat([mean, mean.new_tensor([skipped])]), self.engine, routing, loads)
+        return torch.cat([mean, mean.new_tensor([skipped])]), routing, loads
 
     def _mean(self, parts: torch.Tensor, count: int) -> torch.Tensor:
         """The mean over every rank's ``count`` micro-batches of the summed ``parts``."""
@@ -151,14 +167,15 @@ class PipelineRunner(StepRunner):
 
     def train_step(self, batches, gate=None, loss_scale: float = 1.0, grad_scale: float = 1.0) -> StepResult:
         self.loss.reset(len(batches), gate, self.ctx, loss_scale, grad_scale)
-        self.engine.train_batch(data_iter=iter(batches))
+        with _held_if(gate) as held:
+            self.engine.train_batch(data_iter=iter(batches))
         parts = torch.zeros(3, device=self.ctx.device)
         if self.engine.is_last_stage():
             parts[:2] += torch.stack([torch.as_tensor(self.loss.lm_loss_sum, device=self.ctx.device),
                                       torch.as_tensor(self.loss.z_loss_sum, device=self.ctx.device)]).float()
             parts[:2] /= self.loss.micro_batches * self.ctx.loss_copies
             parts[2] = float(self.loss.skipped)  # the gate ran on the last stage: every rank learns its answer
-        return StepResult(self.ctx.all_reduce(parts), self.engine)
+        return StepResult(self.ctx.all_reduce(parts), self.engine, held=tuple(held))
 
     def eval_loss(self, batches) -> torch.Tensor:
         self.engine.eval()
@@ -169,6 +186,11 @@ class PipelineRunner(StepRunner):
                                   if self.engine.is_last_stage() else 0.0], device=self.ctx.device)
         self.engine.train()
         return self.ctx.all_reduce(value)
+
+
+def _held_if(gate):
+    """DeepSpeed's overflow notices held while ``gate`` may skip the update (nothing held without a gate)."""
+    return overflow_notices_held() if gate is not None else contextlib.nullcontext([])
 
 
 class _BeatOnExit:

@@ -7,7 +7,9 @@
 * :mod:`.saving`: saves in the background and their commit;
 * :mod:`.restore`: back to a checkpoint: the newest intact one at the start, the one before a spike or a
   divergence in a rollback;
-* :mod:`.stopping`: a stop signal, or this rank's launcher gone, ending the run at a step boundary.
+* :mod:`.stopping`: a stop signal, or this rank's launcher gone, ending the run at a step boundary;
+* :mod:`.ending`: a run that ends early with one line (a stop verdict, the rollback limit, non-finite steps in a
+  row, a record that cannot be written), a ``stop`` event first.
 """
 
 from llmjp_ds.trainer.step import StepEngine, precision_schedule

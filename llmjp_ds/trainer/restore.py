@@ -73,11 +73,13 @@ class Resume:
         set_progress(self.engine, progress["step"], progress["consumed_samples"])
         return client
 
-    def rollback(self, first_bad_step: int, why: str, checkpointer=None, step: int = 0) -> tuple[int, str, dict]:
+    def rollback(self, first_bad_step: int, why: str, checkpointer=None, step: int = 0,
+                 guard=None) -> tuple[int, str, dict]:
         """Load the newest intact checkpoint saved before step ``first_bad_step`` ran (a tag's number counts the
         steps it holds: tag N holds steps 1..N); its step, tag and client state. ``why`` words the line when there
         is none. A background save of the diverging timeline (``checkpointer``'s, after ``step`` steps) lands
-        first, and every checkpoint after the good one is discarded."""
+        first, and every checkpoint after the good one is discarded (``guard`` called before: the run directory's
+        lock, :meth:`checkpoint.RunDirLock.check_in_place`)."""
         if checkpointer is not None:
             checkpointer.commit(step, block=True)
         self.watchdog.beat("checkpoint")  # loading the good checkpoint
@@ -89,6 +91,8 @@ class Resume:
         client = checkpoint.load(self.engine, self.run_dir, good_tag)
         self.precision.weights_changed()
         if self.ctx.rank == 0:
+            if guard is not None:
+                guard()
             checkpoint.discard_after(self.run_dir, good_step)
         self.ctx.barrier()
         return good_step, good_tag, client

@@ -8,7 +8,8 @@ import sys
 import time
 
 from llmjp_ds import checkpoint
-from llmjp_ds.checkpoint.async_save import arena_bytes, check_host_memory, interval_advice, smallest_interval
+from llmjp_ds.checkpoint.async_save import (arena_bytes, check_host_memory, interval_advice, seconds,
+                                            smallest_interval)
 from llmjp_ds.config import kept_step
 from llmjp_ds.validate import gpus_per_node_from_env
 
@@ -16,11 +17,12 @@ from llmjp_ds.validate import gpus_per_node_from_env
 class Checkpointer:
     """The run's saves into ``run_dir`` (``meta``: the marker's run description). A checkpoint holds the engine and
     the client state the trainer hands each save; what a save stalls the loop for goes to the next step's record
-    (:meth:`take_metrics`)."""
+    (:meth:`take_metrics`). ``guard`` is called before a save and a commit write anything (the run directory's
+    lock: it ends the run with one line when the directory is no longer the one locked)."""
 
-    def __init__(self, cfg, engine, ctx, run_dir, meta, logger, watchdog, step: int):
+    def __init__(self, cfg, engine, ctx, run_dir, meta, logger, watchdog, step: int, guard=lambda: None):
         self.cfg, self.engine, self.ctx, self.run_dir, self.meta = cfg, engine, ctx, run_dir, meta
-        self.logger, self.watchdog = logger, watchdog
+        self.logger, self.watchdog, self.guard = logger, watchdog, guard
         self.saver = checkpoint.AsyncSaver() if cfg.checkpoint.async_save else None
         if self.saver is not None:
             nbytes = arena_bytes(self.engine.module, self.ctx.dp_rank, self.ctx.dp_size)
@@ -53,6 +55,7 @@ class Checkpointer:
             self._advise_interval(step, t0, gib, waited)
         self._last_save = (t0, step)
         meta = dataclasses.replace(self.meta, kept=kept_step(step, self.cfg.checkpoint.keep), **marker)
+        self.guard()
         tag = checkpoint.save(self.engine, self.run_dir, step, client.to_dict(), meta, self.cfg.checkpoint.keep_last,
                               rollbacks=rollbacks, saver=self.saver)
         self.save_metrics.update(save_stall_s=time.perf_counter() - t0, save_wait_s=waited)
@@ -61,21 +64,22 @@ class Checkpointer:
         return tag
 
     def _advise_interval(self, step: int, now: float, gib: float, waited: float) -> None:
-        """The first save that waits for the previous write says why, once, with the numbers (the write's
-        GB/s, the interval in seconds, the smallest interval that would not wait); metrics get the event."""
+        """The first save that waits for the previous write says why, once, with what was measured (the write's
+        size, GB/s and time, how long the previous save kept the saver busy from its start, the interval in steps and
+        seconds) and the smallest interval that would not have waited; metrics get the event."""
         if self._interval_told:
             return
         self._interval_told = True
         started, saved_step = self._last_save
         steps = max(1, step - saved_step)
         step_s = (now - started) / steps
-        write_s = self.saver.write_s
-        self.logger.event(step, "checkpoint_waited", waited_s=waited, write_s=write_s,
+        write_s, busy_s = self.saver.write_s, now - started + waited  # the save's start to its write's end
+        self.logger.event(step, "checkpoint_waited", waited_s=waited, write_s=write_s, busy_s=busy_s,
                           snapshot_gib=gib, interval_steps=steps, step_s=step_s,
-                          smallest_interval=smallest_interval(write_s, step_s))
+                          smallest_interval=smallest_interval(busy_s, step_s))
         if self.ctx.rank == 0:
-            print(f"warning: the checkpoint at step {step} waited {waited:.1f} s for the previous one: "
-                  f"{interval_advice(gib, write_s, steps, step_s)}", file=sys.stderr, flush=True)
+            print(f"warning: the checkpoint at step {step} waited {seconds(waited)} s for the previous one: "
+                  f"{interval_advice(gib, write_s, steps, step_s, busy_s)}", file=sys.stderr, flush=True)
 
     def commit(self, step: int, block: bool) -> None:
         """Commit a background save once every rank's writer is done (``block``: wait for it); ``step``: the
@@ -84,6 +88,7 @@ class Checkpointer:
         if saver is None or not saver.in_flight:
             return
         self.watchdog.beat("checkpoint")
+        self.guard()
         tag, gib = saver.tag, saver.snapshot_bytes / 2**30
         if checkpoint.commit_when_done(saver, self.ctx, self.run_dir, self.cfg.checkpoint.keep_last, block):
             self.save_metrics["checkpoint_write_s"] = saver.write_s

@@ -69,10 +69,11 @@ class StopRequest:
                 signal.signal(sig, signal.SIG_IGN)
 
 
-def any_rank_stopping(stop: StopRequest, ctx) -> bool:
-    """Whether any rank was asked to stop (an all-reduce at the end of every step, so that every rank saves the same
-    step and ends); a request on another rank becomes this rank's too."""
-    stopping = ctx.any_rank(stop.requested)
+def any_rank_stopping(stop: StopRequest, ctx, record_lost: bool = False) -> tuple[bool, bool]:
+    """Whether any rank was asked to stop, and whether any rank lost its record (``record_lost``: rank 0's
+    metrics could not be written): one all-reduce at the end of every step, so that every rank saves the same step
+    and ends. A stop request on another rank becomes this rank's too."""
+    stopping, lost = ctx.any_rank_of(stop.requested, record_lost)
     if stopping and not stop.requested:  # another rank's signal: this one's grace timer and record too
         stop.request("a stop request on another rank")
-    return stopping
+    return stopping, lost

@@ -33,6 +33,7 @@ from llmjp_ds.model.flops import flops_per_token_for
 from llmjp_ds.parallel.context import ParallelContext
 from llmjp_ds.parallel.layout import Layout
 from llmjp_ds.precision.controller import PrecisionController
+from llmjp_ds.trainer import ending
 from llmjp_ds.trainer.heldout_loss import Evaluator
 from llmjp_ds.trainer.restore import Resume
 from llmjp_ds.trainer.saving import Checkpointer
@@ -91,15 +92,17 @@ class TrainState:
         return self.step - self.skipped_total, self.consumed_samples - self.skipped_samples
 
 
-def open_logger(cfg: RunConfig, client: ClientState, resumed_tag: str | None, step: int, rank: int) -> MetricsLogger:
+def open_logger(cfg: RunConfig, client: ClientState, resumed_tag: str | None, step: int, rank: int,
+                guard) -> MetricsLogger:
     """The run's metrics log and wandb run: the resumed checkpoint's, or for a branch's first start a run of its own
-    whose config (and first event) says where the branch came from."""
+    whose config (and first event) says where the branch came from. ``guard``: called before each write (the run
+    directory's lock, :meth:`checkpoint.RunDirLock.check_in_place`)."""
     origin = read_origin(cfg.run_dir)
     starts_branch = origin is not None and resumed_tag == origin["tag"]
     logger = MetricsLogger(cfg.run_dir, wandb_mode=cfg.logging.wandb, project=cfg.logging.project,
                            run_name=cfg.logging.run_name, run_id=None if starts_branch else client.wandb_run_id,
-                           config={**cfg.to_dict(), **({"branch": origin} if origin else {})},
-                           resume_step=step if resumed_tag else None, rank=rank)
+                           config={**cfg.to_dict(), **({"branch": origin} if origin else {})}, step=step, rank=rank,
+                           guard=guard)
     if starts_branch:
         logger.event(step, "branch", **{f"from_{k}": v for k, v in origin.items()})
     return logger
@@ -163,6 +166,7 @@ class Trainer:
         self.ctx = ParallelContext.start(self.layout, sequence_parallel_of(self.cfg), self.cfg.parallel)
         with self.ctx.reporting_failures():
             self.ctx.check_shared_dir(self.run_dir)  # before anything else is written there
+            self.lock.remember()  # on the other ranks: the lock file rank 0 holds, checked before each save
             if self.ctx.rank == 0:
                 checkpoint.prune_incomplete(self.run_dir)  # what a kill or a failed save left: its disk space back
                 self.data.install_tokenizer(self.run_dir)
@@ -187,7 +191,7 @@ class Trainer:
         """The record, the precision controller and the health monitor (from ``client``, the checkpoint's state),
         and the loop's jobs: validation, stop requests, throughput, saves."""
         cfg, ctx = self.cfg, self.ctx
-        self.logger = open_logger(cfg, client, self.resume.tag, self.state.step, ctx.rank)
+        self.logger = open_logger(cfg, client, self.resume.tag, self.state.step, ctx.rank, self.lock.check_in_place)
         self.say = say_on_rank0(ctx.rank)
         self.say(f"[llmjp-ds] {plan_line(cfg, self.schedule)}")
         self.controller = PrecisionController(precision, cfg.precision, event=self.logger.event, say=self.say)
@@ -204,8 +208,10 @@ class Trainer:
                                      cfg.train.global_batch_size * self.seq_len, self.layout.world)
         self.checkpointer = Checkpointer(cfg, self.steps.engine, ctx, self.run_dir,
                                          checkpoint.CheckpointMeta.for_run(cfg, self.model_config, self.layout.data),
-                                         self.logger, self.steps.watchdog, self.state.step)
+                                         self.logger, self.steps.watchdog, self.state.step, self.lock.check_in_place)
         self.last_loss = float("nan")
+        if self.logger.failure:  # the start's events: nothing trained yet, nothing to save
+            fail(f"{self.logger.failure}: free space, then start again")
 
     # --- the loop -------------------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -224,6 +230,8 @@ class Trainer:
             if self.cfg.checkpoint.save_at_end and checkpoint.latest_tag(self.run_dir) != checkpoint.tag_for(
                     self.state.step, self.state.rollbacks):
                 self.save(wait=True)
+            if self.logger.failure:  # the last save's events did not fit
+                ending.end_on_lost_record(self.logger.failure, lambda: checkpoint.latest_tag(self.run_dir), 0)
         self.logger.close()
         self.ctx.finish()  # the heartbeat stops before the barrier: a rank that ends is not taken for a lost one
         self.ctx.barrier()
@@ -242,8 +250,7 @@ class Trainer:
         t0 = time.perf_counter()
         self.steps.watchdog.beat("data", step)
         batch = self.batches.batch(s.step, s.consumed_samples)
-        # read, not trained on: the LR schedule does not advance
-        if skipped(step, s.skipped_ranges(self.cfg.train.skip_steps)):
+        if skipped(step, s.skipped_ranges(self.cfg.train.skip_steps)):  # read, not trained on: no LR advance
             s.advance(batch, trained=False)
             return False
         sched_step, sched_samples = s.schedule_position()
@@ -274,7 +281,8 @@ class Trainer:
             s.skipped_in_a_row = 0
         s.advance(batch, trained=applied)
         self.last_loss = lm_loss
-        metrics = {"loss": lm_loss, "z_loss": z_loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": step_time,
+        metrics = {"loss": lm_loss, "z_loss": z_loss, "lr": lr, "step_time_s": step_time,
+                   **({"skipped": "loss spike"} if result.gated else {"grad_norm": grad_norm}),
                    "global_batch_size": batch, "peak_memory_gib": peak_memory_gib(),
                    "consumed_samples": s.consumed_samples, "skipped_steps": s.skipped_total,
                    **({"data_phase": self.data.phases.index(self.data.phase_at(step - 1))}
@@ -286,19 +294,21 @@ class Trainer:
 
     def _act(self, verdict: Verdict, gated: bool) -> bool:
         """The configured action on ``verdict``: an event always; a skipped update counted (the caller), the run
-        rolled back (True), or stopped with one line."""
-        self.logger.event(verdict.step, "health", **verdict.fields())
+        rolled back (True), or stopped with one line (a rollback over health.max_rollbacks too)."""
+        limited = verdict.action == "rollback" and not self.health.rollback_allowed(verdict.step)
+        self.logger.event(verdict.step, "health", **verdict.fields(), **({"limit": "health.max_rollbacks"}
+                                                                         if limited else {}))
         if verdict.kind == "nonfinite" and verdict.action == "skip":
             self._count_nonfinite(verdict.step)
         elif verdict.action == "skip" and gated:
             self.say(f"[llmjp-ds] {verdict.describe()}: its update skipped")
         elif verdict.action in ("warn", "skip"):
             self.say(f"[llmjp-ds] warning: {verdict.describe()}")
-        elif verdict.action == "stop":
+        elif verdict.action == "stop" or limited:
             self.checkpointer.commit(self.state.step, block=True)
-            fail(f"{verdict.describe()}; health.{verdict.kind}{'.action' if verdict.kind != 'nonfinite' else ''} "
-                 f"is stop: the run ends here, and {checkpoint.latest_tag(self.run_dir) or 'no checkpoint'} is its "
-                 "latest checkpoint; look at the data around it, or choose another action")
+            latest = checkpoint.latest_tag(self.run_dir)
+            ending.stop(self.logger, verdict.step, ending.rollback_limit_line(verdict, self.cfg.health) if limited
+                        else ending.verdict_line(verdict, latest), latest)
         else:
             self._health_rollback(verdict)
             return True
@@ -310,19 +320,13 @@ class Trainer:
         self.logger.event(step, "skipped_step", reason="non-finite loss or gradients", in_a_row=s.skipped_in_a_row)
         if s.skipped_in_a_row >= self.cfg.train.max_nonfinite_steps:
             s.advance(self.batches.batch(s.step, s.consumed_samples), trained=False)
-            self.save(wait=True)
-            fail(f"{s.skipped_in_a_row} consecutive steps had non-finite loss or gradients (last: step {step}); a "
-                 "checkpoint was saved. Lower optim.lr or check the data, then resume")
+            tag = self.save(wait=True)
+            ending.stop(self.logger, step, ending.nonfinite_line(s.skipped_in_a_row, step), tag)
 
     def _health_rollback(self, verdict: Verdict) -> None:
         """Back to the newest checkpoint health.rollback_before steps before ``verdict``'s step, the steps of
-        health.skip_before / skip_after around it skipped (recorded in the run's state); too many rollbacks end the
-        run with one line."""
+        health.skip_before / skip_after around it skipped (recorded in the run's state)."""
         h = self.cfg.health
-        if not self.health.rollback_allowed(verdict.step):
-            fail(f"{verdict.describe()}, one rollback more than health.max_rollbacks={h.max_rollbacks} within "
-                 f"health.rollback_window={h.rollback_window} steps: the run stops rather than loop; look at the "
-                 "data or lower optim.lr, then resume (or raise health.max_rollbacks)")
         skips_before = self.state.skip_steps
         good_step, good_tag, client = self.rollback(verdict.step - h.rollback_before, verdict.describe())
         resumed = ClientState.from_dict(client)
@@ -340,9 +344,11 @@ class Trainer:
         """Back to the newest checkpoint saved before step ``first_bad_step`` ran (``Resume.rollback``): the run's
         state is the checkpoint's, one more rollback counted."""
         rollbacks = self.state.rollbacks + 1
-        good_step, good_tag, client = self.resume.rollback(first_bad_step, why, self.checkpointer, self.state.step)
+        good_step, good_tag, client = self.resume.rollback(first_bad_step, why, self.checkpointer, self.state.step,
+                                                           self.lock.check_in_place)
         self.state = TrainState(**ClientState.from_dict(client).train_state)
         self.state.rollbacks = rollbacks
+        self.logger.new_attempt(good_step, "rollback")  # the step records after good_step are superseded
         return good_step, good_tag, client
 
     def _after_step(self, metrics: dict) -> bool:
@@ -358,7 +364,9 @@ class Trainer:
             self.logger.log(step, metrics)
             if cfg.logging.progress:
                 self.say(format_log_line(step, cfg.train.steps, metrics))
-        stopping = any_rank_stopping(self.stop, self.ctx)
+        stopping, lost = any_rank_stopping(self.stop, self.ctx, self.logger.failure is not None)
+        if lost:
+            ending.end_on_lost_record(self.logger.failure, lambda: self.save(wait=True), self.ctx.rank)
         if stopping or save_due(step, cfg.checkpoint):
             self.save(wait=stopping)
         else:

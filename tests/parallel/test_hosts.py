@@ -237,7 +237,7 @@ def _relaunch_on_node1(hosts, tmp_path: Path, run_dir: Path, launcher: str = "de
     after = [r for r in trail(run_dir) if r["step"] > resumed_from]
     assert after and after[0]["step"] == resumed_from + 1, out[-3000:]
     assert after[0]["consumed_samples"] == before[-1]["consumed_samples"] + 8
-    from llmjp_ds.metrics.logger import read_metrics
+    from llmjp_ds.metrics.record import read_metrics
 
     reshapes = [r for r in read_metrics(run_dir) if r.get("event") == "reshape"]
     assert reshapes and reshapes[-1]["tag"] == tag, reshapes
@@ -435,7 +435,7 @@ def requeue_reference(train_env, tmp_path_factory) -> Path:
 def _stopped_and_resumed(run_dir: Path, reference: Path, steps: int | None = None) -> list[dict]:
     """The run's trail equals the reference's, to the bit, through ``steps`` (default: the whole run), and it was
     stopped with a save and resumed from that save; its events."""
-    from llmjp_ds.metrics.logger import read_metrics
+    from llmjp_ds.metrics.record import read_metrics
 
     events = [r for r in read_metrics(run_dir) if "event" in r]
     stopped = [e for e in events if e["event"] == "preempted"]
@@ -514,7 +514,7 @@ def test_a_grid_engine_job_saves_on_notice_its_rerun_resumes_exactly_and_a_delet
     """``qmod -rj`` (reschedule) mid-run: Grid Engine sends the -notify SIGUSR2, the ranks save, the script exits 99
     and the job runs again (-r y), resuming from that save. Then ``qdel`` mid-rerun: SIGUSR2 again, a save, and the
     job is gone, not rerun. Every step trained equals the uninterrupted torchrun run's, to the bit."""
-    from llmjp_ds.metrics.logger import read_metrics
+    from llmjp_ds.metrics.record import read_metrics
 
     run_dir = tmp_path / "run"
     job, say = _ge_job(hosts, gridengine, tmp_path, run_dir, REQUEUE_SETS, "rerun")

@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 
-from llmjp_ds.metrics.logger import read_metrics
+from llmjp_ds.metrics.record import read_metrics
 
 from tests.runs import FLIP, LAYOUTS, N, STEPS, max_rel_diff, run_train, trail
 from tests.train.test_equivalence import GRAD_NORM_RTOL, LOSS_RTOL

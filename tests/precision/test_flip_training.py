@@ -3,7 +3,6 @@ across it, and the divergence guard's rollback."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 from pathlib import Path
 
@@ -28,15 +27,12 @@ def train(env, run_dir: Path, *sets: str) -> subprocess.CompletedProcess:
 
 
 def trail(run_dir: Path) -> tuple[dict, list]:
-    """(last logged record per step, events) from metrics.jsonl."""
-    records, events = {}, []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if "event" in rec:
-            events.append(rec)
-        else:
-            records[rec["step"]] = rec
-    return records, events
+    """(each step's current record, every event) from metrics.jsonl: a step the rollback went back over counts as
+    its latest attempt logged it."""
+    from llmjp_ds.metrics.record import current_steps, events, read_metrics
+
+    records = read_metrics(run_dir)
+    return current_steps(records), events(records)
 
 
 @pytest.fixture(scope="module")

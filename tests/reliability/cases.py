@@ -20,6 +20,7 @@ class Case:
     env: dict = field(default_factory=dict)
     trains: bool = False  # a training start: must fail before DeepSpeed/process groups
     after_start: bool = False  # a training refused only once its process group exists (a checkpoint's content)
+    cwd: str | None = None  # the working directory ({tmp} ...; default: the repository)
 
 
 def sub(text, c) -> str:

@@ -70,8 +70,20 @@ CASES: list[Case] = [
                                                            "own, e.g. runs/my-run")),
     Case("run-dir-current-directory", T(*LATER, run="."),
          ("run_dir . is the current directory", "give it a directory of its own")),
+    # from a directory of the catalogue's own: whatever holds the checkout (the home, /tmp) is not what `..` is
     Case("run-dir-holds-current-directory", T(*LATER, run=".."),
-         ("run_dir .. holds the current directory", "give it a directory of its own")),
+         ("run_dir .. holds the current directory (", "cwd/inner): a run writes checkpoints/",
+          "give it a directory of its own"), cwd="{tmp}/cwd/inner"),
+    # --- health: settings under which no verdict can ever be reached ---------------------------------------
+    Case("health-window-below-min-history", T("health.window=10", "health.min_history=20"),
+         ("health.window=10 holds fewer values than health.min_history=20 asks for before any verdict: no loss or "
+          "grad-norm spike would ever be judged; set health.window to at least 20",)),
+    Case("health-action-after-the-run", T("health.loss.action=stop", "train.steps=20"),
+         ("health.loss.action=stop can never act: a spike is judged from step 21 (after health.min_history=20 steps "
+          "of history), and train.steps=20",)),
+    Case("health-valid-loss-without-validations", T("health.valid_loss.action=rollback", "train.eval_interval=0"),
+         ("health.valid_loss.action=rollback can never act: a validation jump is judged against 3 earlier "
+          "validations, and the run validates 0 times (train.eval_interval=0",)),
     # --- path fields ---------------------------------------------------------------------------------------
     Case("tokenizer-missing-without-blend", T("data.tokenizer={tmp}/config/no_tokenizer"),
          ("no_tokenizer does not exist: pass a SentencePiece .model or an HF tokenizer dir",)),
@@ -142,6 +154,7 @@ def prepare(ctx) -> None:
     """Write this topic's inputs under ``ctx.tmp``."""
     d = ctx.tmp / "config"
     d.mkdir()
+    (ctx.tmp / "cwd" / "inner").mkdir(parents=True)  # the working directory of run-dir-holds-current-directory
     (d / "nan_lr.yaml").write_text("optim:\n  lr: .nan\n")
     (d / "inf_lr.json").write_text('{"optim": {"lr": Infinity}}\n')
     (d / "dup_key.yaml").write_text("optim:\n  lr: 1.0e-4\n  beta1: 0.9\n  lr: 3.0e-4\n")

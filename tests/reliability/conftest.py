@@ -145,12 +145,11 @@ def read_records(run_dir) -> list[dict]:
 
 
 def loss_trail(run_dir) -> dict[int, float]:
-    """The last logged loss of each step (a resumed run logs the steps after its checkpoint again)."""
-    trail = {}
-    for r in read_records(run_dir):
-        if "event" not in r and "loss" in r:
-            trail[r["step"]] = r["loss"]
-    return dict(sorted(trail.items()))
+    """The current loss of each step: a resumed run logs the steps after its checkpoint again, and the record keeps
+    both, each marked by its attempt (llmjp_ds/metrics/record.py)."""
+    from llmjp_ds.metrics.record import current_steps
+
+    return {step: r["loss"] for step, r in current_steps(read_records(run_dir)).items() if "loss" in r}
 
 
 def events(run_dir, name: str) -> list[dict]:

@@ -145,6 +145,18 @@ def test_the_interval_advice_names_the_write_and_the_interval_that_fits():
     assert line.endswith("set checkpoint.interval to at least 19, or write the run directory to a faster disk")
 
 
+def test_the_advice_of_a_save_that_barely_waited_agrees_with_itself():
+    """What the trainer measured: the previous save (its snapshot, then its write of 1.5 s) ended 0.004 s into the
+    next save, two steps of 0.8 s after it began. The wait was short, but the advice must still agree with the
+    numbers it shows: the save took longer than the interval, so the interval it names is longer than this one."""
+    from llmjp_ds.checkpoint.async_save import interval_advice
+
+    line = interval_advice(0.01, 1.5, 2, 0.8, busy_s=1.604)
+    assert "in 1.5 s, and that save took 1.604 s from its start to its write's end, longer than " \
+        "checkpoint.interval=2 steps (1.600 s at 0.80 s a step)" in line, line
+    assert "set checkpoint.interval to at least 3," in line
+
+
 def test_a_snapshot_is_not_changed_by_the_next_step():
     """In-process: what the writer gets is a copy (containers rebuilt, tensors cloned or copied to host memory)."""
     from collections import OrderedDict

@@ -343,7 +343,7 @@ def test_catalogue_of_bad_inputs(ctx, tmp_path):
         argv = case.argv(ctx)
         t0 = time.monotonic()
         result = run([sys.executable, *argv], env=subprocess_env(**{k: sub(v, ctx) for k, v in case.env.items()}),
-                     timeout=120)
+                     timeout=120, cwd=sub(case.cwd, ctx) if case.cwd else REPO)
         took = times[case.id] = time.monotonic() - t0
         try:
             messages[case.id] = check_one_line_error(result, case.expect, took, not case.after_start and (

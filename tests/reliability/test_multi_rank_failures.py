@@ -248,7 +248,7 @@ def test_the_watchdog_names_the_stop_check_after_the_log_line_in_the_logs_number
                           logging=SimpleNamespace(interval=1, progress=False),
                           checkpoint=SimpleNamespace(interval=0, keep=[]))
     trainer = SimpleNamespace(cfg=cfg, state=SimpleNamespace(step=3), ctx=ctx, stop=SimpleNamespace(requested=False),
-                              logger=SimpleNamespace(log=lambda step, metrics: None), watchdog=watchdog,
+                              logger=SimpleNamespace(log=lambda step, metrics: None, failure=None), watchdog=watchdog,
                               checkpointer=SimpleNamespace(commit=lambda step, block: None),  # no save in flight
                               say=lambda line: None)
     assert Trainer._after_step(trainer, {"loss": 1.0}) is False

@@ -36,7 +36,7 @@ def test_demo_end_to_end(train_env, tmp_path):
     from llmjp_ds.checkpoint import checkpoint_dir, latest_tag
     from llmjp_ds.data import bundled_corpus_files
     from llmjp_ds.demo import PROMPTS
-    from llmjp_ds.metrics.logger import read_metrics
+    from llmjp_ds.metrics.record import read_metrics
 
     out = tmp_path / "demo"
     result = cli(["demo", "--output", str(out), "--set", f"train.steps={STEPS}", "--set", "train.eval_interval=30",

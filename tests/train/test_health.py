@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from llmjp_ds import checkpoint
-from llmjp_ds.metrics.logger import read_metrics
+from llmjp_ds.metrics.record import current_steps, read_metrics
 
 from tests.launch import subprocess_env
 from tests.runs import COMMON_SETS, LAYOUTS, cli, run_train, trail
@@ -46,6 +46,26 @@ def spiked(tmp, nproc: int, *sets: str, steps=(SPIKE,)):
 
 def records(run_dir) -> dict[int, dict]:
     return {r["step"]: r for r in trail(run_dir)}
+
+
+def events_of(run_dir) -> list[dict]:
+    return [r for r in read_metrics(run_dir) if "event" in r]
+
+
+def health_report(run_dir, tmp) -> tuple[list[str], str]:
+    """``llmjp-ds health RUN_DIR``: its table's rows (step, what, detail) and its last line (the counts)."""
+    out = cli(["health", str(run_dir)], tmp / "health").stdout.strip().splitlines()
+    rows = [tuple(cell.strip() for cell in line.strip("|").split("|")) for line in out[2:] if line.startswith("| ")]
+    return rows, out[-1]
+
+
+def stopped(tmp, *sets, steps) -> str:
+    """A spiked run that ends with one line: the line."""
+    with pytest.raises(pytest.fail.Exception) as failed:
+        spiked(tmp, 1, *sets, steps=steps)
+    lines = [line for line in str(failed.value).splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in str(failed.value), str(failed.value)[-3000:]
+    return lines[0]
 
 
 def weights(run_dir) -> dict[str, torch.Tensor]:
@@ -153,6 +173,11 @@ def test_a_skipped_update_equals_a_run_that_never_trained_on_that_batch(train_en
     reference = run_train(tmp_path / "reference", nproc, *sets, *SETS, f"train.skip_steps=[[{SPIKE}, {SPIKE}]]")
     assert [(e["step"], e["action"]) for e in read_metrics(run_dir) if e.get("event") == "health"] == [(SPIKE, "skip")]
     assert records(run_dir)[SPIKE]["skipped_steps"] == 1 and SPIKE not in records(reference)
+    # recorded as a skip, with the loss that caused it: no gradient norm (no update was made), no overflow notice
+    spike = records(run_dir)[SPIKE]
+    assert spike["skipped"] == "loss spike" and "grad_norm" not in spike and spike["loss"] > 100
+    logs = "".join(p.read_text() for p in (tmp_path / "spiked").glob("train-*.*"))
+    assert "OVERFLOW" not in logs and f"a loss spike at step {SPIKE}" in logs and "update skipped (loss spike)" in logs
     assert_same(run_dir, reference, [s for s in range(1, 10) if s != SPIKE])
 
 
@@ -170,10 +195,23 @@ def test_a_rollback_equals_a_run_without_the_window_and_a_resume_keeps_the_windo
     assert_same(run_dir, reference, range(7, 10))
     assert checkpoint.read_marker(run_dir, checkpoint.latest_tag(run_dir)).skip_steps == [[5, 6]]
 
-    # stopped after the rollback, resumed: the window stays skipped, the trail is the uninterrupted one's
-    spiked(tmp_path / "resumed", nproc, *sets, *SETS, "health.loss.action=rollback", "train.steps=7")
+    # stopped after the rollback with no save since the one the rollback made (step 4's), resumed from that one:
+    # the window stays skipped, the trail is the uninterrupted one's, and the record keeps the spike and the rollback
+    # logged at step 6, after the step the resume went back to
+    spiked(tmp_path / "resumed", nproc, *sets, *SETS, "health.loss.action=rollback", "train.steps=7",
+           "checkpoint.save_at_end=false")
+    before = events_of(tmp_path / "resumed" / "run")
     resumed = run_train(tmp_path / "resumed", nproc, *sets, *SETS, "health.loss.action=rollback")
     assert_same(resumed, run_dir, range(7, 10))
+    after = events_of(resumed)
+    assert after[:len(before)] == before and [e["event"] for e in before if e["event"] in ("health", "rollback")] == [
+        "health", "rollback"]
+    assert [(e["step"], e["tag"]) for e in after if e["event"] == "resume"] == [(4, checkpoint.tag_for(4, 1))]
+    assert list(current_steps(read_metrics(resumed))) == [1, 2, 3, 4, 7, 8, 9]  # step 5 was gone back over
+    rows, counts = health_report(resumed, tmp_path)
+    assert [(r[0], r[1]) for r in rows] == [("6", "loss spike"), ("6", "rollback"), ("4", "resume")], rows
+    assert counts.startswith("7 steps logged, 1 rollbacks, 2 updates skipped;") and \
+        counts.endswith("not trained on: 5..6 (rollback at step 6)"), counts
     if layout != "single":
         return
     out = tmp_path / "trained.npy"
@@ -190,11 +228,49 @@ def test_a_rollback_equals_a_run_without_the_window_and_a_resume_keeps_the_windo
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_too_many_rollbacks_stop_the_run_with_one_line(train_env, tmp_path):
-    with pytest.raises(pytest.fail.Exception) as failed:
-        spiked(tmp_path, 1, *SETS, "health.loss.action=rollback", "health.max_rollbacks=1", steps=(4, 8))
-    lines = [line for line in str(failed.value).splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and "one rollback more than health.max_rollbacks=1 within health.rollback_window=1000 " \
-        "steps: the run stops rather than loop" in lines[0], lines
-    assert "Traceback" not in str(failed.value)
+def test_too_many_rollbacks_stop_the_run_with_one_line_and_the_record_says_so(train_env, tmp_path):
+    """Spikes at steps 4 and 8 with health.max_rollbacks=1: the first is rolled back (to step 2, steps 3..4 skipped),
+    the second would be one rollback more: a stop. Resumed as the line says, the report lists both spikes, the one
+    rollback and its window, and that the run stopped; its counts agree with its rows."""
+    sets = (*SETS, "health.loss.action=rollback", "health.max_rollbacks=1")
+    line = stopped(tmp_path, *sets, steps=(4, 8))
+    assert "one rollback more than health.max_rollbacks=1 within health.rollback_window=1000 steps: the run stops " \
+        "rather than loop" in line, line
+    run_dir = tmp_path / "run"
+    before = events_of(run_dir)
+    (stop,) = [e for e in before if e["event"] == "stop"]
+    assert stop["step"] == 8 and stop["reason"] == line.removeprefix("error: ")
+    assert stop["latest"] == checkpoint.tag_for(6, 1) == checkpoint.latest_tag(run_dir)
+    run_train(tmp_path, 1, *sets)  # resumed, the drill gone
+    assert events_of(run_dir)[:len(before)] == before
+    rows, counts = health_report(run_dir, tmp_path)
+    rows = [r for r in rows if r[1] != "grad_norm spike"]  # step 7's gradient norm after the skip, warned (twice)
+    assert [(r[0], r[1]) for r in rows] == [("4", "loss spike"), ("4", "rollback"), ("8", "loss spike"),
+                                            ("8", "the run stopped"), ("6", "resume")], rows
+    assert rows[0][2].startswith("rollback: ") and rows[2][2].startswith("stop (health.max_rollbacks reached): ")
+    assert rows[4][2] == f"tag {checkpoint.tag_for(6, 1)}"
+    assert counts.startswith("7 steps logged, 1 rollbacks, 1 stops, ") and \
+        counts.endswith("not trained on: 3..4 (rollback at step 4)"), counts
+    assert list(current_steps(read_metrics(run_dir))) == [1, 2, 5, 6, 7, 8, 9]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_stop_verdict_is_a_row_of_the_report_after_a_resume(train_env, tmp_path):
+    """health.loss.action=stop: the spike at step 6 ends the run (one line, step 4's checkpoint the latest); resumed
+    without the spike, the run ends, and the record still holds the verdict and the stop, written before the resume
+    went back to step 4."""
+    line = stopped(tmp_path, *SETS, "health.loss.action=stop", steps=(SPIKE,))
+    assert line.startswith(f"error: a loss spike at step {SPIKE}: ") and \
+        f"health.loss.action is stop: the run ends here, and {checkpoint.tag_for(4)} is its latest checkpoint" in line
+    run_dir = tmp_path / "run"
+    before = events_of(run_dir)
+    run_train(tmp_path, 1, *SETS, "health.loss.action=stop")
+    assert events_of(run_dir)[:len(before)] == before
+    rows, counts = health_report(run_dir, tmp_path)
+    assert [(r[0], r[1]) for r in rows] == [(str(SPIKE), "loss spike"), (str(SPIKE), "the run stopped"),
+                                            ("4", "resume")], rows
+    assert rows[0][2].startswith("stop: value ")
+    assert rows[1][2].endswith(f"(latest checkpoint: {checkpoint.tag_for(4)})")
+    assert counts.startswith("9 steps logged, 0 rollbacks, 1 stops, 0 updates skipped;") and counts.endswith("none")
     shutil.rmtree(tmp_path, ignore_errors=True)

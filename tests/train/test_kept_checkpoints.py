@@ -59,7 +59,7 @@ RUN_SETS = ("checkpoint.async_save=true", "checkpoint.keep=[{below: 4, every: 1}
 @pytest.mark.timeout(600)  # the session's first training also prepares the corpus (~2 min on 2 cores)
 def test_a_run_keeps_its_log_spaced_saves_through_the_background_saver(train_env, tmp_path):
     from llmjp_ds.checkpoint.resume_checks import verify_tag
-    from llmjp_ds.metrics.logger import read_metrics
+    from llmjp_ds.metrics.record import read_metrics
 
     run_dir = run_train(tmp_path / "full", 1, f"train.steps={STEPS}", *RUN_SETS)
     committed = [e["tag"] for e in read_metrics(run_dir) if e.get("event") == "checkpoint_committed"]

@@ -16,7 +16,7 @@ import shutil
 import pytest
 
 from llmjp_ds import checkpoint
-from llmjp_ds.metrics.logger import read_metrics
+from llmjp_ds.metrics.record import read_metrics
 
 from tests.runs import COMMON_SETS, cli, max_rel_diff, run_train, trail
 from tests.train.test_equivalence import GRAD_NORM_RTOL, LOSS_RTOL

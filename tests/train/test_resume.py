@@ -34,7 +34,7 @@ def test_exact_resume(layout, runs):
     for key in COMPARED:
         assert [r[key] for r in b] == [r[key] for r in a], f"{layout}: {key} differs after resuming at step {N}"
 
-    from llmjp_ds.metrics.logger import read_metrics
+    from llmjp_ds.metrics.record import read_metrics
 
     events = [r for r in read_metrics(resumed) if r.get("event") == "resume"]
     assert [(e["step"], e["tag"]) for e in events] == [(N, checkpoint.tag_for(N))]

@@ -127,8 +127,10 @@ class DataConfig:
 @section
 class OptimConfig:
     lr: Real = field(default=3e-4, metadata=above(0, message=LR_MESSAGE))
-    # the decay ends at lr * min_lr_ratio (Megatron-LM's --min-lr = lr * min_lr_ratio)
-    min_lr_ratio: Real = field(default=0.1, metadata=within(0, 1, message=LR_MESSAGE))
+    # the LR the decay ends at: min_lr (Megatron-LM's --min-lr, absolute) or lr * min_lr_ratio; one of the two, and
+    # neither is a ratio of 0.1 (DEFAULT_MIN_LR_RATIO)
+    min_lr_ratio: Real | None = field(default=None, metadata=within(0, 1, message=LR_MESSAGE))
+    min_lr: Real | None = field(default=None, metadata=at_least(0, "the LR the decay ends at, Megatron's --min-lr"))
     warmup_steps: int = field(default=2000, metadata=at_least(0))  # --lr-warmup-iters
     decay_steps: int | None = field(default=None, metadata=at_least(1))  # --lr-decay-iters; default: train.steps
     # the warmup's formula: llmjp = lr * (step + 1) / warmup (the first step already learns); megatron = Megatron-LM's
@@ -166,8 +168,20 @@ class OptimConfig:
             if value not in choices:
                 fail(f"optim.{key} must be one of {', '.join(choices)}, got {value!r}"
                      f"{did_you_mean(str(value), choices)}")
+        if self.min_lr is not None and self.min_lr_ratio is not None:
+            fail(f"optim.min_lr={self.min_lr} and optim.min_lr_ratio={self.min_lr_ratio} both give the LR the decay "
+                 "ends at: keep one and set the other to null (e.g. --set optim.min_lr_ratio=null beside "
+                 "optim.min_lr, Megatron's --min-lr)")
+
+    @property
+    def end_lr(self) -> float:
+        """The LR the decay ends at: ``min_lr``, else ``lr x min_lr_ratio`` (0.1 when neither is set)."""
+        if self.min_lr is not None:
+            return float(self.min_lr)
+        return self.lr * (DEFAULT_MIN_LR_RATIO if self.min_lr_ratio is None else self.min_lr_ratio)
 
 
+DEFAULT_MIN_LR_RATIO = 0.1  # optim.min_lr_ratio when neither it nor optim.min_lr is set
 LR_SCHEDULES = ("llmjp", "megatron")  # optim.schedule: the conventions of llmjp_ds.optim.lr_schedule.LRSchedule
 # megatron-core's OptimizerParamScheduler's styles, by its names
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")

@@ -11,8 +11,8 @@ from typing import Annotated, dataclass_transform
 
 from pydantic import ConfigDict, Field, WrapValidator
 
-from llmjp_ds.config.rules import (LR_MESSAGE, PENALTY_MESSAGE, SEED, above, at_least, input_path, one_of,
-                                   output_path, within)
+from llmjp_ds.config.rules import (DROPOUT_MESSAGE, LR_MESSAGE, PENALTY_MESSAGE, SEED, above, at_least, input_path,
+                                   one_of, output_path, within)
 from llmjp_ds.errors import did_you_mean, fail
 from llmjp_ds.model.options import DROP_POLICIES, KERNEL_CHOICES, MOE_AUX_LOSSES, RECOMPUTE_MODES, ModelOptions
 from llmjp_ds.model.shapes import ShapeOverrides
@@ -48,6 +48,10 @@ class ModelConfig:
     # the standard deviation of the weights' normal initialisation (Megatron-LM's --init-method-std; the output
     # projections' is it over sqrt(2 x layers), as Megatron's); LLM-jp's MoE runs use 0.006
     init_std: Real = field(default=0.02, metadata=above(0, "the initial weights' standard deviation"))
+    # Megatron-LM's --attention-dropout / --hidden-dropout: llmjp-ds's layers apply no dropout (LLM-jp trains without
+    # it), so 0 is the one value, and a config that asks for more is refused rather than trained without it
+    attention_dropout: Real = field(default=0.0, metadata=within(0, 0, message=DROPOUT_MESSAGE))
+    hidden_dropout: Real = field(default=0.0, metadata=within(0, 0, message=DROPOUT_MESSAGE))
     # activation recompute: none | selective (the attention core, as LLM-jp's 172B run) | full (every decoder layer)
     recompute: str = ModelOptions.recompute
     # on CUDA: the loss over bf16 logits as two Triton kernels, or one compiled kernel (model/loss.py)

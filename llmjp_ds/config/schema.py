@@ -251,6 +251,11 @@ class ParallelConfig:
     # (launch/rendezvous.py); 0 turns the heartbeat off
     heartbeat_timeout_s: Real = field(default=30.0, metadata=at_least(
         0, "seconds of silence before a host counts as lost (0: no heartbeat)"))
+    # a collective that waits longer than this fails (the process group's timeout, torch.distributed's
+    # init_process_group(timeout=...); Megatron-LM's --distributed-timeout-minutes x 60): long enough for the slowest
+    # rank's longest pause, e.g. building the index of a 15T-token blend (LLM-jp-4 sets 120 minutes)
+    distributed_timeout_s: Real = field(default=1800.0, metadata=above(
+        0, "seconds a collective may wait for every rank"))
 
 
 @section

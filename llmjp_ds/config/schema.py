@@ -81,6 +81,11 @@ class ModelConfig:
     # start from an HF checkpoint (continued pretraining): llama, qwen3 or qwen3_moe
     init_from_hf: str | None = field(default=None, metadata=input_path(
         "pass the directory save_pretrained wrote (config.json and safetensors)", inside="config.json"))
+    # a fine-tune start (Megatron-LM's --finetune): the weights of another run's checkpoint, a run directory (its
+    # latest) or RUN/checkpoints/stepNNNNNNNN, with a new optimizer, LR schedule and data position (step 1, sample 0);
+    # only the run's first start reads it (checkpoint/finetune.py)
+    init_from_checkpoint: str | None = field(default=None, metadata=input_path(
+        "pass a run directory or one of its checkpoints (RUN/checkpoints/stepNNNNNNNN)"))
 
     def __post_init__(self):
         for key, choices in KERNEL_CHOICES.items():
@@ -89,6 +94,8 @@ class ModelConfig:
                 names = ", ".join(str(c).lower() if isinstance(c, bool) else c for c in choices)
                 fail(f"model.{key} must be one of {names}, got {value!r}"
                      f"{did_you_mean(str(value), [str(c) for c in choices])}")
+        if self.init_from_hf and self.init_from_checkpoint:
+            fail("model.init_from_hf and model.init_from_checkpoint both give the first weights: keep one")
 
 
 

@@ -21,11 +21,13 @@ from llmjp_ds.parallel.layout import Layout
 from llmjp_ds.parallel.stages import our_names, pipeline_module, seeded_layer_specs, shard_of
 
 
-def build_model(cfg: RunConfig, model_config, backend: str, checkpoint_fn=None, tp=None, layout: Layout | None = None):
+def build_model(cfg: RunConfig, model_config, backend: str, checkpoint_fn=None, tp=None, layout: Layout | None = None,
+                weights: dict | None = None):
     """The HF model (no pipeline) or a ``PipelineModule`` of the same layer classes, and the pipeline's loss
     function (None without a pipeline). ``checkpoint_fn``: the activation-checkpoint function (default: the
     backend's; the precision schedule hands the emulator's). ``tp``: this rank's tensor-parallel group
-    (:class:`~llmjp_ds.model.tensor_parallel.TensorParallel`), or None."""
+    (:class:`~llmjp_ds.model.tensor_parallel.TensorParallel`), or None. ``weights``: the whole model's first
+    weights (our names; a fine-tune start), else ``model.init_from_hf``'s or the seeded initialisation."""
     checkpoint_fn = checkpoint_fn or layers_module(backend).checkpoint
     loss_kwargs = {"z_loss_coeff": cfg.model.z_loss, "fused_loss": cfg.model.fused_loss and torch.cuda.is_available()}
     fp8_head = cfg.precision.fp8_lm_head
@@ -39,6 +41,8 @@ def build_model(cfg: RunConfig, model_config, backend: str, checkpoint_fn=None, 
             if cfg.model.init_from_hf:
                 load_hf_into_layers([(i, m) for i, m in enumerate(_layers_of(model))], cfg.model.init_from_hf,
                                     model_config, tp)
+            elif weights is not None:
+                load_into_layers(list(enumerate(_layers_of(model))), weights, model_config, tp)
             else:
                 init_like_pipeline(model, model_config, backend, cfg.train.seed, fp8_head, tp)
         sum_sequence_parallel_grads(model, tp)
@@ -49,6 +53,8 @@ def build_model(cfg: RunConfig, model_config, backend: str, checkpoint_fn=None, 
     module = pipeline_module(cfg, model_config, backend, checkpoint_fn, loss, tp, layout)
     if cfg.model.init_from_hf:
         load_hf_into_layers(local_layers(module), cfg.model.init_from_hf, model_config, tp)
+    elif weights is not None:
+        load_into_layers(local_layers(module), weights, model_config, tp)
     sum_sequence_parallel_grads(module, tp)
     return module, loss
 
@@ -78,7 +84,12 @@ def init_like_pipeline(model, model_config, backend: str, seed: int, fp8_head: b
 
 def load_hf_into_layers(layers, hf_dir: str, model_config, tp=None) -> None:
     """HF weights into ``layers`` (pairs of pipeline layer index and module), this rank's TP shard of each."""
-    whole = from_hf_state_dict(read_hf_tensors(Path(hf_dir)), model_config)
+    load_into_layers(layers, from_hf_state_dict(read_hf_tensors(Path(hf_dir)), model_config), model_config, tp)
+
+
+def load_into_layers(layers, whole: dict, model_config, tp=None) -> None:
+    """The whole model's state dict ``whole`` (our names) into ``layers`` (pairs of pipeline layer index and
+    module), this rank's TP shard of each."""
     n = model_config.num_hidden_layers
     for idx, layer in layers:
         layer.load_state_dict({name: shard_of(ours, whole[ours], tp)

@@ -289,8 +289,8 @@ def test_check_accepts_the_same_schedule_and_refuses_another_as_megatron_core_as
     assert same(ours[0], theirs[0]) and same(ours[1], theirs[1])
     for args, line in [
         (BRANCH, "the checkpoint's LR schedule has min_lr=2.9999999999999997e-05, this run's config 0.0 (optim.min_lr, "
-                 "or optim.lr x optim.min_lr_ratio): set optim.resume_schedule=override to follow the config from here on "
-                 "(Megatron's --override-opt_param-scheduler), or optim.resume_schedule=checkpoint to keep the "
+                 "or optim.lr x optim.min_lr_ratio): set optim.resume_schedule=override to follow the config from here "
+                 "on (Megatron's --override-opt_param-scheduler), or optim.resume_schedule=checkpoint to keep the "
                  "checkpoint's (--use-checkpoint-opt_param-scheduler)"),
         ({**STABLE, "lr": 1e-3, "lr_warmup_iters": 10}, "has max_lr=0.0003, this run's config 0.001 (optim.lr)"),
         ({**STABLE, "lr_warmup_iters": 10}, "has lr_warmup_steps=80, this run's config 40 (samples: "),
@@ -705,7 +705,7 @@ def test_min_lr_and_its_ratio_together_are_one_line():
 
     with pytest.raises(UserError) as err:
         load_config(None, ["optim.min_lr_ratio=0"], "llmjp4-8b")  # the preset gives optim.min_lr: 3e-5
-    assert str(err.value) == ("optim.min_lr=3e-05 and optim.min_lr_ratio=0 both give the LR the decay ends at: keep one "
-                              "and set the other to null (e.g. --set optim.min_lr_ratio=null beside optim.min_lr, "
+    assert str(err.value) == ("optim.min_lr=3e-05 and optim.min_lr_ratio=0 both give the LR the decay ends at: keep "
+                              "one and set the other to null (e.g. --set optim.min_lr_ratio=null beside optim.min_lr, "
                               "Megatron's --min-lr)")
     assert load_config(None, ["optim.min_lr_ratio=0", "optim.min_lr=null"], "llmjp4-8b").optim.end_lr == 0.0

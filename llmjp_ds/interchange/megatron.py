@@ -268,8 +268,8 @@ def _write_run(run_dir: Path, data: dict, cfg, model_config, states: dict, clien
 
 
 def cli_main(argv: list[str], verb: str = "import-megatron") -> int:
-    p = argparse.ArgumentParser(prog=f"llmjp-ds {verb}", description="continue a Megatron-LM run: its checkpoint "
-                                "(weights, optimizer, LR schedule, data position) as a new llmjp-ds run")
+    p = argparse.ArgumentParser(prog=f"llmjp-ds {verb}", description="Continue a Megatron-LM run: its checkpoint "
+                                "(weights, optimizer, LR schedule, data position) as a new llmjp-ds run.")
     p.add_argument("--load", required=True, help="Megatron-LM's --save directory (or one iter_NNNNNNN directory)")
     p.add_argument("--iteration", type=int, default=None, help="the iteration to import (default: the latest)")
     p.add_argument("--run", required=True, help="run directory to create (must not exist)")

@@ -417,3 +417,12 @@ def test_the_verb_prints_a_line_per_argument_left_out_and_writes_a_config_the_lo
     assert all(f"# {line}" in text for line in lines[:-1])
     cfg = load_config(out)
     assert (cfg.train.steps, cfg.optim.min_lr, cfg.optim.resume_schedule) == (3_000_000, 0.0, "override")
+
+
+def test_context_parallelism_is_a_line_and_the_math_stays(tmp_path):
+    params = tmp_path / "params.sh"
+    params.write_text((FIXTURES / "base" / "params.sh").read_text().replace("--context-parallel-size 1",
+                                                                           "--context-parallel-size 2"))
+    result = from_megatron(params, FIXTURES / "base" / "train_data.sh", tmp_path / "out.yaml", GIVEN)
+    assert f"not carried: --context-parallel-size 2 ({params}:{line_of(params, '--context-parallel-size')}): " \
+           "llmjp-ds keeps each sequence whole on one rank" in "\n".join(result["notes"])

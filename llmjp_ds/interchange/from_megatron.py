@@ -92,7 +92,7 @@ def config_values(a: Args, notes: list[str]) -> dict:
     shape, overrides = nearest_shape(fields)
     model = {"shape": shape, "overrides": overrides, **model_of(a, notes)}
     train, batches = batches_of(a)
-    parallel = parallel_of(a)
+    parallel = parallel_of(a, notes)
     data = data_of(a, notes)
     seq = a.one("--seq-length", int)  # the samples' length; the shape's seq_len is --max-position-embeddings
     data["seq_len"] = None if seq == fields["seq_len"] else seq

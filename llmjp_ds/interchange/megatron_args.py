@@ -371,15 +371,19 @@ def evaluation_of(a: Args) -> dict:
     return {"eval_interval": a.one("--eval-interval", int, 1000) if batches else 0, "eval_batches": batches}
 
 
-def parallel_of(a: Args) -> dict:
+def parallel_of(a: Args, notes: list[str]) -> dict:
     """``parallel.*``: TP, PP, sequence parallelism, ZeRO-1 for the distributed optimizer, the collectives'
-    timeout."""
+    timeout (``notes``: a line for context parallelism, which llmjp-ds does not have)."""
     tp = a.one("--tensor-model-parallel-size", int, 1)
     out = {"tensor_parallel": tp, "pipeline_stages": a.one("--pipeline-model-parallel-size", int, 1),
            "sequence_parallel": None if a.flag("--sequence-parallel") or tp == 1 else False,
            "zero_stage": 1 if a.flag("--use-distributed-optimizer") else 0,
            "distributed_timeout_s": 60.0 * a.one("--distributed-timeout-minutes", float, 10.0)}
-    a.one("--context-parallel-size", int, 1)
+    cp = a.one("--context-parallel-size", int, 1)
+    if cp > 1:
+        notes.append(f"not carried: --context-parallel-size {cp} ({a.where('--context-parallel-size')}): llmjp-ds "
+                     "keeps each sequence whole on one rank (the same math; parallel.* has TP, PP and ZeRO data "
+                     "parallelism)")
     return out
 
 

@@ -82,10 +82,10 @@ class ModelConfig:
     init_from_hf: str | None = field(default=None, metadata=input_path(
         "pass the directory save_pretrained wrote (config.json and safetensors)", inside="config.json"))
     # a fine-tune start (Megatron-LM's --finetune): the weights of another run's checkpoint, a run directory (its
-    # latest) or RUN/checkpoints/stepNNNNNNNN, with a new optimizer, LR schedule and data position (step 1, sample 0);
-    # only the run's first start reads it (checkpoint/finetune.py)
-    init_from_checkpoint: str | None = field(default=None, metadata=input_path(
-        "pass a run directory or one of its checkpoints (RUN/checkpoints/stepNNNNNNNN)"))
+    # latest) or RUN/checkpoints/stepNNNNNNNN, with a new optimizer, LR schedule and data position (step 1, sample 0).
+    # Only the run's first start reads it, and checks it then (checkpoint/finetune.py): a restart resumes the run's
+    # own checkpoints whether the source is still there or not
+    init_from_checkpoint: str | None = None
 
     def __post_init__(self):
         for key, choices in KERNEL_CHOICES.items():

@@ -38,3 +38,13 @@ def test_a_finetune_start_takes_the_weights_alone(train_env, tmp_path, nproc, la
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
     fresh = run_train(tmp_path / "fresh", 1, "train.steps=1", "optim.schedule=megatron")
     assert not torch.equal(weights(fresh, checkpoint.tag_for(1))["lm_head.weight"], theirs["lm_head.weight"])
+
+
+@pytest.mark.timeout(900)
+def test_a_restart_resumes_its_own_checkpoints_without_the_source(train_env, tmp_path):
+    source = run_train(tmp_path / "source", 1, "train.steps=2")
+    start = run_train(tmp_path / "finetune", 1, "train.steps=1", f"model.init_from_checkpoint={source}")
+    source.rename(tmp_path / "gone")  # the source is not read again
+    resumed = run_train(tmp_path / "finetune", 1, "train.steps=2", f"model.init_from_checkpoint={source}")
+    assert resumed == start and [r["step"] for r in trail(resumed)] == [1, 2]
+    assert len([e for e in read_metrics(resumed) if e.get("event") == "finetune"]) == 1

@@ -53,16 +53,15 @@ def parse_arguments(words: list[Word]) -> dict[str, Arg]:
 
 
 class Args:
-    """The arguments of one run, read by name; each read marks the argument carried."""
+    """The arguments of one run, read by name, each value refused where it cannot be taken as written."""
 
     def __init__(self, args: dict[str, Arg]):
-        self.args, self.read = args, set()
+        self.args = args
 
     def __contains__(self, name: str) -> bool:
         return name in self.args
 
     def flag(self, name: str) -> bool:
-        self.read.add(name)
         arg = self.args.get(name)
         if arg is not None and arg.words:
             fail(f"{name} ({arg.where}) takes no value, got {' '.join(w.text for w in arg.words)!r}: fix the array")
@@ -70,7 +69,6 @@ class Args:
 
     def words(self, name: str) -> list[str] | None:
         """The value words of ``name`` (None when it is not given), refused where one cannot be taken as written."""
-        self.read.add(name)
         arg = self.args.get(name)
         if arg is None:
             return None
@@ -236,6 +234,10 @@ def batches_of(a: Args) -> tuple[dict, BatchSchedule]:
     if iters and ramp:
         refuse(a, "--rampup-batch-size", "with --train-iters: Megatron-LM refuses a ramp in iteration-based "
                                          "training; give --train-samples")
+    if samples and text:
+        refuse(a, "--step-batch-size-schedule", "with --train-samples: from-megatron counts the iterations of "
+                                                "--train-samples over a constant batch or a ramp only; give "
+                                                "--train-iters")
     train["steps"] = iters or megatron_train_iters(samples, batches, train["batch_rampup"])
     return train, batches
 
@@ -325,7 +327,6 @@ def path_words(a: Args, name: str, notes: list[str], stays: str) -> list[str] | 
     unset = next((w for w in arg.words if "is not set in these files" in w.problem), None) if arg else None
     if unset is None:
         return a.words(name)
-    a.read.add(name)
     notes.append(f"not carried: {name} ({arg.where}): {unset.problem.replace(f' (at {arg.where})', '')}; {stays}")
     return None
 

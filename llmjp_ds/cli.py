@@ -18,6 +18,8 @@ VERBS: dict[str, tuple[str, str]] = {
     "import-hf": ("llmjp_ds.interchange.hf", "start a run from a Hugging Face Llama checkpoint"),
     "branch": ("llmjp_ds.checkpoint.branch", "start a new run from a checkpoint of another with its own schedule "
                "(a decay branch), blend or batch; the source run is left as it is"),
+    "from-megatron": ("llmjp_ds.interchange.from_megatron", "write the run config of LLM-jp's Megatron-LM "
+                      "scripts (params.sh, train_data.sh), read without running them"),
     "import-megatron": ("llmjp_ds.interchange.megatron", "continue a Megatron-LM run (weights, optimizer, LR schedule, "
                         "data position) as a new run"),
     "preflight": ("llmjp_ds.preflight", "check a DeepSpeed hostfile and a run config for it, starting nothing"),

@@ -278,3 +278,13 @@ def test_the_run_config_written_to_a_run_loads_again(tmp_path):
     assert load_config(tmp_path / "config.yaml").to_dict() == cfg.to_dict()
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
     assert load_config(tmp_path / "config.json").to_dict() == cfg.to_dict()
+
+
+def test_dropout_is_zero_or_refused():
+    """The layers apply no dropout: 0 (LLM-jp's --attention-dropout 0.0 --hidden-dropout 0.0) is the one value."""
+    for key in ("attention_dropout", "hidden_dropout"):
+        assert getattr(load_config(None, []).model, key) == 0.0
+        with pytest.raises(UserError) as info:
+            check_values(load_config(None, [f"model.{key}=0.1"]))
+        assert str(info.value) == (f"model.{key} must be 0 (llmjp-ds's layers apply no dropout; LLM-jp trains without "
+                                   "it, Megatron's --attention-dropout 0.0 --hidden-dropout 0.0), got 0.1: set it to 0")

@@ -202,6 +202,24 @@ def test_llmjp4_base_is_megatron_cores():
     assert lrs[2000:2500] == pytest.approx([4e-4] * 500, rel=1e-15) and lrs[2500] == lrs[2509] == 4e-4 * 0.1
 
 
+def test_an_absolute_min_lr_is_megatrons_min_lr():
+    """optim.min_lr is Megatron-LM's --min-lr as written (lr x min_lr_ratio rounds: 3e-4 x 0.1 is
+    2.9999999999999997e-05): the llmjp4 presets' 3e-5, and a linear decay to it against megatron-core's."""
+    from llmjp_ds.config import load_config
+
+    assert run_schedule(load_config(None, [], "llmjp4-8b")).min_lr == 3e-5
+    assert run_schedule(load_config(None, [])).min_lr == 3e-3 * 0.1  # neither set: a tenth of the peak
+    cfg = load_config(None, ["optim.schedule=megatron", "optim.lr=3e-4", "optim.min_lr=3e-5", "optim.warmup_steps=20",
+                             "optim.decay_style=linear", "train.steps=1000", "train.global_batch_size=4"])
+    opt = MegatronOptimizer()
+    sched = _scheduler_class()(opt, init_lr=0.0, max_lr=3e-4, min_lr=3e-5, lr_warmup_steps=80, lr_decay_steps=4000,
+                               lr_decay_style="linear", start_wd=0.1, end_wd=0.1, wd_incr_steps=4000,
+                               wd_incr_style="constant")
+    theirs = megatron_trail(opt, sched, 1010, 4)
+    ours = our_trail(run_schedule(cfg), 1010, 4)
+    assert same(ours[0], theirs[0]) and theirs[0][-1] == 3e-5
+
+
 def test_one_step_off_fails_the_comparison():
     lrs, _ = megatron_trail(*megatron_lm_scheduler({**SMALL, "lr_decay_style": "cosine"}), 200, 4)
     off = list(lrs)
@@ -270,9 +288,9 @@ def test_check_accepts_the_same_schedule_and_refuses_another_as_megatron_core_as
     ours, theirs = resumed_trails(saved, STABLE, "check", 710, 300, 1200)
     assert same(ours[0], theirs[0]) and same(ours[1], theirs[1])
     for args, line in [
-        (BRANCH, "the checkpoint's LR schedule has min_lr=2.9999999999999997e-05, this run's config 0.0 (optim.lr x "
-                 "optim.min_lr_ratio): set optim.resume_schedule=override to follow the config from here on "
-                 "(Megatron's --override-opt_param-scheduler), or optim.resume_schedule=checkpoint to keep the "
+        (BRANCH, "the checkpoint's LR schedule has min_lr=2.9999999999999997e-05, this run's config 0.0 (optim.min_lr, "
+                 "or optim.lr x optim.min_lr_ratio): set optim.resume_schedule=override to follow the config from here "
+                 "on (Megatron's --override-opt_param-scheduler), or optim.resume_schedule=checkpoint to keep the "
                  "checkpoint's (--use-checkpoint-opt_param-scheduler)"),
         ({**STABLE, "lr": 1e-3, "lr_warmup_iters": 10}, "has max_lr=0.0003, this run's config 0.001 (optim.lr)"),
         ({**STABLE, "lr_warmup_iters": 10}, "has lr_warmup_steps=80, this run's config 40 (samples: "),
@@ -640,6 +658,8 @@ def test_import_megatron_continues_its_schedule(args):
                                      "end_weight_decay"),
     (["optim.warmup_init_lr=0.1"], "optim.warmup_init_lr=0.1 is above optim.lr=0.0003: the warmup rises from it to "
                                    "the peak (Megatron's --lr-warmup-init); lower it"),
+    (["optim.min_lr=0.001"], "optim.min_lr=0.001 is above optim.lr=0.0003: the decay ends at it from the peak "
+                             "(Megatron's --min-lr); lower it"),
 ])
 def test_bad_schedules_are_one_line(sets, line):
     from llmjp_ds.config import load_config
@@ -678,3 +698,14 @@ def test_named_choices_are_one_line(key, value, line):
     with pytest.raises(UserError) as err:
         load_config(None, [f"optim.{key}={value}"])
     assert str(err.value) == line
+
+
+def test_min_lr_and_its_ratio_together_are_one_line():
+    from llmjp_ds.config import load_config
+
+    with pytest.raises(UserError) as err:
+        load_config(None, ["optim.min_lr_ratio=0"], "llmjp4-8b")  # the preset gives optim.min_lr: 3e-5
+    assert str(err.value) == ("optim.min_lr=3e-05 and optim.min_lr_ratio=0 both give the LR the decay ends at: keep "
+                              "one and set the other to null (e.g. --set optim.min_lr_ratio=null beside optim.min_lr, "
+                              "Megatron's --min-lr)")
+    assert load_config(None, ["optim.min_lr_ratio=0", "optim.min_lr=null"], "llmjp4-8b").optim.end_lr == 0.0

@@ -194,7 +194,7 @@ def ours_sets(setup: Setup, blend: list[tuple[float, str]], tokenizer: str, cach
             "data.seq_len": s.seq_len, "data.cache_dir": cache, "model.z_loss": 0,
             "train.steps": s.steps, "train.global_batch_size": s.global_batch,
             "train.micro_batch_size": s.micro_batch, "train.eval_interval": s.eval_interval,
-            "train.eval_batches": s.eval_iters, "optim.lr": s.lr, "optim.min_lr_ratio": s.min_lr / s.lr,
+            "train.eval_batches": s.eval_iters, "optim.lr": s.lr, "optim.min_lr": s.min_lr,
             "optim.warmup_steps": s.warmup, "optim.decay_steps": s.steps, "optim.schedule": "megatron",
             "checkpoint.interval": 0, "checkpoint.save_at_end": "false", "checkpoint.async_save": "false",
             "logging.wandb": "disabled"}
@@ -203,7 +203,7 @@ def ours_sets(setup: Setup, blend: list[tuple[float, str]], tokenizer: str, cach
                             for step, batch in recipe.batch_changes(s.seq_len))
         sets.update({"train.steps": recipe.steps, "train.global_batch_size": 1, "train.batch_changes": f"[{changes}]",
                      "optim.warmup_steps": recipe.warmup_steps(s.seq_len), "optim.decay_steps": recipe.steps,
-                     "optim.min_lr_ratio": 0, "optim.decay_style": "WSD",
+                     "optim.min_lr": 0, "optim.decay_style": "WSD",
                      "optim.wsd_decay_style": recipe.wsd_decay_style, "optim.wsd_decay_steps": 1})
     if init_hf:
         sets["model.init_from_hf"] = init_hf
@@ -218,6 +218,6 @@ def branch_sets(setup: Setup, recipe: Recipe, blend: list[tuple[float, str]]) ->
     """``llmjp-ds branch`` overrides of the recipe's decay branch, as D1's arguments change W-A1's: the WSD decay
     over the rest of the run, to an LR of 0, and the other blend (a data phase from the branch's step). The branch
     follows its own schedule from its first step (``optim.resume_schedule: override``, the branch's default)."""
-    sets = {"optim.min_lr_ratio": 0, "optim.wsd_decay_style": recipe.decay_style,
+    sets = {"optim.min_lr": 0, "optim.wsd_decay_style": recipe.decay_style,
             "optim.wsd_decay_steps": recipe.steps - recipe.branch, "data.blend": _blend_value(blend)}
     return [x for key, value in sets.items() for x in ("--set", f"{key}={value}")]

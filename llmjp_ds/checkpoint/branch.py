@@ -144,7 +144,7 @@ def create_branch(source_run, run, tag: str | None = None, config: str | None = 
 
 
 def cli_main(argv: list[str], verb: str = "branch") -> int:
-    p = argparse.ArgumentParser(prog=f"llmjp-ds {verb}", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog=f"llmjp-ds {verb}", description=__doc__.split("\n\n")[0])  # its first paragraph
     p.add_argument("--from", dest="source", required=True, metavar="RUN_DIR", help="the run to branch from")
     p.add_argument("--tag", help="its checkpoint to start from (default: its latest)")
     p.add_argument("--run", required=True, metavar="NEW_RUN_DIR", help="the branch's run directory (must not exist)")

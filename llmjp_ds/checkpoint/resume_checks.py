@@ -38,9 +38,7 @@ def check_resume(run_dir, model_config: dict, cfg=None, layout=None) -> str | No
         return latest
     where = checkpoint_dir(run_dir) / tag
     saved = marker.model_config
-    diff = [f"{k} {saved.get(k, default)} saved, {model_config.get(k, default)} now"
-            for k, default in [*((k, None) for k in SHAPE_KEYS), *ARCHITECTURE_KEYS.items()]
-            if saved.get(k, default) != model_config.get(k, default)]
+    diff = shape_differences(saved, model_config)
     if diff:
         fail(f"{where} was saved from another model shape ({', '.join(diff)}): resume with the run's own model "
              f"settings, or set a new run_dir to start afresh")
@@ -66,6 +64,13 @@ def check_resume(run_dir, model_config: dict, cfg=None, layout=None) -> str | No
                  f"(ZeRO-{zero}) works with ZeRO-1 on both sides only: relaunch on {before.name} with "
                  f"parallel.zero_stage={marker.zero_stage}")
     return tag
+
+
+def shape_differences(saved: dict, now: dict) -> list[str]:
+    """``"<key> <saved> saved, <now> now"`` for each shape or architecture field (a model config's) that differs."""
+    return [f"{k} {saved.get(k, default)} saved, {now.get(k, default)} now"
+            for k, default in [*((k, None) for k in SHAPE_KEYS), *ARCHITECTURE_KEYS.items()]
+            if saved.get(k, default) != now.get(k, default)]
 
 
 def resumed_schedule(marker: CheckpointMeta, cfg):

@@ -88,6 +88,9 @@ def output_path(own: bool = False) -> dict:
 LR_MESSAGE = ("optim.lr must be > 0 and optim.min_lr_ratio in [0, 1], got lr={section.lr}, "
               "min_lr_ratio={section.min_lr_ratio}")
 
+DROPOUT_MESSAGE = ("{where} must be 0 (llmjp-ds's layers apply no dropout; LLM-jp trains without it, Megatron's "
+                   "--attention-dropout 0.0 --hidden-dropout 0.0), got {value}: set it to 0")
+
 PENALTY_MESSAGE = ("precision.guard.max_penalty must be > 0 and penalty_patience >= 1, got {section.max_penalty} "
                    "and {section.penalty_patience}")
 SEED = within(0, 2**32 - 1, why="numpy seeds are 32-bit")

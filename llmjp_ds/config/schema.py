@@ -11,8 +11,8 @@ from typing import Annotated, dataclass_transform
 
 from pydantic import ConfigDict, Field, WrapValidator
 
-from llmjp_ds.config.rules import (LR_MESSAGE, PENALTY_MESSAGE, SEED, above, at_least, input_path, one_of,
-                                   output_path, within)
+from llmjp_ds.config.rules import (DROPOUT_MESSAGE, LR_MESSAGE, PENALTY_MESSAGE, SEED, above, at_least, input_path,
+                                   one_of, output_path, within)
 from llmjp_ds.errors import did_you_mean, fail
 from llmjp_ds.model.options import DROP_POLICIES, KERNEL_CHOICES, MOE_AUX_LOSSES, RECOMPUTE_MODES, ModelOptions
 from llmjp_ds.model.shapes import ShapeOverrides
@@ -48,6 +48,10 @@ class ModelConfig:
     # the standard deviation of the weights' normal initialisation (Megatron-LM's --init-method-std; the output
     # projections' is it over sqrt(2 x layers), as Megatron's); LLM-jp's MoE runs use 0.006
     init_std: Real = field(default=0.02, metadata=above(0, "the initial weights' standard deviation"))
+    # Megatron-LM's --attention-dropout / --hidden-dropout: llmjp-ds's layers apply no dropout (LLM-jp trains without
+    # it), so 0 is the one value, and a config that asks for more is refused rather than trained without it
+    attention_dropout: Real = field(default=0.0, metadata=within(0, 0, message=DROPOUT_MESSAGE))
+    hidden_dropout: Real = field(default=0.0, metadata=within(0, 0, message=DROPOUT_MESSAGE))
     # activation recompute: none | selective (the attention core, as LLM-jp's 172B run) | full (every decoder layer)
     recompute: str = ModelOptions.recompute
     # on CUDA: the loss over bf16 logits as two Triton kernels, or one compiled kernel (model/loss.py)
@@ -77,6 +81,11 @@ class ModelConfig:
     # start from an HF checkpoint (continued pretraining): llama, qwen3 or qwen3_moe
     init_from_hf: str | None = field(default=None, metadata=input_path(
         "pass the directory save_pretrained wrote (config.json and safetensors)", inside="config.json"))
+    # a fine-tune start (Megatron-LM's --finetune): the weights of another run's checkpoint, a run directory (its
+    # latest) or RUN/checkpoints/stepNNNNNNNN, with a new optimizer, LR schedule and data position (step 1, sample 0).
+    # Only the run's first start reads it, and checks it then (checkpoint/finetune.py): a restart resumes the run's
+    # own checkpoints whether the source is still there or not
+    init_from_checkpoint: str | None = None
 
     def __post_init__(self):
         for key, choices in KERNEL_CHOICES.items():
@@ -85,6 +94,8 @@ class ModelConfig:
                 names = ", ".join(str(c).lower() if isinstance(c, bool) else c for c in choices)
                 fail(f"model.{key} must be one of {names}, got {value!r}"
                      f"{did_you_mean(str(value), [str(c) for c in choices])}")
+        if self.init_from_hf and self.init_from_checkpoint:
+            fail("model.init_from_hf and model.init_from_checkpoint both give the first weights: keep one")
 
 
 
@@ -127,8 +138,10 @@ class DataConfig:
 @section
 class OptimConfig:
     lr: Real = field(default=3e-4, metadata=above(0, message=LR_MESSAGE))
-    # the decay ends at lr * min_lr_ratio (Megatron-LM's --min-lr = lr * min_lr_ratio)
-    min_lr_ratio: Real = field(default=0.1, metadata=within(0, 1, message=LR_MESSAGE))
+    # the LR the decay ends at: min_lr (Megatron-LM's --min-lr, absolute) or lr * min_lr_ratio; one of the two, and
+    # neither is a ratio of 0.1 (DEFAULT_MIN_LR_RATIO)
+    min_lr_ratio: Real | None = field(default=None, metadata=within(0, 1, message=LR_MESSAGE))
+    min_lr: Real | None = field(default=None, metadata=at_least(0, "the LR the decay ends at, Megatron's --min-lr"))
     warmup_steps: int = field(default=2000, metadata=at_least(0))  # --lr-warmup-iters
     decay_steps: int | None = field(default=None, metadata=at_least(1))  # --lr-decay-iters; default: train.steps
     # the warmup's formula: llmjp = lr * (step + 1) / warmup (the first step already learns); megatron = Megatron-LM's
@@ -166,8 +179,20 @@ class OptimConfig:
             if value not in choices:
                 fail(f"optim.{key} must be one of {', '.join(choices)}, got {value!r}"
                      f"{did_you_mean(str(value), choices)}")
+        if self.min_lr is not None and self.min_lr_ratio is not None:
+            fail(f"optim.min_lr={self.min_lr} and optim.min_lr_ratio={self.min_lr_ratio} both give the LR the decay "
+                 "ends at: keep one and set the other to null (e.g. --set optim.min_lr_ratio=null beside "
+                 "optim.min_lr, Megatron's --min-lr)")
+
+    @property
+    def end_lr(self) -> float:
+        """The LR the decay ends at: ``min_lr``, else ``lr x min_lr_ratio`` (0.1 when neither is set)."""
+        if self.min_lr is not None:
+            return float(self.min_lr)
+        return self.lr * (DEFAULT_MIN_LR_RATIO if self.min_lr_ratio is None else self.min_lr_ratio)
 
 
+DEFAULT_MIN_LR_RATIO = 0.1  # optim.min_lr_ratio when neither it nor optim.min_lr is set
 LR_SCHEDULES = ("llmjp", "megatron")  # optim.schedule: the conventions of llmjp_ds.optim.lr_schedule.LRSchedule
 # megatron-core's OptimizerParamScheduler's styles, by its names
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
@@ -235,6 +260,11 @@ class ParallelConfig:
     # (launch/rendezvous.py); 0 turns the heartbeat off
     heartbeat_timeout_s: Real = field(default=30.0, metadata=at_least(
         0, "seconds of silence before a host counts as lost (0: no heartbeat)"))
+    # a collective that waits longer than this fails (the process group's timeout, torch.distributed's
+    # init_process_group(timeout=...); Megatron-LM's --distributed-timeout-minutes x 60): long enough for the slowest
+    # rank's longest pause, e.g. building the index of a 15T-token blend (LLM-jp-4 sets 120 minutes)
+    distributed_timeout_s: Real = field(default=1800.0, metadata=above(
+        0, "seconds a collective may wait for every rank"))
 
 
 @section

@@ -1,7 +1,7 @@
-"""Checkpoints of other systems in and out: a run's checkpoint exported for Hugging Face, and Hugging Face and
-Megatron-LM checkpoints made into runs of ours. The run's own checkpoints are :mod:`llmjp_ds.checkpoint`'s; the
-model's own names and layouts (HF's Llama names, TP shards, pipeline layers) are
-:mod:`llmjp_ds.model.hf_adapter`'s, which the parallel wiring uses too.
+"""Checkpoints and configs of other systems in and out: a run's checkpoint exported for Hugging Face, Hugging Face
+and Megatron-LM checkpoints made into runs of ours, and Megatron-LM's arguments made into a run config. The run's
+own checkpoints are :mod:`llmjp_ds.checkpoint`'s; the model's own names and layouts (HF's Llama names, TP shards,
+pipeline layers) are :mod:`llmjp_ds.model.hf_adapter`'s, which the parallel wiring uses too.
 
 * :mod:`.hf`: ``llmjp-ds export`` (a checkpoint -> a plain ``model_type: llama`` directory, reloaded and checked)
   and ``llmjp-ds import-hf`` (an HF Llama checkpoint -> a new run directory);
@@ -13,5 +13,9 @@ model's own names and layouts (HF's Llama names, TP shards, pipeline layers) are
   run config must say;
 * :mod:`.megatron_optim`: where Megatron's optimizers keep each parameter's master weight and Adam moments;
 * :mod:`.megatron_dist_optim`: the optimizer state of a ``torch_dist`` checkpoint, per parameter and whole;
-* :mod:`.dcp_reader`: a torch.distributed.checkpoint directory read without DCP's unpickling loader.
+* :mod:`.dcp_reader`: a torch.distributed.checkpoint directory read without DCP's unpickling loader;
+* :mod:`.from_megatron`: ``llmjp-ds from-megatron``, LLM-jp's Megatron-LM scripts -> a run config (preset + settings);
+* :mod:`.bash_words`: the words of a bash script's variables, read without running anything;
+* :mod:`.megatron_args`: Megatron-LM's arguments as the run config's values, with Megatron-LM's defaults;
+* :mod:`.megatron_arg_table`: every argument from-megatron knows: carried, left out (why) or refused (why).
 """

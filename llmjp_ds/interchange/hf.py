@@ -207,7 +207,7 @@ def import_hf(model_dir, run_dir, preset: str = "llmjp3-1.8b", force: bool = Fal
 def cli_main(argv: list[str], verb: str = "export") -> int:
     if verb == "import-hf":
         p = argparse.ArgumentParser(prog=f"llmjp-ds {verb}",
-                                    description="start a run from a Hugging Face Llama checkpoint")
+                                    description="Start a run from a Hugging Face Llama checkpoint.")
         p.add_argument("--model", required=True, help="HF model directory (config.json + safetensors)")
         p.add_argument("--run", required=True, help="run directory to create")
         p.add_argument("--preset", default="llmjp3-1.8b",
@@ -217,7 +217,8 @@ def cli_main(argv: list[str], verb: str = "export") -> int:
         path = import_hf(a.model, a.run, a.preset, a.force)
         print(f"wrote {path}; start training with: llmjp-ds train --config {path}")
         return 0
-    p = argparse.ArgumentParser(prog=f"llmjp-ds {verb}", description="export a checkpoint as a HF Llama model")
+    p = argparse.ArgumentParser(prog=f"llmjp-ds {verb}",
+                                description="Export a checkpoint as a Hugging Face Llama model.")
     p.add_argument("--run", required=True, help="run directory")
     p.add_argument("--tag", default=None, help="checkpoint tag (default: latest)")
     p.add_argument("--output", required=True, help="output directory for the HF model")

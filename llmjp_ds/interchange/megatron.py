@@ -164,7 +164,7 @@ def optim_settings(ckpt: MegatronCheckpoint, train_steps: int | None = None,
              f"--train-iters), the run config over train.steps={train_steps}: set train.steps="
              f"{steps['wd_incr_steps']}")
     max_lr, min_lr = float(sched["max_lr"]), float(sched["min_lr"])
-    out = {"schedule": "megatron", "lr": max_lr, "min_lr_ratio": min_lr / max_lr,
+    out = {"schedule": "megatron", "lr": max_lr, "min_lr": min_lr, "min_lr_ratio": None,
            "warmup_steps": steps["lr_warmup_steps"], "decay_steps": steps["lr_decay_steps"],
            "decay_style": style, "warmup_init_lr": float(ckpt.arg("lr_warmup_init", 0.0) or 0.0),
            "beta1": float(ckpt.arg("adam_beta1", 0.9)), "beta2": float(ckpt.arg("adam_beta2", 0.999)),
@@ -280,8 +280,8 @@ def _write_run(run_dir: Path, data: dict, cfg, model_config, states: dict, clien
 
 
 def cli_main(argv: list[str], verb: str = "import-megatron") -> int:
-    p = argparse.ArgumentParser(prog=f"llmjp-ds {verb}", description="continue a Megatron-LM run: its checkpoint "
-                                "(weights, optimizer, LR schedule, data position) as a new llmjp-ds run")
+    p = argparse.ArgumentParser(prog=f"llmjp-ds {verb}", description="Continue a Megatron-LM run: its checkpoint "
+                                "(weights, optimizer, LR schedule, data position) as a new llmjp-ds run.")
     p.add_argument("--load", required=True, help="Megatron-LM's --save directory (or one iter_NNNNNNN directory)")
     p.add_argument("--iteration", type=int, default=None, help="the iteration to import (default: the latest)")
     p.add_argument("--run", required=True, help="run directory to create (must not exist)")

@@ -143,7 +143,7 @@ def lr_schedule(optim_cfg, train_steps: int, batches: BatchSchedule) -> LRSchedu
     decay_steps = train_steps if o.decay_steps is None else o.decay_steps
     decay = samples(decay_steps)  # the WSD decay: from the samples before its first step to the decay's end
     return LRSchedule(
-        init_lr=o.warmup_init_lr, max_lr=float(o.lr), min_lr=o.lr * o.min_lr_ratio, warmup=samples(o.warmup_steps),
+        init_lr=o.warmup_init_lr, max_lr=float(o.lr), min_lr=o.end_lr, warmup=samples(o.warmup_steps),
         decay=decay, decay_style=o.decay_style,
         wsd_decay=None if o.wsd_decay_steps is None else decay - samples(decay_steps - o.wsd_decay_steps),
         wsd_decay_style=o.wsd_decay_style,
@@ -163,6 +163,9 @@ def check_schedule(optim_cfg, train_steps: int) -> None:
     decay_steps = train_steps if o.decay_steps is None else o.decay_steps
     decay_key = "optim.decay_steps" if o.decay_steps is not None else "train.steps"
     unset = "" if o.decay_steps is not None else " (optim.decay_steps is unset)"
+    if o.min_lr is not None and o.min_lr > o.lr:
+        fail(f"optim.min_lr={o.min_lr} is above optim.lr={o.lr}: the decay ends at it from the peak (Megatron's "
+             "--min-lr); lower it")
     if o.warmup_init_lr > o.lr:
         fail(f"optim.warmup_init_lr={o.warmup_init_lr} is above optim.lr={o.lr}: the warmup rises from it to the "
              "peak (Megatron's --lr-warmup-init); lower it")
@@ -193,7 +196,7 @@ def check_schedule(optim_cfg, train_steps: int) -> None:
 # our field; where our value comes from). WSD's length and style, and the warmup's first LR, it never stores.
 _SAVED_LR_VALUES = (
     ("max_lr", ("start_lr", "max_lr"), "max_lr", "optim.lr"),
-    ("min_lr", ("min_lr",), "min_lr", "optim.lr x optim.min_lr_ratio"),
+    ("min_lr", ("min_lr",), "min_lr", "optim.min_lr, or optim.lr x optim.min_lr_ratio"),
     ("lr_warmup_steps", ("warmup_iter", "warmup_steps", "lr_warmup_steps"), "warmup",
      "samples: the batches of the first optim.warmup_steps steps"),
     ("lr_decay_steps", ("end_iter", "decay_steps", "lr_decay_steps"), "decay",
@@ -236,8 +239,8 @@ def resumed(configured: LRSchedule, saved: dict | None, mode: str) -> LRSchedule
 
 
 def _agrees(field_name: str, stored: dict, configured: LRSchedule, saved: dict) -> bool:
-    """Whether a stored value is the configured one: floats to their rounding (``min_lr`` is ``lr * min_lr_ratio``
-    here, Megatron's ``--min-lr`` there); the weight decay's increment length whenever neither side increments
+    """Whether a stored value is the configured one: floats to their rounding (``min_lr`` may be ``lr *
+    min_lr_ratio`` here, Megatron's ``--min-lr`` there); the weight decay's increment length whenever neither side increments
     (it moves with ``train.steps`` and changes nothing then; Megatron asserts it anyway)."""
     value, ours = stored[field_name], getattr(configured, field_name)
     if field_name == "wd_incr" and configured.wd_incr_style == "constant" and \

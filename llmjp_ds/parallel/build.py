@@ -23,13 +23,14 @@ from llmjp_ds.parallel.stages import local_weights, our_names, pipeline_module, 
 
 
 def build_model(cfg: RunConfig, model_config, backend: str, checkpoint_fn=None, tp=None, layout: Layout | None = None,
-                ep=None):
+                ep=None, weights: dict | None = None):
     """The HF model (no pipeline) or a ``PipelineModule`` of the same layer classes, and the pipeline's loss
     function (None without a pipeline). ``checkpoint_fn``: the activation-checkpoint function (default: the
     backend's; the precision schedule hands the emulator's). ``tp``: this rank's tensor-parallel group
     (:class:`~llmjp_ds.model.tensor_parallel.TensorParallel`), or None; ``ep``: its expert-parallel group
     (:class:`~llmjp_ds.model.expert_parallel.ExpertParallel`; validation allows it without a pipeline only), or
-    None."""
+    None. ``weights``: the whole model's first weights (our names; a fine-tune start), else
+    ``model.init_from_hf``'s or the seeded initialisation."""
     checkpoint_fn = checkpoint_fn or layers_module(backend).checkpoint
     loss_kwargs = {"z_loss_coeff": cfg.model.z_loss, "fused_loss": cfg.model.fused_loss and torch.cuda.is_available()}
     fp8_head = cfg.precision.fp8_lm_head
@@ -43,6 +44,8 @@ def build_model(cfg: RunConfig, model_config, backend: str, checkpoint_fn=None, 
             if cfg.model.init_from_hf:
                 load_hf_into_layers([(i, m) for i, m in enumerate(_layers_of(model))], cfg.model.init_from_hf,
                                     model_config, tp, ep)
+            elif weights is not None:
+                load_into_layers(list(enumerate(_layers_of(model))), weights, model_config, tp, ep)
             else:
                 init_like_pipeline(model, model_config, backend, cfg.train.seed, fp8_head, tp, ep)
         sum_sequence_parallel_grads(model, tp)
@@ -53,6 +56,8 @@ def build_model(cfg: RunConfig, model_config, backend: str, checkpoint_fn=None, 
     module = pipeline_module(cfg, model_config, backend, checkpoint_fn, loss, tp, layout)
     if cfg.model.init_from_hf:
         load_hf_into_layers(local_layers(module), cfg.model.init_from_hf, model_config, tp)
+    elif weights is not None:
+        load_into_layers(local_layers(module), weights, model_config, tp)
     sum_sequence_parallel_grads(module, tp)
     return module, loss
 
@@ -84,7 +89,12 @@ def init_like_pipeline(model, model_config, backend: str, seed: int, fp8_head: b
 def load_hf_into_layers(layers, hf_dir: str, model_config, tp=None, ep=None) -> None:
     """HF weights into ``layers`` (pairs of pipeline layer index and module), this rank's TP shard of each and,
     under expert parallelism, the experts it holds."""
-    whole = from_hf_state_dict(read_hf_tensors(Path(hf_dir)), model_config)
+    load_into_layers(layers, from_hf_state_dict(read_hf_tensors(Path(hf_dir)), model_config), model_config, tp, ep)
+
+
+def load_into_layers(layers, whole: dict, model_config, tp=None, ep=None) -> None:
+    """The whole model's state dict ``whole`` (our names) into ``layers`` (pairs of pipeline layer index and
+    module), this rank's TP shard of each and, under expert parallelism, the experts it holds."""
     n = model_config.num_hidden_layers
     local = 0 if ep is None else ep.local(model_config.num_experts)
 

@@ -13,6 +13,7 @@ data-parallel group from the engine's pipeline grid (DeepSpeed builds the same t
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import secrets
 import socket
@@ -35,14 +36,16 @@ from llmjp_ds.parallel.layout import Layout
 SHARED_TOKEN = ".llmjp_ds_shared"
 
 
-def init_distributed(rendezvous_timeout_s: float = 60.0, heartbeat_timeout_s: float = 30.0) -> tuple[list, object]:
+def init_distributed(rendezvous_timeout_s: float = 60.0, heartbeat_timeout_s: float = 30.0,
+                     distributed_timeout_s: float = 1800.0) -> tuple[list, object]:
     """Start torch.distributed (NCCL on CUDA, gloo on CPU); a lone process gets defaults.
 
     Returns this rank's launchers, to notice them gone (:mod:`llmjp_ds.launch.launcher`), and its heartbeat
     (None but over several hosts), and turns a rendezvous port in use into one line naming the port, its holder
     and how to choose another. Several ranks meet through :mod:`llmjp_ds.launch.rendezvous` (bounded by
     ``rendezvous_timeout_s``), which also starts the heartbeat over several hosts (``heartbeat_timeout_s``; 0:
-    none)."""
+    none). ``distributed_timeout_s``: the process group's timeout, how long a collective waits for every rank
+    (Megatron-LM's ``--distributed-timeout-minutes``)."""
     import deepspeed
 
     launchers = launcher.identify()  # now, while the launcher is surely alive (setup may take minutes)
@@ -67,12 +70,12 @@ def init_distributed(rendezvous_timeout_s: float = 60.0, heartbeat_timeout_s: fl
     serves_store = rank == 0 and not agent_store and not dist.is_initialized()  # started already: nothing to do
     if serves_store and not launcher.check_port_free(port):
         fail(launcher.port_in_use_message(addr, port))  # before torch logs its own lines about it
-    heartbeat = None
+    heartbeat, timeout = None, datetime.timedelta(seconds=distributed_timeout_s)
     try:
         if world > 1 and not dist.is_initialized():
             heartbeat = _meet(backend, rank, world, addr, port, agent_store, rendezvous_timeout_s, heartbeat_timeout_s,
-                              on_lost=lambda lost: launcher.end_launch_sessions(launchers, lost))
-        deepspeed.init_distributed(dist_backend=backend)
+                              timeout, on_lost=lambda lost: launcher.end_launch_sessions(launchers, lost))
+        deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
     except Exception as exc:
         if serves_store and launcher.is_address_in_use(exc):  # taken between the check and the store's bind
             fail(launcher.port_in_use_message(addr, port))
@@ -101,12 +104,10 @@ def check_build_lock(name: str = "deepspeed_shm_comm", stale_after_s: float = 18
 
 
 def _meet(backend: str, rank: int, world: int, addr: str, port: int, agent_store: bool, rendezvous_timeout_s: float,
-          heartbeat_timeout_s: float, on_lost=None):
+          heartbeat_timeout_s: float, timeout: datetime.timedelta, on_lost=None):
     """The rendezvous of ``world`` ranks (:mod:`llmjp_ds.launch.rendezvous`), the socket interface of the
-    master's host, the process group, then the heartbeat (returned; None on one host; ``on_lost``: what it does
-    before it ends the job for a silent host)."""
-    from deepspeed.constants import default_pg_timeout
-
+    master's host, the process group (its collectives bounded by ``timeout``), then the heartbeat (returned; None on
+    one host; ``on_lost``: what it does before it ends the job for a silent host)."""
     # under torchrun its agent serves the store (the agents met already); a restart of the workers meets in a
     # namespace of its own
     store = rendezvous.open_store(rank, world, addr, port, rendezvous_timeout_s, serve=not agent_store)
@@ -118,12 +119,11 @@ def _meet(backend: str, rank: int, world: int, addr: str, port: int, agent_store
         scheduler.set_socket_interface_to(addr, port, others)
     kwargs = {"device_id": torch.device("cuda", int(os.environ["LOCAL_RANK"]))} if backend == "nccl" else {}
     if agent_store:
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
-                                timeout=default_pg_timeout, **kwargs)
-    else:
-        store.set_timeout(default_pg_timeout)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=default_pg_timeout,
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout,
                                 **kwargs)
+    else:
+        store.set_timeout(timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)
     return rendezvous.start_heartbeat(addr, port, rank, int(os.environ["LOCAL_RANK"]), members, heartbeat_timeout_s,
                                       namespace, on_lost)
 
@@ -145,10 +145,11 @@ class ParallelContext:
 
     @classmethod
     def start(cls, layout: Layout, sequence_parallel: bool = False, parallel=None) -> "ParallelContext":
-        """The process groups of ``layout`` (``parallel``: the config's ParallelConfig, for its rendezvous and
-        heartbeat timeouts; None: their defaults)."""
+        """The process groups of ``layout`` (``parallel``: the config's ParallelConfig, for its rendezvous,
+        heartbeat and collective timeouts; None: their defaults)."""
         timeouts = {} if parallel is None else {"rendezvous_timeout_s": parallel.rendezvous_timeout_s,
-                                                "heartbeat_timeout_s": parallel.heartbeat_timeout_s}
+                                                "heartbeat_timeout_s": parallel.heartbeat_timeout_s,
+                                                "distributed_timeout_s": parallel.distributed_timeout_s}
         launchers, heartbeat = init_distributed(**timeouts)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         ctx = cls(layout=layout, rank=dist.get_rank(), device=device, dp_rank=dist.get_rank(),

@@ -30,11 +30,12 @@ def precision_schedule(cfg: RunConfig, backend: str) -> PrecisionSchedule:
 
 
 class StepEngine:
-    """``cfg``'s model (or ``model``) under DeepSpeed's engine on ``ctx`` (the process groups of ``layout``),
-    its precision schedule attached, and a step runner watched by a watchdog (armed by the training loop)."""
+    """``cfg``'s model (or ``model``; ``weights``: its first weights, a fine-tune start's) under DeepSpeed's engine
+    on ``ctx`` (the process groups of ``layout``), its precision schedule attached, and a step runner watched by a
+    watchdog (armed by the training loop)."""
 
     def __init__(self, cfg: RunConfig, layout: Layout, ctx: ParallelContext, precision: PrecisionSchedule,
-                 model=None):
+                 model=None, weights: dict | None = None):
         self.cfg, self.layout, self.ctx, self.precision = cfg, layout, ctx, precision
         self.backend = resolve_backend(cfg.model.backend)
         self.model_config = model_config_of(cfg)
@@ -43,7 +44,7 @@ class StepEngine:
         if model is None:
             checkpoint_fn = precision.checkpoint_function(layers_module(self.backend).checkpoint)
             model, pipeline_loss = build_model(cfg, self.model_config, self.backend, checkpoint_fn, ctx.tp, layout,
-                                               ctx.ep)
+                                               ctx.ep, weights)
         self.engine = initialize(cfg, model, layout, ctx.mpu, ctx.ep)
         ctx.bind(self.engine)
         layers = [m for m in self.engine.module.modules() if isinstance(m, DecoderLayer)]

@@ -93,10 +93,11 @@ class TrainState:
 
 
 def open_logger(cfg: RunConfig, client: ClientState, resumed_tag: str | None, step: int, rank: int,
-                guard) -> MetricsLogger:
+                guard, finetune=None) -> MetricsLogger:
     """The run's metrics log and wandb run: the resumed checkpoint's, or for a branch's first start a run of its own
-    whose config (and first event) says where the branch came from. ``guard``: called before each write (the run
-    directory's lock, :meth:`checkpoint.RunDirLock.check_in_place`)."""
+    whose config (and first event) says where the branch came from; a fine-tune start's (``finetune``:
+    :func:`check_start`) first event and line say where its weights came from. ``guard``: called before each write
+    (the run directory's lock, :meth:`checkpoint.RunDirLock.check_in_place`)."""
     origin = read_origin(cfg.run_dir)
     starts_branch = origin is not None and resumed_tag == origin["tag"]
     logger = MetricsLogger(cfg.run_dir, wandb_mode=cfg.logging.wandb, project=cfg.logging.project,
@@ -105,6 +106,11 @@ def open_logger(cfg: RunConfig, client: ClientState, resumed_tag: str | None, st
                            guard=guard)
     if starts_branch:
         logger.event(step, "branch", **{f"from_{k}": v for k, v in origin.items()})
+    if finetune:
+        source, tag, marker = finetune
+        logger.event(0, "finetune", run=str(Path(source).resolve()), tag=tag, source_step=marker.step)
+        say_on_rank0(rank)(f"[llmjp-ds] a fine-tune start: the weights of {source} {tag} (its step {marker.step}); "
+                           "the optimizer, the LR schedule and the data start afresh")
     return logger
 
 
@@ -129,6 +135,21 @@ def say_on_rank0(rank: int):
     return (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
 
 
+def check_start(cfg: RunConfig, model_config, layout: Layout):
+    """What a run starts from, checked before any process group exists: the checkpoint a resume reads
+    (:func:`~llmjp_ds.checkpoint.check_resume`), or for a run's first start, the source of a fine-tune start
+    (``model.init_from_checkpoint``): its (run directory, tag, marker), returned; None without one."""
+    resumes = checkpoint.check_resume(cfg.run_dir, model_config.to_dict(), cfg, layout)
+    if resumes is not None or not cfg.model.init_from_checkpoint:
+        return None
+    return checkpoint.check_finetune(cfg.model.init_from_checkpoint, model_config.to_dict())
+
+
+def finetune_weights(finetune) -> dict | None:
+    """The whole model's weights of a fine-tune start's source (:func:`check_start`; None: no fine-tune start)."""
+    return checkpoint.finetune_weights(*finetune) if finetune else None
+
+
 class Trainer:
     """A run of ``cfg`` on ``layout`` (``validate_run``'s), resumed from ``latest`` when the run directory has one
     (``wait_for_run_dir``: seconds to wait for another job that still holds it); :meth:`fit` trains it."""
@@ -151,14 +172,15 @@ class Trainer:
         """One owner per run directory, before anything is written there: rank 0 takes the lock, the other ranks
         refuse a directory that another job holds (or wait for it to end). Then, before any process group exists,
         the checkpoint a resume would read: a ``latest`` that names no complete checkpoint, or one that another
-        model, LM head, dtype, sequence length, ZeRO stage, blend or batch history wrote, fails here."""
+        model, LM head, dtype, sequence length, ZeRO stage, blend or batch history wrote, fails here (and so does a
+        fine-tune start's source)."""
         self.lock = checkpoint.RunDirLock(self.run_dir)
         if int(os.environ.get("RANK", "0")) == 0:
             self.lock.acquire(wait_s=wait_s)
         else:
             self.lock.check_peer(wait_s=wait_s)
         with self.lock.undone_on_refusal():
-            checkpoint.check_resume(self.run_dir, self.model_config.to_dict(), self.cfg, self.layout)
+            self.finetune = check_start(self.cfg, self.model_config, self.layout)
 
     def _start_processes(self) -> None:
         """The process group; every rank sees the same run directory; rank 0 clears what a kill left and puts the
@@ -176,7 +198,7 @@ class Trainer:
         """The model under DeepSpeed, the newest intact checkpoint loaded into it (if any), the train state and
         the LR schedule that go on from there; the checkpoint's client state."""
         cfg = self.cfg
-        self.steps = StepEngine(cfg, self.layout, self.ctx, precision)
+        self.steps = StepEngine(cfg, self.layout, self.ctx, precision, weights=finetune_weights(self.finetune))
         self.resume = Resume(self.run_dir, self.layout, self.model_config.num_hidden_layers, self.ctx,
                              self.steps.engine, precision, self.steps.watchdog,
                              getattr(self.model_config, "num_experts", 0))
@@ -191,7 +213,8 @@ class Trainer:
         """The record, the precision controller and the health monitor (from ``client``, the checkpoint's state),
         and the loop's jobs: validation, stop requests, throughput, saves."""
         cfg, ctx = self.cfg, self.ctx
-        self.logger = open_logger(cfg, client, self.resume.tag, self.state.step, ctx.rank, self.lock.check_in_place)
+        self.logger = open_logger(cfg, client, self.resume.tag, self.state.step, ctx.rank, self.lock.check_in_place,
+                                  self.finetune)
         self.say = say_on_rank0(ctx.rank)
         self.say(f"[llmjp-ds] {plan_line(cfg, self.schedule)}")
         self.controller = PrecisionController(precision, cfg.precision, event=self.logger.event, say=self.say)

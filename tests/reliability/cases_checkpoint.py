@@ -42,6 +42,18 @@ def megatron(load: str, *sets: str, run: str = f"{R}/mg_new"):
 
 
 CASES: list[Case] = [
+    # --- a fine-tune start's source (model.init_from_checkpoint), checked before any process group (each its own
+    # run_dir: both take its lock, and the refusal leaves no directory) ------------------------------------------
+    Case("finetune-source-of-another-shape",
+         T(*TINY, "model.overrides={hidden_size: 128, num_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, "
+           "ffn_hidden_size: 128}", "model.init_from_checkpoint={run}", run="{tmp}/run-new-finetune-1"),
+         ("model.init_from_checkpoint: checkpoint step00000030 of ", "was saved from another model shape (hidden_size "
+          "64 saved, 128 now): give the run that model's settings, or start from a checkpoint of this shape"),
+         trains=True),
+    Case("finetune-source-not-a-run",
+         T(*TINY, "model.init_from_checkpoint={tmp}/config", run="{tmp}/run-new-finetune-2"),
+         ("config is neither a run directory (with checkpoints/) nor one of its checkpoints: pass a run directory, or "
+          "RUN/checkpoints/stepNNNNNNNN",), trains=True),
     # --- code planted in a file that resume reads (its manifest entry rewritten to match) --------------------
     Case("resume-planted-pickle-model-states", resume("planted_model"),
          (f"{MODEL} holds {SYSTEM}, which loading would have to execute", "weights_only=True"), after_start=True),

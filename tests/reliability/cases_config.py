@@ -23,6 +23,17 @@ def F(name: str, *sets: str, preset: str | None = None):
 EP = ("model.shape=tiny-moe", "train.micro_batch_size=1", "train.global_batch_size=12")
 
 CASES: list[Case] = [
+    # --- Megatron-LM's arguments as keys: one way to say each, and only what the model computes ---------------
+    Case("min-lr-and-its-ratio", T("optim.min_lr=0", "optim.min_lr_ratio=0"),
+         ("optim.min_lr=0 and optim.min_lr_ratio=0 both give the LR the decay ends at: keep one and set the other to "
+          "null",)),
+    Case("dropout-not-zero", T("model.hidden_dropout=0.1"),
+         ("model.hidden_dropout must be 0 (llmjp-ds's layers apply no dropout; LLM-jp trains without it, Megatron's "
+          "--attention-dropout 0.0 --hidden-dropout 0.0), got 0.1: set it to 0",)),
+    Case("distributed-timeout-zero", T("parallel.distributed_timeout_s=0"),
+         ("parallel.distributed_timeout_s must be > 0 (seconds a collective may wait for every rank), got 0",)),
+    Case("init-from-hf-and-from-a-checkpoint", T("model.init_from_hf={tmp}/llama", "model.init_from_checkpoint={run}"),
+         ("model.init_from_hf and model.init_from_checkpoint both give the first weights: keep one",)),
     # --- numbers: each field's declared range, and no NaN / infinity -------------------------------------
     Case("optim-beta-out-of-range", T("optim.beta1=1.5"),
          ("optim.beta1 must be in [0, 1) (AdamW's moment decay), got 1.5",)),

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability import cases_checkpoint, cases_cluster, cases_config, cases_data
+from tests.reliability import cases_checkpoint, cases_cluster, cases_config, cases_data, cases_from_megatron
 from tests.reliability.cases import FP8, SMALL, Case, L, T, sub
 from tests.reliability.conftest import (
     DEEPSPEED_STARTED, REPO, TINY, assert_latest_complete, check_ok, latest_of, run, subprocess_env, train_argv,
@@ -230,7 +230,7 @@ CASES = [
          ("--disk-gbps 0.0: give a positive number",)),
 ]
 
-TOPICS = (cases_data, cases_config, cases_checkpoint, cases_cluster)
+TOPICS = (cases_data, cases_config, cases_checkpoint, cases_cluster, cases_from_megatron)
 ALL_CASES = CASES + [case for topic in TOPICS for case in topic.CASES]
 
 
@@ -367,8 +367,9 @@ def test_catalogue_of_bad_inputs(ctx, tmp_path):
     after = _files(*protected)
     changed = [p for p in before if after.get(p) != before[p]]
     assert not changed, f"existing files changed or removed: {changed}"
-    assert not (ctx.tmp / "run-new").exists() and not (ctx.tmp / "imported").exists() and \
-        not (ctx.tmp / "hf").exists() and not list(ctx.tmp.glob("new_text_document*"))
+    assert not list(ctx.tmp.glob("run-new*")) and not (ctx.tmp / "imported").exists() and \
+        not (ctx.tmp / "hf").exists() and not list(ctx.tmp.glob("new_text_document*")) and \
+        not (ctx.tmp / "converted.yaml").exists()
     assert len(ALL_CASES) >= 100 or only
 
 

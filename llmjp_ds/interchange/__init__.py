@@ -6,8 +6,11 @@ model's own names and layouts (HF's Llama names, TP shards, pipeline layers) are
 * :mod:`.hf`: ``llmjp-ds export`` (a checkpoint -> a plain ``model_type: llama`` directory, reloaded and checked)
   and ``llmjp-ds import-hf`` (an HF Llama checkpoint -> a new run directory);
 * :mod:`.megatron`: ``llmjp-ds import-megatron``, a Megatron-LM run at iteration N -> a run of ours at step N;
-* :mod:`.megatron_reader`: a Megatron-LM checkpoint directory of either format and any TP/PP/DP layout, read whole;
-* :mod:`.megatron_adapter`: Megatron-LM's weight names and layouts <-> ours, pure functions;
+* :mod:`.megatron_reader`: a Megatron-LM checkpoint directory of either format and any TP/PP/DP/EP layout, read
+  whole;
+* :mod:`.megatron_adapter`: Megatron-LM's weight names and layouts <-> ours (experts included), pure functions;
+* :mod:`.megatron_moe`: a Megatron-Core MoE run's arguments: what is continued, where the experts live, what the
+  run config must say;
 * :mod:`.megatron_optim`: where Megatron's optimizers keep each parameter's master weight and Adam moments;
 * :mod:`.megatron_dist_optim`: the optimizer state of a ``torch_dist`` checkpoint, per parameter and whole;
 * :mod:`.dcp_reader`: a torch.distributed.checkpoint directory read without DCP's unpickling loader.

@@ -20,12 +20,12 @@ from llmjp_ds.checkpoint.lock import LOCK, refuse_if_held
 from llmjp_ds.checkpoint.readers import read_model_state
 from llmjp_ds.checkpoint.resume_checks import verify_tag
 from llmjp_ds.checkpoint.store import checkpoint_dir, complete_tags, latest_tag, read_marker, vet_tag
-from llmjp_ds.config import merge, preset_dict
+from llmjp_ds.config import RUN_PRESETS, merge, preset_dict
 from llmjp_ds.errors import fail
 from llmjp_ds.io_utils import atomic_file
 from llmjp_ds.model import LlamaForCausalLM
 from llmjp_ds.model.hf_io import check_hf_shapes, read_hf_config, save_hf_checkpoint
-from llmjp_ds.model.shapes import check_supported, rope_theta
+from llmjp_ds.model.shapes import check_supported, is_moe_layer, resolve_shape, rope_theta
 
 EXPORT_MARKER = "llmjp_ds_export.json"
 
@@ -116,8 +116,57 @@ def export(run_dir, output, tag: str | None = None, dtype: str = "bf16", force: 
     return {"tag": tag, "step": marker.step, "output": str(output), "max_logit_diff": err, "dtype": dtype}
 
 
+def _moe_shape(hf) -> dict:
+    """The model shape (``ModelShape``'s fields) of an HF ``qwen3_moe`` config, but its sequence length (a
+    context, not the run's: ``data.seq_len`` says that) and, in a model of MoE layers only, the dense FFN width
+    its config carries and no layer uses."""
+    dense = [i for i in range(hf.num_hidden_layers) if not is_moe_layer(hf, i)]
+    return {"num_experts": hf.num_experts, "experts_per_token": hf.num_experts_per_tok,
+            "moe_ffn_hidden_size": hf.moe_intermediate_size, "dense_layers": dense,
+            "hidden_size": hf.hidden_size, "num_layers": hf.num_hidden_layers,
+            "num_attention_heads": hf.num_attention_heads, "num_key_value_heads": hf.num_key_value_heads,
+            "head_dim": getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+            "vocab_size": hf.vocab_size, "rope_theta": rope_theta(hf), "rms_norm_eps": float(hf.rms_norm_eps),
+            "qk_norm": True, **({"ffn_hidden_size": hf.intermediate_size} if dense else {})}
+
+
+def _preset_shape(data: dict) -> dict:
+    """The model shape of a run preset (``preset_dict``'s): ``model.shape`` with the overrides it sets, as the
+    fields :func:`_moe_shape` gives."""
+    model = data["model"]
+    shape = resolve_shape(model["shape"], {k: v for k, v in (model.get("overrides") or {}).items() if v is not None})
+    fields = dict(vars(shape))
+    fields["head_dim"] = shape.head_dim or shape.hidden_size // shape.num_attention_heads
+    fields["rope_theta"], fields["rms_norm_eps"] = float(shape.rope_theta), float(shape.rms_norm_eps)
+    fields["dense_layers"] = list(shape.dense_layers)
+    return fields
+
+
+def check_moe_shape(model_dir: Path, hf, preset: str, base: dict) -> None:
+    """An HF ``qwen3_moe`` model continues a run of its own shape: the preset's model (``model.shape`` with its
+    overrides) must be the model's, field for field; a mismatch is one line naming both values and the presets
+    whose model it is."""
+    if not getattr(hf, "norm_topk_prob", False):
+        fail(f"{model_dir} is a qwen3_moe model with norm_topk_prob=false (its top-k routing weights not "
+             "renormalised): llmjp-ds's MoE block renormalises them, as Megatron-Core's router does; llmjp-ds "
+             "imports qwen3_moe models with norm_topk_prob=true only")
+    theirs = _moe_shape(hf)
+    ours = _preset_shape(base)
+    wrong = [k for k, v in theirs.items() if ours[k] != v]
+    if not wrong:
+        return
+    fitting = [name for name in RUN_PRESETS if name != preset and all(
+        _preset_shape(preset_dict(name))[k] == v for k, v in theirs.items())]
+    key = wrong[0]
+    fail(f"{model_dir} is a qwen3_moe model with {key}={theirs[key]}, but the preset {preset}'s model (shape "
+         f"{base['model']['shape']}) has {key}={ours[key]}"
+         + (f" ({len(wrong) - 1} more fields differ)" if len(wrong) > 1 else "") + ": pass the preset of its "
+         + (f"shape, --preset {' or '.join(fitting)}" if fitting else "shape (--preset); no preset has it"))
+
+
 def import_hf(model_dir, run_dir, preset: str = "llmjp3-1.8b", force: bool = False) -> Path:
-    """Start a run directory for continued pretraining from an HF Llama checkpoint: writes its config.yaml."""
+    """Start a run directory for continued pretraining from an HF Llama checkpoint: writes its config.yaml. A
+    ``qwen3_moe`` model keeps the preset's model shape, which must be its own (:func:`check_moe_shape`)."""
     model_dir, run_dir = Path(model_dir).resolve(), Path(run_dir)
     base = preset_dict(preset)
     if not model_dir.is_dir():
@@ -125,6 +174,9 @@ def import_hf(model_dir, run_dir, preset: str = "llmjp3-1.8b", force: bool = Fal
              "(config.json + safetensors)")
     hf = read_hf_config(model_dir)
     check_supported(hf)
+    moe = getattr(hf, "model_type", "llama") == "qwen3_moe"
+    if moe:
+        check_moe_shape(model_dir, hf, preset, base)
     check_hf_shapes(model_dir, hf)
     refuse_if_held(run_dir)
     if complete_tags(run_dir) or (checkpoint_dir(run_dir) / "latest").exists():
@@ -135,8 +187,9 @@ def import_hf(model_dir, run_dir, preset: str = "llmjp3-1.8b", force: bool = Fal
                  "num_attention_heads": hf.num_attention_heads, "num_key_value_heads": hf.num_key_value_heads,
                  "ffn_hidden_size": hf.intermediate_size, "vocab_size": hf.vocab_size,
                  "seq_len": hf.max_position_embeddings, "rope_theta": rope_theta(hf), "rms_norm_eps": hf.rms_norm_eps}
-    data = merge(base, {"run_dir": str(run_dir), "model": {
-        "shape": "tiny", "overrides": overrides, "init_from_hf": str(model_dir)}})
+    model = ({"init_from_hf": str(model_dir)} if moe else
+             {"shape": "tiny", "overrides": overrides, "init_from_hf": str(model_dir)})
+    data = merge(base, {"run_dir": str(run_dir), "model": model})
     if (model_dir / "tokenizer_config.json").is_file():
         data.setdefault("data", {})["tokenizer"] = str(model_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -151,7 +204,8 @@ def cli_main(argv: list[str], verb: str = "export") -> int:
                                     description="start a run from a Hugging Face Llama checkpoint")
         p.add_argument("--model", required=True, help="HF model directory (config.json + safetensors)")
         p.add_argument("--run", required=True, help="run directory to create")
-        p.add_argument("--preset", default="llmjp3-1.8b", help="run preset for optimizer/batch settings")
+        p.add_argument("--preset", default="llmjp3-1.8b",
+                       help="run preset for optimizer/batch settings (a qwen3_moe model's shape too: it must match)")
         p.add_argument("--force", action="store_true", help="replace the config.yaml of a run with no checkpoint")
         a = p.parse_args(argv)
         path = import_hf(a.model, a.run, a.preset, a.force)

@@ -1,10 +1,11 @@
 """``llmjp-ds import-megatron``: a Megatron-LM run at iteration N (weights, optimizer, data position) becomes a
 llmjp-ds run at step N, which ``llmjp-ds train`` resumes so that its next step continues the Megatron run.
 
-The Megatron checkpoint is read whole (:mod:`~llmjp_ds.interchange.megatron_reader`, any format and layout), checked
-against the run config the user gives (the model's shape, the vocabulary and the tokenizer, the sequence length,
-the global batch), and written as a new run directory: ``config.yaml`` (the config, with the LR schedule, AdamW's
-settings and the schedule's position taken from the checkpoint) and one checkpoint ``stepNNNNNNNN`` in the
+The Megatron checkpoint is read whole (:mod:`~llmjp_ds.interchange.megatron_reader`, any format and layout, expert
+parallelism included), checked against the run config the user gives (the model's shape, an MoE model's experts,
+router and losses (:mod:`~llmjp_ds.interchange.megatron_moe`), the vocabulary and the tokenizer, the sequence
+length, the global batch), and written as a new run directory: ``config.yaml`` (the config, with the LR schedule,
+AdamW's settings and the schedule's position taken from the checkpoint) and one checkpoint ``stepNNNNNNNN`` in the
 layout-free form a resume on another layout reads (``parallel/reshape.py``: per parameter its fp32 master weight
 and Adam moments, the optimizer step), with the trainer's state (step = Megatron's iteration, consumed samples =
 ``args.consumed_train_samples``), the marker and its manifest, and ``latest``. Every check runs before anything is
@@ -29,25 +30,30 @@ from llmjp_ds.config import (DECAY_STYLES, WEIGHT_DECAY_INCR_STYLES, WSD_DECAY_S
                              load_config, model_config_of, seq_len_of)
 from llmjp_ds.data.tokenizer import load_tokenizer
 from llmjp_ds.errors import fail
-from llmjp_ds.interchange import megatron_reader
+from llmjp_ds.interchange import megatron_moe, megatron_reader
 from llmjp_ds.interchange.megatron_adapter import from_megatron_state_dict, megatron_name
 from llmjp_ds.interchange.megatron_reader import MegatronCheckpoint
 from llmjp_ds.io_utils import atomic_directory
-from llmjp_ds.model.shapes import pad_vocab_size, rope_theta
+from llmjp_ds.model.shapes import has_qk_norm, pad_vocab_size, rope_theta
 from llmjp_ds.parallel.reshape import CONVERTED, DONE
 
 
 def _shape_pairs(ckpt: MegatronCheckpoint, cfg, model_config) -> list[tuple[str, object, str, object]]:
-    """(Megatron argument, its value, config key, the config's value) of everything that must agree."""
+    """(Megatron argument, its value, config key, the config's value) of everything that must agree: the model's
+    shape (an MoE model's experts too, :func:`~llmjp_ds.interchange.megatron_moe.config_pairs`; the dense FFN
+    width only where a layer is dense), the sequence and the batch."""
     a = ckpt.arg
     heads = a("num_attention_heads")
     groups = a("num_query_groups") if a("group_query_attention", False) else heads
+    moe_pairs = megatron_moe.config_pairs(ckpt.args, cfg, model_config)
+    all_moe = megatron_moe.num_experts(ckpt.args) and not megatron_moe.dense_layers(ckpt.args)
+    dense = [] if all_moe else [("ffn_hidden_size", a("ffn_hidden_size"), "model.overrides.ffn_hidden_size",
+                                 model_config.intermediate_size)]
     return [("num_layers", a("num_layers"), "model.overrides.num_layers", model_config.num_hidden_layers),
             ("hidden_size", a("hidden_size"), "model.overrides.hidden_size", model_config.hidden_size),
             ("num_attention_heads", heads, "model.overrides.num_attention_heads", model_config.num_attention_heads),
             ("num_query_groups", groups, "model.overrides.num_key_value_heads", model_config.num_key_value_heads),
-            ("ffn_hidden_size", a("ffn_hidden_size"), "model.overrides.ffn_hidden_size",
-             model_config.intermediate_size),
+            *dense,
             ("kv_channels", a("kv_channels") or a("hidden_size") // heads, "model.overrides.head_dim",
              model_config.head_dim),
             ("padded_vocab_size", a("padded_vocab_size"), "model.overrides.vocab_size", model_config.vocab_size),
@@ -55,6 +61,8 @@ def _shape_pairs(ckpt: MegatronCheckpoint, cfg, model_config) -> list[tuple[str,
              rope_theta(model_config)),
             ("norm_epsilon", float(a("layernorm_epsilon", 1e-5)), "model.overrides.rms_norm_eps",
              float(model_config.rms_norm_eps)),
+            ("qk_layernorm", bool(a("qk_layernorm", False)), "model.overrides.qk_norm", has_qk_norm(model_config)),
+            *moe_pairs,
             ("seq_length", a("seq_length"), "data.seq_len", seq_len_of(cfg, model_config)),
             ("global_batch_size", a("global_batch_size"), "train.global_batch_size", cfg.train.global_batch_size),
             ("rampup_batch_size", [int(x) for x in a("rampup_batch_size") or []] or None, "train.batch_rampup",
@@ -77,7 +85,8 @@ def check_config(ckpt: MegatronCheckpoint, cfg, model_config) -> None:
     for arg, theirs, key, ours in _shape_pairs(ckpt, cfg, model_config):
         if theirs != ours:
             shown = ("[" + ", ".join(f"{{start_step: {s}, global_batch_size: {b}}}" for s, b in theirs) + "]"
-                     if key == "train.batch_changes" else theirs)
+                     if key == "train.batch_changes" else "null" if theirs is None else
+                     str(theirs).lower() if isinstance(theirs, bool) else theirs)
             fail(f"the Megatron checkpoint has {arg}={theirs}, the run config {key}={ours}: pass the config of the "
                  f"run that wrote it (--config / --preset / --set {key}={shown})")
     if cfg.parallel.zero_stage != 1:
@@ -235,8 +244,10 @@ def import_megatron(load, run, iteration: int | None = None, config=None, preset
     consumed = consumed_samples(ckpt)
     tp, pp, dp = (int(a(k, 1) or 1) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                                                "data_parallel_size"))
+    ep = megatron_moe.expert_layout(ckpt.args)[0]
     source = {"load": str(Path(load).resolve()), "iteration": ckpt.iteration, "format": ckpt.fmt,
-              "layout": f"TP{tp} x PP{pp} x DP{dp}", "optimizer_state": ckpt.optimizer is not None,
+              "layout": f"TP{tp} x PP{pp} x DP{dp}" + (f" x EP{ep}" if ep > 1 else ""),
+              "optimizer_state": ckpt.optimizer is not None,
               "optimizer_step": ckpt.step}
     client = ClientState(train_state={"step": ckpt.iteration, "consumed_samples": consumed},
                          imported_from=source).to_dict()

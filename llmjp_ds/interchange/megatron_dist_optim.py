@@ -14,28 +14,58 @@ sharding type (``optimizer.param_state_sharding_type``):
 
 The layer split over pipeline stages and virtual chunks comes from the run's arguments (even, or with
 ``decoder_first_pipeline_num_layers`` / ``decoder_last_pipeline_num_layers``).
+
+An MoE model's optimizer is megatron-core's ChainedOptimizer: a distributed optimizer over the dense parameters and
+one over the experts (buffers of their own, the expert-data-parallel group's padding). Its common state holds one
+entry per optimizer (``{0: ..., 1: ...}``); ``dp_reshardable`` keys each one's buckets under ``chained_<i>.``, the
+experts' by their rank in the expert-tensor x expert x pipeline group (``dp_group_idx_<etp rank + ETP x ep rank +
+ETP x EP x pp rank>``), each holding the rank's experts; the per-parameter formats name the model keys, whose MoE
+weights stack the experts on an axis after the layers' (``mlp.experts.experts.linear_fc1.weight [L, E, 2 F, h]``;
+:func:`unstack`).
 """
 
 from __future__ import annotations
 
+import re
+
 import torch
 
-from llmjp_ds.interchange import megatron_optim as mo
 from llmjp_ds.errors import fail
 from llmjp_ds.interchange import megatron_adapter as ma
+from llmjp_ds.interchange import megatron_moe as moe
+from llmjp_ds.interchange import megatron_optim as mo
 
-# registration order of a decoder layer's parameters, by layer spec (TE modules register their norm first; the
-# attention registers its projection before the fused QKV): megatron-core 0.19's TE-spec checkpoints
-# (tests/fixtures/megatron/te-*) and 0.16's local-spec ones place every master weight by it
-_LAYER_ORDER = {
+# registration order of a decoder layer's attention parameters, by layer spec (TE modules register their norm
+# first; the attention registers its projection before the fused QKV, and the qk-layernorms after it), then of its
+# MLP's (a dense one's; an MoE layer's norm and router, whose experts have buffers of their own):
+# megatron-core 0.19's TE-spec checkpoints (tests/fixtures/megatron/te-*) and 0.16's local-spec ones place every
+# master weight by it
+_ATTENTION_ORDER = {
     "transformer_engine": ("self_attention.linear_proj.weight", "self_attention.linear_qkv.layer_norm_weight",
-                           "self_attention.linear_qkv.weight", "mlp.linear_fc1.layer_norm_weight",
-                           "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"),
+                           "self_attention.linear_qkv.weight"),
     "local": ("self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_proj.weight",
-              "self_attention.linear_qkv.weight", "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.weight",
-              "mlp.linear_fc2.weight"),
+              "self_attention.linear_qkv.weight"),
 }
+_QK_NORMS = ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")
+_DENSE_MLP = ("mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
+_MOE_MLP = ("pre_mlp_layernorm.weight", "mlp.router.weight")
 _STATE_KEYS = {"param": ("param", "fp32_param"), "exp_avg": ("exp_avg",), "exp_avg_sq": ("exp_avg_sq",)}
+_OPTIMIZER_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.")
+_ONE_LAYER = re.compile(r"^(\d+)\.(.+)$")
+_STACKED_EXPERTS = re.compile(r"^mlp\.experts\.experts\.linear_fc([12])\.weight$")
+
+
+def is_optimizer_key(key: str) -> bool:
+    """Whether a torch_dist key is the optimizer's (``optimizer.``, or ``chained_<i>.optimizer.`` of an MoE
+    model's chained optimizers), not the model's."""
+    return bool(_OPTIMIZER_KEY.match(key))
+
+
+def _parts(opt) -> list[dict]:
+    """The common state's optimizer entry as one part per optimizer (a ChainedOptimizer's ``{0: ..., 1: ...}``)."""
+    if isinstance(opt, dict) and opt and all(isinstance(k, int) for k in opt):
+        return [opt[k] for k in sorted(opt)]
+    return [opt]
 
 
 def dist_optimizer(dcp, common: dict, args, weights: dict):
@@ -43,22 +73,28 @@ def dist_optimizer(dcp, common: dict, args, weights: dict):
     opt = common.get("optimizer")
     if not isinstance(opt, dict):
         return None, 0
-    if opt.get("param_state_sharding_type") == "dp_reshardable":
-        state = _dp_reshardable(dcp, args, weights)
-        groups = dcp.object("optimizer.distributed.dp_group_idx_0.optimizer", {})
+    parts = _parts(opt)
+    if len(parts) != 1 + (moe.num_experts(args) > 0):
+        fail(f"{dcp.dir} holds {len(parts)} optimizers where megatron-core builds "
+             f"{'two (the dense parameters and the experts)' if moe.num_experts(args) else 'one'}: it cannot be "
+             "imported")
+    prefixes = [f"chained_{i}." for i in range(len(parts))] if len(parts) > 1 else [""]
+    if parts[0].get("param_state_sharding_type") == "dp_reshardable":
+        state = _dp_reshardable(dcp, args, weights, prefixes)
+        groups = [dcp.object(f"{p}optimizer.distributed.dp_group_idx_0.optimizer", {}) for p in prefixes]
     else:
         state = _per_parameter(dcp, args, weights)
-        groups = opt.get("optimizer") or {}
+        groups = [part.get("optimizer") or {} for part in parts]
     if state is None:
         return None, 0
-    steps = [g.get("step") for g in (groups.get("param_groups", []) if isinstance(groups, dict) else [])]
+    steps = [g.get("step") for group in groups if isinstance(group, dict) for g in group.get("param_groups", [])]
     return state, mo.optimizer_step([float(s) for s in steps if s is not None], dcp.dir)
 
 
 def _per_parameter(dcp, args, weights: dict):
     num_layers = int(args.get("num_layers"))
     out: dict = {}
-    for key in [k for k in dcp.tensor_keys() if not k.startswith("optimizer.") and not ma.is_extra_state(k)]:
+    for key in [k for k in dcp.tensor_keys() if not is_optimizer_key(k) and not ma.is_extra_state(k)]:
         found = {}
         for state, spellings in _STATE_KEYS.items():
             name = next((f"optimizer.state.{s}.{key}" for s in spellings if dcp.has(f"optimizer.state.{s}.{key}")),
@@ -75,6 +111,7 @@ def _per_parameter(dcp, args, weights: dict):
                 out.setdefault(name, {})[state] = part.float()
     if not out:
         return None
+    out = ma.canonical_state(out)
     missing = sorted(set(weights) - set(out))
     if missing:
         fail(f"{dcp.dir} holds optimizer state for some weights but not for {missing[0]}: it is incomplete")
@@ -98,15 +135,30 @@ def unflatten(stored: torch.Tensor, shape: tuple, key: str) -> torch.Tensor:
 
 
 def unstack(key: str, tensor: torch.Tensor, num_layers: int) -> dict:
-    """A torch_dist model key (``decoder.layers.<rest>`` stacks the layers on its first axis) as per-layer
-    names."""
+    """A torch_dist model key as per-layer (and per-expert) names: ``decoder.layers.<rest>`` stacks the layers on
+    its first axis (``decoder.layers.<i>.<rest>`` is layer i alone: megatron-core's keys where MoE and dense layers
+    mix), and an MoE layer's ``mlp.experts.experts.linear_fc{1,2}.weight`` stacks its experts on the next, each
+    named ``mlp.experts.linear_fc{1,2}.weight<e>`` (TE's grouped name, numbered globally)."""
     if not key.startswith("decoder.layers."):
         return {key: tensor}
-    if tensor.shape[0] != num_layers:
+    rest = key[len("decoder.layers."):]
+    one = _ONE_LAYER.match(rest)
+    if one:
+        layers, rest = {int(one.group(1)): tensor}, one.group(2)
+    elif tensor.shape[0] != num_layers:
         fail(f"the checkpoint's {key} stacks {tensor.shape[0]} layers, its arguments say num_layers={num_layers}: "
              "it is damaged or mixes runs")
-    rest = key[len("decoder.layers."):]
-    return {f"decoder.layers.{i}.{rest}": tensor[i] for i in range(num_layers)}
+    else:
+        layers = {i: tensor[i] for i in range(num_layers)}
+    experts = _STACKED_EXPERTS.match(rest)
+    out = {}
+    for i, part in layers.items():
+        if experts:
+            out.update({f"decoder.layers.{i}.mlp.experts.linear_fc{experts.group(1)}.weight{e}": part[e]
+                        for e in range(part.shape[0])})
+        else:
+            out[f"decoder.layers.{i}.{rest}"] = part
+    return out
 
 
 def stage_layers(args) -> list[list[range]]:
@@ -134,41 +186,74 @@ def stage_layers(args) -> list[list[range]]:
 
 
 def _chunk_names(args, v: int, p: int, layers: list[list[range]]) -> list[str]:
-    order = _LAYER_ORDER["local" if args.get("transformer_impl") == "local" else "transformer_engine"]
+    """The dense parameters of virtual chunk ``v`` of pipeline stage ``p`` in registration order (canonical
+    names)."""
+    spec = "local" if args.get("transformer_impl") == "local" else "transformer_engine"
+    pattern = moe.layer_pattern(args)
+    attention = _ATTENTION_ORDER[spec] + (_QK_NORMS if args.get("qk_layernorm") else ())
     names = ["embedding.word_embeddings.weight"] if v == 0 and p == 0 else []
-    names += [f"decoder.layers.{i}.{rest}" for i in layers[v][p] for rest in order]
+    names += [f"decoder.layers.{i}.{rest}" for i in layers[v][p]
+              for rest in attention + (_MOE_MLP if pattern[i] else _DENSE_MLP)]
     if v == len(layers) - 1 and p == len(layers[0]) - 1:
         names += ["decoder.final_layernorm.weight", "output_layer.weight"]
     return names
 
 
-def _dp_reshardable(dcp, args, weights: dict) -> dict:
+def _expert_names(args, v: int, p: int, layers: list[list[range]], rank: int) -> list[str]:
+    """The experts' parameters of expert-parallel rank ``rank`` in chunk ``v`` of stage ``p``, in registration
+    order: TEGroupedMLP's (``--moe-grouped-gemm``) fc1 of each then fc2 of each, SequentialMLP's fc1 and fc2 of
+    one expert after the other."""
+    ep = moe.expert_layout(args)[0]
+    local = moe.num_experts(args) // ep
+    pattern, first = moe.layer_pattern(args), rank * local
+    grouped = [(k, e) for k in (1, 2) for e in range(local)]
+    order = grouped if args.get("moe_grouped_gemm") else sorted(grouped, key=lambda ke: ke[1])
+    return [f"decoder.layers.{i}.mlp.experts.linear_fc{k}.weight{first + e}" for i in layers[v][p] if pattern[i]
+            for k, e in order]
+
+
+def _dp_reshardable(dcp, args, weights: dict, prefixes: list[str]) -> dict:
     tp, dp = mo.arg_int(args, "tensor_model_parallel_size"), mo.arg_int(args, "data_parallel_size")
+    ep, etp, edp = moe.expert_layout(args)
     layers = stage_layers(args)
-    busbw = bool(args.get("ddp_pad_buckets_for_high_nccl_busbw", False))
     shards: dict = {}
     for p in range(len(layers[0])):
+        dense = [_chunk_names(args, v, p, layers) for v in range(len(layers))]
+        experts = [[_expert_names(args, v, p, layers, e) for v in range(len(layers))] for e in range(ep)]
+        # a rank's parameters, which --ddp-num-buckets divides into buckets: its dense shard and its experts'
+        numel = [sum(ma.tp_shard_megatron(n, weights[n], t, tp).numel() for c in dense + experts[0] for n in c)
+                 for t in range(tp)]
         for t in range(tp):
-            prefix = f"optimizer.distributed.dp_group_idx_{t + tp * p}"
-            sizes = dcp.object(f"{prefix}.per_bucket_numel_unpadded")
-            if sizes is None:
-                fail(f"{dcp.dir} holds no optimizer state of model-parallel rank {t + tp * p} ({prefix}): it is "
-                     "incomplete")
-            chunks = [[(n, ma.tp_shard_megatron(n, weights[n], t, tp).numel(), weights[n].dtype)
-                       for n in _chunk_names(args, v, p, layers)] for v in range(len(layers))]
-            numel = sum(n for c in chunks for _, n, _ in c)
-            for index, (v, dtype, params) in enumerate(mo.buffers_of(chunks)):
-                buckets = mo.buffer_layout(params, mo.bucket_size(args, v, p, numel), dp, busbw)
-                key = next((k for k in sizes[index] if k[0] == dtype), None) if index < len(sizes) else None
-                if key is None or list(sizes[index][key]) != [b.numel_unpadded for b in buckets]:
-                    fail(f"{dcp.dir}: the optimizer buffer {index} of model-parallel rank {t + tp * p} holds buckets "
-                         f"of {sizes[index].get(key) if key else 'unknown'} elements; the layout computed from the "
-                         f"model and the run's arguments has {[b.numel_unpadded for b in buckets]}: it cannot be "
-                         "imported")
-                stored = [{k: dcp.tensor(f"{prefix}.gbuf_idx_{index}.dtype_{key}.bucket_idx_{b}.{k}")
-                           for k in mo.STATES} for b in range(len(buckets))]
-                for name, tensors in mo.split_buckets(stored, buckets, str(dcp.dir)).items():
-                    shape = ma.tp_shard_megatron(name, weights[name], t, tp).shape
-                    shards.setdefault(name, [None] * tp)[t] = {k: x.view(shape) for k, x in tensors.items()}
+            _buffers(dcp, f"{prefixes[0]}optimizer.distributed.dp_group_idx_{t + tp * p}", dense, weights, (t, tp),
+                     dp, args, p, numel[t], shards)
+        for e in range(ep if len(prefixes) > 1 else 0):
+            for t in range(etp):
+                _buffers(dcp, f"{prefixes[1]}optimizer.distributed.dp_group_idx_{t + etp * e + etp * ep * p}",
+                         experts[e], weights, (t, etp), edp, args, p, numel[t % tp], shards)
     return {name: {k: ma.tp_merge_megatron(name, [s[k] for s in per_t]) for k in mo.STATES}
             for name, per_t in shards.items()}
+
+
+def _buffers(dcp, prefix: str, chunks: list[list[str]], weights: dict, split: tuple[int, int], dp: int, args,
+             stage: int, numel: int, shards: dict) -> None:
+    """Each parameter's state (``shards[name][tensor-parallel rank]``) from the buckets of one model-parallel
+    rank's optimizer (``prefix``): its chunks' parameters (names in registration order), split ``split`` =
+    (rank, size) over its tensor-parallel group, padded for ``dp`` data-parallel ranks."""
+    t, size = split
+    sizes = dcp.object(f"{prefix}.per_bucket_numel_unpadded")
+    if sizes is None:
+        fail(f"{dcp.dir} holds no optimizer state of {prefix}: it is incomplete")
+    params = [[(n, ma.tp_shard_megatron(n, weights[n], t, size).numel(), weights[n].dtype) for n in c] for c in chunks]
+    busbw = bool(args.get("ddp_pad_buckets_for_high_nccl_busbw", False))
+    for index, (v, dtype, flat) in enumerate(mo.buffers_of(params)):
+        buckets = mo.buffer_layout(flat, mo.bucket_size(args, v, stage, numel), dp, busbw)
+        key = next((k for k in sizes[index] if k[0] == dtype), None) if index < len(sizes) else None
+        if key is None or list(sizes[index][key]) != [b.numel_unpadded for b in buckets]:
+            fail(f"{dcp.dir}: the optimizer buffer {index} of {prefix} holds buckets of "
+                 f"{sizes[index].get(key) if key else 'unknown'} elements; the layout computed from the model and the "
+                 f"run's arguments has {[b.numel_unpadded for b in buckets]}: it cannot be imported")
+        stored = [{k: dcp.tensor(f"{prefix}.gbuf_idx_{index}.dtype_{key}.bucket_idx_{b}.{k}") for k in mo.STATES}
+                  for b in range(len(buckets))]
+        for name, tensors in mo.split_buckets(stored, buckets, str(dcp.dir)).items():
+            shape = ma.tp_shard_megatron(name, weights[name], t, size).shape
+            shards.setdefault(name, [None] * size)[t] = {k: x.view(shape) for k, x in tensors.items()}

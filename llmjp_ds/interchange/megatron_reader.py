@@ -29,9 +29,10 @@ import torch
 from llmjp_ds.checkpoint.safe_load import StandIn, load_megatron
 from llmjp_ds.errors import fail
 from llmjp_ds.interchange import megatron_adapter as ma
+from llmjp_ds.interchange import megatron_moe as moe
 from llmjp_ds.interchange import megatron_optim as mo
 from llmjp_ds.interchange.dcp_reader import DistCheckpoint
-from llmjp_ds.interchange.megatron_dist_optim import dist_optimizer, unstack
+from llmjp_ds.interchange.megatron_dist_optim import dist_optimizer, is_optimizer_key, unstack
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _ITER = re.compile(r"^iter_(\d{7})$")
@@ -125,57 +126,67 @@ def current_names(args: dict) -> dict:
 
 
 def check_supported(args, where: Path) -> None:
-    """The model Megatron trained is a Llama (RMSNorm, SwiGLU, RoPE, no biases, untied head) on a dense layout."""
+    """The model Megatron trained is a Llama (RMSNorm, SwiGLU, RoPE, no biases, untied head; qk-layernorm and
+    experts as Qwen3-MoE's, :mod:`~llmjp_ds.interchange.megatron_moe`) without context parallelism."""
     wrong = []
     # each argument absent from the releases before it is taken at the value that means "not used"
     checks = (("normalization", "RMSNorm"), ("swiglu", True), ("position_embedding_type", "rope"),
-              ("add_bias_linear", False), ("untie_embeddings_and_output_weights", True), ("qk_layernorm", False),
-              ("rotary_interleaved", False), ("add_qkv_bias", False), ("layernorm_zero_centered_gamma", False),
-              ("use_rope_scaling", False), ("qk_l2_norm", False), ("attention_output_gate", False),
-              ("multi_latent_attention", False), ("squared_relu", False), ("use_mup", False),
-              ("softmax_type", "vanilla"))
+              ("add_bias_linear", False), ("untie_embeddings_and_output_weights", True), ("rotary_interleaved", False),
+              ("add_qkv_bias", False), ("layernorm_zero_centered_gamma", False), ("use_rope_scaling", False),
+              ("qk_l2_norm", False), ("attention_output_gate", False), ("multi_latent_attention", False),
+              ("squared_relu", False), ("use_mup", False), ("softmax_type", "vanilla"))
     for name, want in checks:
         have = args.get(name, want)
         if have != want:
             wrong.append(f"{name}={have!r}")
     if args.get("rope_type") not in (None, "rope"):
         wrong.append(f"rope_type={args.get('rope_type')!r}")
-    for name in ("num_experts", "rampup_batch_size", "no_rope_freq", "window_size", "mtp_num_layers",
+    for name in ("rampup_batch_size", "no_rope_freq", "window_size", "mtp_num_layers",
                  "rotary_seq_len_interpolation_factor", "experimental_attention_variant", "hybrid_layer_pattern",
                  "heterogeneous_layers_config_path"):
         if args.get(name):
             wrong.append(f"{name}={args.get(name)!r}")
-    for name in ("context_parallel_size", "expert_model_parallel_size", "num_distributed_optimizer_instances"):
+    for name in ("context_parallel_size", "num_distributed_optimizer_instances"):
         if mo.arg_int(args, name) != 1:
             wrong.append(f"{name}={args.get(name)!r}")
     if float(args.get("rotary_percent", 1.0) or 1.0) != 1.0:
         wrong.append(f"rotary_percent={args.get('rotary_percent')!r}")
+    wrong += moe.unsupported(args)
     if wrong:
         fail(f"{where} was trained with {', '.join(wrong)}: llmjp-ds continues Llama-style runs only (RMSNorm, "
-             "SwiGLU, full unscaled RoPE, full attention, no biases, untied head, no MoE, MTP, context parallelism "
-             "or batch ramp-up)")
+             "SwiGLU, full unscaled RoPE, full attention, no biases, untied head, no MTP, context parallelism or "
+             "batch ramp-up; MoE as Qwen3-MoE: a softmax over the top-k router logits, no shared experts, no expert "
+             "bias)")
 
 
 # --- torch (legacy) ---------------------------------------------------------------------------------------------
 
-def _rank_dirs(directory: Path, tp: int, pp: int) -> dict[tuple[int, int], Path]:
+def _rank_dirs(directory: Path, tp: int, pp: int, ep: int) -> dict[tuple[int, int, int], Path]:
+    """The rank directories of a legacy checkpoint by (tensor, pipeline, expert) rank: ``mp_rank_TT``, with
+    ``_PPP`` under pipeline parallelism and ``_EEE`` under expert parallelism (so ``mp_rank_00_001`` is a pipeline
+    stage or an expert rank: the run's arguments say which)."""
+    layout = f"TP {tp} x PP {pp}" + (f" x EP {ep}" if ep > 1 else "")
     found = {}
     for p in directory.iterdir():
         m = _RANK_DIR.match(p.name)
         if m and p.is_dir():
-            if m.group(3):
-                fail(f"{directory} holds expert-parallel shards ({p.name}): MoE checkpoints are not supported")
-            found[(int(m.group(1)), int(m.group(2) or 0))] = p
-    want = {(t, s) for t in range(tp) for s in range(pp)}
-    name = (lambda t, s: f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{s:03d}")
+            ranks = [int(g.lstrip("_")) for g in m.groups()[1:] if g is not None]
+            if len(ranks) != (pp > 1) + (ep > 1):
+                fail(f"{directory} holds {p.name}, which does not add up to the {layout} its arguments give: the "
+                     "directory mixes checkpoints of several layouts; import it from a copy of one run's files")
+            stage, expert = (ranks.pop(0) if pp > 1 else 0), (ranks.pop(0) if ep > 1 else 0)
+            found[(int(m.group(1)), stage, expert)] = p
+    want = {(t, s, e) for t in range(tp) for s in range(pp) for e in range(ep)}
+
+    def name(t, s, e):
+        return f"mp_rank_{t:02d}" + (f"_{s:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
     missing = sorted(want - set(found))
     if missing:
         fail(f"{directory} lacks {name(*missing[0])}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
-             + f": its arguments say TP {tp} x PP {pp}; the checkpoint is incomplete, copy every mp_rank directory")
+             + f": its arguments say {layout}; the checkpoint is incomplete, copy every mp_rank directory")
     extra = [found[k].name for k in sorted(set(found) - want)]
-    extra += [p.name for p in found.values() if (pp > 1) != bool(_RANK_DIR.match(p.name).group(2))]
     if extra:
-        fail(f"{directory} holds {extra[0]}, which does not add up to the TP {tp} x PP {pp} its arguments give: the "
+        fail(f"{directory} holds {extra[0]}, which does not add up to the {layout} its arguments give: the "
              "directory mixes checkpoints of several layouts; import it from a copy of one run's files")
     return found
 
@@ -200,6 +211,18 @@ def _model_chunks(state: dict, path: Path) -> list[dict]:
     return [_flatten(c) for c in chunks]
 
 
+def _legacy_layout(args, directory: Path) -> tuple[int, int, int, int]:
+    """(TP, PP, EP, experts per expert-parallel rank) of a legacy checkpoint; Megatron-LM writes its expert files
+    by tensor-parallel rank, so an expert split over another tensor-parallel size cannot be found in them."""
+    tp, pp = mo.arg_int(args, "tensor_model_parallel_size"), mo.arg_int(args, "pipeline_model_parallel_size")
+    ep, etp, _ = moe.expert_layout(args)
+    if moe.num_experts(args) and etp != tp:
+        fail(f"{directory} was saved in the torch format with expert_tensor_parallel_size={etp} and "
+             f"tensor_model_parallel_size={tp}: Megatron-LM's legacy files hold the experts by tensor-parallel rank "
+             "only when the two agree; save the run as torch_dist (--ckpt-format torch_dist) and import that")
+    return tp, pp, ep, moe.num_experts(args) // ep
+
+
 def _read_torch(directory: Path) -> MegatronCheckpoint:
     first = next(p for p in sorted(directory.iterdir()) if _RANK_DIR.match(p.name))
     head = load_megatron(_model_file(first))
@@ -208,22 +231,38 @@ def _read_torch(directory: Path) -> MegatronCheckpoint:
     if float(head.get("checkpoint_version") or 0) < 2.0:  # Megatron-LM's fix_query_key_value_ordering
         fail(f"{directory} is a Megatron-LM checkpoint of version {head.get('checkpoint_version')}, whose fused QKV "
              "is ordered otherwise (before 2.0): load and save it once with a recent Megatron-LM first")
-    tp, pp = mo.arg_int(args, "tensor_model_parallel_size"), mo.arg_int(args, "pipeline_model_parallel_size")
-    dirs = _rank_dirs(directory, tp, pp)
+    tp, pp, ep, local = _legacy_layout(args, directory)
+    dirs = _rank_dirs(directory, tp, pp, ep)
     states = {key: (head if path == first else load_megatron(_model_file(path))) for key, path in dirs.items()}
     chunks = {key: _model_chunks(s, dirs[key]) for key, s in states.items()}
-    vp = len(chunks[(0, 0)])
-    counts = [[ma.layer_count(chunks[(0, s)][v]) for s in range(pp)] for v in range(vp)]
+    vp = len(chunks[(0, 0, 0)])
+    counts = [[ma.layer_count(chunks[(0, s, 0)][v]) for s in range(pp)] for v in range(vp)]
     offsets = ma.chunk_layer_offsets(counts)
     weights = {}
     for s in range(pp):
         for v in range(vp):
-            merged = _merge_tp([chunks[(t, s)][v] for t in range(tp)])
-            weights.update(ma.renumber_layers(merged, offsets[v][s]))
+            for e in range(ep):
+                ranks = [chunks[(t, s, e)][v] for t in range(tp)]
+                if e:  # the other expert ranks' files: their experts; the rest is the first's, which they repeat
+                    _check_replicas(ranks, [chunks[(t, s, 0)][v] for t in range(tp)], dirs[(0, s, e)])
+                merged = _merge_tp(ranks, (lambda n: ma.is_expert(n)) if e else None)
+                weights.update(ma.renumber_layers(ma.globalize_experts(merged, e * local), offsets[v][s]))
     optimizer, step = _torch_optimizer(directory, args, dirs, states, chunks, offsets)
-    weights = {ma.canonical_name(k) or k: v for k, v in weights.items()}
     return MegatronCheckpoint(directory, "torch", args, int(head.get("iteration", 0)),
-                              dict(head.get("opt_param_scheduler") or {}), weights, optimizer, step)
+                              dict(head.get("opt_param_scheduler") or {}), ma.canonical_state(weights), optimizer,
+                              step)
+
+
+def _check_replicas(ranks: list[dict], firsts: list[dict], where: Path) -> None:
+    """The dense weights of an expert-parallel rank's files are those of expert rank 0's (Megatron replicates them
+    over the expert-parallel group)."""
+    for shard, first in zip(ranks, firsts):
+        for name, tensor in shard.items():
+            if ma.is_extra_state(name) or ma.is_expert(name) or not hasattr(tensor, "dtype"):
+                continue
+            if name not in first or not torch.equal(tensor, first[name]):
+                fail(f"{where}'s {name} differs from the first expert-parallel rank's: the directory mixes the files "
+                     "of several runs or iterations; import it from a copy of one checkpoint's files")
 
 
 def _model_file(rank_dir: Path) -> Path:
@@ -233,60 +272,86 @@ def _model_file(rank_dir: Path) -> Path:
     return path
 
 
-def _merge_tp(shards: list[dict]) -> dict:
+def _merge_tp(shards: list[dict], keep=None) -> dict:
     return {name: ma.tp_merge_megatron(name, [s[name] for s in shards]) for name in shards[0]
-            if not ma.is_extra_state(name)}
+            if not ma.is_extra_state(name) and (keep is None or keep(name))}
 
 
-def _params(chunk: dict) -> list[tuple[str, int, torch.dtype]]:
-    return [(n, t.numel(), t.dtype) for n, t in chunk.items() if not ma.is_extra_state(n) and hasattr(t, "dtype")]
+def _params(chunk: dict, experts: bool | None = None) -> list[tuple[str, int, torch.dtype]]:
+    """(name, numel, dtype) of a chunk's parameters in registration order: all of them, or (``experts``) the
+    experts' alone or the others alone (Megatron's DDP keeps the two in buffers of their own)."""
+    return [(n, t.numel(), t.dtype) for n, t in chunk.items() if not ma.is_extra_state(n) and hasattr(t, "dtype")
+            and (experts is None or ma.is_expert(n) == experts)]
 
 
 def _torch_optimizer(directory, args, dirs, states, chunks, offsets):
     """(name -> whole {param, exp_avg, exp_avg_sq}, step) of a legacy checkpoint; (None, 0) without optimizer."""
-    head = states[(0, 0)]
+    head = states[(0, 0, 0)]
     if "optimizer" not in head:
         return None, 0
-    tp = mo.arg_int(args, "tensor_model_parallel_size")
+    tp, _, _, local = _legacy_layout(args, directory)
     per_rank = {}
-    for (t, s), path in dirs.items():
-        ranks = chunks[(t, s)]
+    for (t, s, e), path in dirs.items():
         if args.get("use_distributed_optimizer", False):
-            per_rank[(t, s)] = _distributed_state(path, args, ranks, s)
+            per_rank[(t, s, e)] = _distributed_states(path, args, chunks[(t, s, e)], s, e)
+        elif moe.num_experts(args):
+            fail(f"{directory} holds an MoE run's optimizer of Megatron's non-distributed kind in the torch format, "
+                 "which is not read: save the run as torch_dist (--ckpt-format torch_dist) and import that")
         else:
-            per_rank[(t, s)] = _local_state(path, states[(t, s)].get("optimizer") or {}, ranks)
+            per_rank[(t, s, e)] = _local_state(path, states[(t, s, e)].get("optimizer") or {}, chunks[(t, s, e)])
     merged = {}
-    for (t, s), state in per_rank.items():
+    for (t, s, e), state in per_rank.items():
         if t:
             continue
         for v, names in enumerate(state):
             for name in names:
-                whole = {k: ma.tp_merge_megatron(name, [per_rank[(r, s)][v][name][k] for r in range(tp)])
+                whole = {k: ma.tp_merge_megatron(name, [per_rank[(r, s, e)][v][name][k] for r in range(tp)])
                          for k in mo.STATES}
-                merged.update(ma.renumber_layers({name: whole}, offsets[v][s]))
-    opt = head["optimizer"]
-    groups = (opt.get("optimizer") or {}).get("param_groups", []) if isinstance(opt, dict) else []
-    steps = [g.get("step") for g in groups]
-    inner_state = (opt.get("optimizer") or {}).get("state", {}) if isinstance(opt, dict) else {}
-    steps += [s.get("step") for s in inner_state.values() if isinstance(s, dict)]
+                merged.update(ma.renumber_layers(ma.globalize_experts({name: whole}, e * local), offsets[v][s]))
+    opts = head["optimizer"] if isinstance(head["optimizer"], list) else [head["optimizer"]]  # one per chained
+    steps = []
+    for opt in opts:
+        inner = (opt.get("optimizer") or {}) if isinstance(opt, dict) else {}
+        steps += [g.get("step") for g in inner.get("param_groups", [])]
+        steps += [s.get("step") for s in inner.get("state", {}).values() if isinstance(s, dict)]
     step = mo.optimizer_step([float(x) for x in steps if x is not None], directory / "mp_rank_00")
-    return {ma.canonical_name(k) or k: v for k, v in merged.items()}, step
+    return ma.canonical_state(merged), step
 
 
-def _distributed_state(rank_dir: Path, args, chunks: list[dict], stage: int) -> list[dict]:
-    """Per model chunk: name (local) -> {param, exp_avg, exp_avg_sq} shaped as the rank's weight."""
+def _distributed_states(rank_dir: Path, args, chunks: list[dict], stage: int, expert_rank: int) -> list[dict]:
+    """Per model chunk: name (local) -> {param, exp_avg, exp_avg_sq} shaped as the rank's weight, from the rank's
+    ``distrib_optim.pt``: one optimizer's state, or (an MoE model: megatron-core's ChainedOptimizer) a list of the
+    dense parameters' (on expert rank 0; the others repeat them, and store None) and the experts'."""
     path = rank_dir / "distrib_optim.pt"
     if not path.is_file():
         fail(f"{rank_dir} lacks distrib_optim.pt, which the distributed optimizer writes beside model_optim_rng.pt: "
              "the checkpoint is incomplete; copy it again from the Megatron run")
     state = load_megatron(path)
-    if isinstance(state, list):
-        fail(f"{path} holds {len(state)} chained optimizers: only one (a dense model's) is supported")
-    dp = mo.arg_int(args, "data_parallel_size")
+    experts = moe.num_experts(args) > 0
+    parts = state if isinstance(state, list) else [state]
+    if len(parts) != 1 + experts or (parts[0] is None) != (expert_rank > 0) or (experts and parts[1] is None):
+        fail(f"{path} holds {len(parts)} optimizer states ({', '.join('none' if p is None else 'one' for p in parts)})"
+             f" where Megatron writes {'the dense parameters and the experts' if experts else 'one'}: it does not "
+             "match its model (another megatron-core layout)")
     numel = sum(n for c in chunks for _, n, _ in _params(c))
-    buffers = mo.buffers_of([_params(c) for c in chunks])
     out: list[dict] = [{} for _ in chunks]
-    for index, (v, dtype, params) in enumerate(buffers):
+    ep, _, edp = moe.expert_layout(args)
+    groups = [(parts[0], False, mo.arg_int(args, "data_parallel_size"))] + ([(parts[1], True, edp)] if experts else [])
+    for part, of_experts, dp in groups:
+        if part is None:
+            continue
+        params = [_params(c, of_experts if experts else None) for c in chunks]
+        for v, found in enumerate(_buffer_states(part, params, args, stage, numel, dp, path)):
+            out[v].update({name: {k: t.view(chunks[v][name].shape) for k, t in tensors.items()}
+                           for name, tensors in found.items()})
+    return out
+
+
+def _buffer_states(state: dict, chunks: list[list], args, stage: int, numel: int, dp: int, path: Path) -> list[dict]:
+    """Per model chunk: name -> flat {param, exp_avg, exp_avg_sq} of one optimizer's ``save_parameter_state``
+    (``chunks``: each chunk's parameters of that optimizer, (name, numel, dtype) in registration order)."""
+    out: list[dict] = [{} for _ in chunks]
+    for index, (v, dtype, params) in enumerate(mo.buffers_of(chunks)):
         stored = state.get(index) if isinstance(state, dict) else None
         world = next((w for key, w in (stored or {}).items() if isinstance(key, tuple) and key[0] == dtype), None)
         if world is None:
@@ -294,11 +359,9 @@ def _distributed_state(rank_dir: Path, args, chunks: list[dict], stage: int) -> 
         buckets = mo.buffer_layout(params, mo.bucket_size(args, v, stage, numel), dp,
                                    bool(args.get("ddp_pad_buckets_for_high_nccl_busbw", False)))
         if state.get("buckets_coalesced"):
-            flat = mo.split_buffer(world, buckets, str(path))
+            out[v].update(mo.split_buffer(world, buckets, str(path)))
         else:
-            flat = mo.split_buckets(world, buckets, str(path))
-        for name, tensors in flat.items():
-            out[v][name] = {k: t.view(chunks[v][name].shape) for k, t in tensors.items()}
+            out[v].update(mo.split_buckets(world, buckets, str(path)))
     return out
 
 
@@ -363,7 +426,7 @@ def _common_state(dcp) -> tuple[dict, Path]:
 def _dist_weights(dcp, num_layers: int) -> dict:
     weights = {}
     for key in dcp.tensor_keys():
-        if key.startswith("optimizer.") or ma.is_extra_state(key):
+        if is_optimizer_key(key) or ma.is_extra_state(key):
             continue
         weights.update(unstack(key, dcp.tensor(key), num_layers))
-    return weights
+    return ma.canonical_state(weights)

@@ -79,7 +79,7 @@ def test_extra_state_is_dropped_and_foreign_weights_refused():
     te["decoder.layers.0.self_attention.linear_qkv._extra_state"] = torch.zeros(3, dtype=torch.uint8)
     assert len(ma.from_megatron_state_dict(te, CONFIG)) == len(te) - 1
     te["decoder.layers.0.self_attention.linear_qkv.bias"] = torch.zeros(64)
-    with pytest.raises(UserError, match="linear_qkv.bias'.*Llama-style model does not have"):
+    with pytest.raises(UserError, match="linear_qkv.bias'.*Llama or Qwen3-MoE-style model does not have"):
         ma.from_megatron_state_dict(te, CONFIG)
 
 
@@ -118,3 +118,85 @@ def test_pipeline_numbering():
     assert ma.layer_count(state) == 2
     assert ma.renumber_layers(state, 4) == {"decoder.layers.4.mlp.linear_fc2.weight": 1,
                                             "decoder.layers.5.mlp.linear_fc2.weight": 2, "output_layer.weight": 3}
+
+
+# --- a Qwen3-MoE model: qk-layernorm, the MoE norm, the router, the experts --------------------------------------
+
+MOE_CONFIG = model_config("tiny-moe", hidden_size=16, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=4, ffn_hidden_size=32, vocab_size=256, seq_len=32, num_experts=4,
+                          experts_per_token=2, moe_ffn_hidden_size=8, dense_layers=[0])
+
+
+def test_moe_round_trip_and_names():
+    """Every weight of an MoE model with a dense layer 0 maps to Megatron-Core's TE-spec name and back, bit-exact:
+    qk-layernorms, the MoE layer's own norm (``pre_mlp_layernorm``), the router, TEGroupedMLP's experts."""
+    ours = ours_state(MOE_CONFIG)
+    megatron = ma.to_megatron_state_dict(ours, MOE_CONFIG)
+    back = ma.from_megatron_state_dict(megatron, MOE_CONFIG)
+    assert back.keys() == ours.keys() and all(back[k] is ours[k] for k in ours)
+    layer1 = {k[len("decoder.layers.1."):] for k in megatron if k.startswith("decoder.layers.1.")}
+    assert layer1 == {"self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.weight",
+                      "self_attention.linear_proj.weight", "self_attention.q_layernorm.weight",
+                      "self_attention.k_layernorm.weight", "pre_mlp_layernorm.weight", "mlp.router.weight",
+                      *(f"mlp.experts.linear_fc{k}.weight{e}" for k in (1, 2) for e in range(4))}
+    assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in megatron  # the dense layer keeps its names
+
+
+def test_moe_spellings_read_by_the_layer_they_are_in():
+    """SequentialMLP's ``local_experts.{i}`` are TEGroupedMLP's ``weight{i}``; the local spec's
+    ``pre_mlp_layernorm.weight`` (or torch_dist's ``mlp.linear_fc1.layer_norm_weight`` for it) is the MoE norm in
+    the MoE layer and the MLP's norm in the dense one."""
+    ours = ours_state(MOE_CONFIG)
+    te = ma.to_megatron_state_dict(ours, MOE_CONFIG)
+    local = {}
+    for name, tensor in te.items():
+        name = name.replace("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")
+        name = name.replace("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight")
+        for e, k in [(e, k) for e in range(4) for k in (1, 2)]:
+            name = name.replace(f"experts.linear_fc{k}.weight{e}", f"experts.local_experts.{e}.linear_fc{k}.weight")
+        local[name] = tensor
+    assert {"decoder.layers.0.pre_mlp_layernorm.weight", "decoder.layers.1.pre_mlp_layernorm.weight"} <= set(local)
+    back = ma.from_megatron_state_dict(local, MOE_CONFIG)
+    assert all(back[k] is ours[k] for k in ours)
+    assert ma.canonical_state(local).keys() == te.keys()
+    keyed = {k.replace("layers.1.pre_mlp_layernorm.weight", "layers.1.mlp.linear_fc1.layer_norm_weight"): v
+             for k, v in te.items()}
+    assert ma.canonical_state(keyed).keys() == te.keys()
+
+
+def test_experts_are_numbered_globally_and_split_as_a_dense_mlp():
+    """Expert-parallel rank r's local expert i is global expert r x E/EP + i, in either spelling; under expert
+    tensor parallelism an expert's fc1 is [its gate rows; its up rows] per rank and its fc2 split by columns."""
+    state = {"decoder.layers.1.mlp.experts.linear_fc1.weight1": 1,
+             "decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight": 2,
+             "decoder.layers.1.mlp.router.weight": 3}
+    assert ma.globalize_experts(state, 2) == {"decoder.layers.1.mlp.experts.linear_fc1.weight3": 1,
+                                              "decoder.layers.1.mlp.experts.local_experts.2.linear_fc2.weight": 2,
+                                              "decoder.layers.1.mlp.router.weight": 3}
+    assert [ma.is_expert(n) for n in state] == [True, True, False]
+    fc1 = torch.arange(16 * 16.0).view(16, 16)
+    gate, up = fc1.chunk(2)
+    for name in ("decoder.layers.1.mlp.experts.linear_fc1.weight3",
+                 "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"):
+        shards = [ma.tp_shard_megatron(name, fc1, r, 2) for r in range(2)]
+        assert torch.equal(shards[1], torch.cat([gate.chunk(2)[1], up.chunk(2)[1]]))
+        assert torch.equal(ma.tp_merge_megatron(name, shards), fc1)
+    fc2 = torch.arange(16 * 8.0).view(16, 8)
+    assert torch.equal(ma.tp_shard_megatron("decoder.layers.1.mlp.experts.linear_fc2.weight0", fc2, 1, 2), fc2[:, 4:])
+    router = torch.ones(4, 16)
+    assert ma.tp_shard_megatron("decoder.layers.1.mlp.router.weight", router, 1, 2) is router
+
+
+def test_an_moe_checkpoint_on_another_config_is_refused():
+    """An expert the config's model does not have (more experts, or a layer the config makes dense) is one line."""
+    te = ma.to_megatron_state_dict(ours_state(MOE_CONFIG), MOE_CONFIG)
+    te["decoder.layers.1.mlp.experts.linear_fc1.weight4"] = torch.zeros(16, 16)
+    with pytest.raises(UserError, match="holds 'decoder.layers.1.mlp.experts.linear_fc1.weight4', which the config's "
+                                        "model does not have"):
+        ma.from_megatron_state_dict(te, MOE_CONFIG)
+    with pytest.raises(UserError, match="layers.1.pre_mlp_layernorm.weight', which the config's model does not have"):
+        ma.from_megatron_state_dict(ma.to_megatron_state_dict(ours_state(MOE_CONFIG), MOE_CONFIG),
+                                    model_config("tiny-moe", hidden_size=16, num_layers=2, num_attention_heads=4,
+                                                 num_key_value_heads=2, head_dim=4, ffn_hidden_size=32,
+                                                 vocab_size=256, num_experts=4, experts_per_token=2,
+                                                 moe_ffn_hidden_size=8, dense_layers=[0, 1]))

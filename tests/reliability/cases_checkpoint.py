@@ -124,6 +124,10 @@ CASES: list[Case] = [
     Case("import-hf-over-a-run-with-checkpoints", L("import-hf", "--model", f"{R}/hf_good", "--run", f"{R}/base",
                                                     "--force"),
          ("holds a run with checkpoints: import-hf starts a new run; choose another --run",)),
+    Case("import-hf-moe-other-shape", L("import-hf", "--model", f"{R}/hf_moe", "--run", f"{R}/imported", "--preset",
+                                        "demo"),
+         ("hf_moe is a qwen3_moe model with num_experts=4, but the preset demo's model (shape tiny) has num_experts=0",
+          "pass the preset of its shape")),
     # --- import-megatron (the fixtures megatron-core wrote, altered) -----------------------------------------------
     Case("import-megatron-not-a-checkpoint", megatron(f"{R}/precious"),
          ("precious is not a Megatron-LM checkpoint directory (no latest_checkpointed_iteration.txt, no iter_",)),
@@ -205,10 +209,11 @@ def _copy(ctx, name: str) -> Path:
 
 
 def _hf_dirs(root: Path) -> None:
-    """A small HF Llama (transformers' own save_pretrained), one with a wrong-shape tensor, one truncated."""
+    """A small HF Llama (transformers' own save_pretrained), one with a wrong-shape tensor, one truncated; a small
+    qwen3_moe."""
     import torch
     from safetensors.torch import load_file, save_file
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=1000, max_position_embeddings=64)
@@ -221,6 +226,10 @@ def _hf_dirs(root: Path) -> None:
     save_file(tensors, root / "hf_wrong_shape" / "model.safetensors", metadata={"format": "pt"})
     data = (root / "hf_truncated" / "model.safetensors").read_bytes()
     (root / "hf_truncated" / "model.safetensors").write_bytes(data[: len(data) // 2])
+    moe = Qwen3MoeConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=1000, max_position_embeddings=64,
+                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+    Qwen3MoeForCausalLM(moe).save_pretrained(root / "hf_moe")
 
 
 def prepare(ctx) -> None:

@@ -11,7 +11,9 @@ data position and optimizer state: the first step's update is AdamW's from the i
 A fixture directory holds ``save/`` (Megatron-LM's ``--save`` directory), ``fixture.json`` (``format``,
 ``iteration``, ``global_batch_size``, ``seq_length``, ``vocab_size`` (padded), ``hidden_size``, ``num_layers``,
 ``num_attention_heads``, ``num_query_groups``, ``ffn_hidden_size``, ``schedule``, ``made_by``; where known
-``precision``, ``clip_grad``, ``betas``, ``eps``) and, optionally, ``reference.pt``
+``precision``, ``clip_grad``, ``betas``, ``eps``; an MoE model's ``num_experts``, ``moe_router_topk``,
+``moe_ffn_hidden_size``, ``moe_layer_freq``, ``model``: tests/train/test_import_megatron_moe.py) and, optionally,
+``reference.pt``
 (``tokens``, megatron-core's fp32 ``logits`` on them at the checkpoint's master weights, and per parameter under
 Megatron's name the ``fingerprints`` of its ``param``, ``exp_avg`` and ``exp_avg_sq``, as make_fixtures.py's
 ``_fingerprint`` computes them).
@@ -46,13 +48,35 @@ def read(d: Path):
     return read_megatron(d / "save")
 
 
+def shape_of(info: dict) -> dict:
+    """The fixture's model as ``model.shape`` and ``model.overrides`` fields (an MoE model's experts too)."""
+    shape = {"hidden_size": info["hidden_size"], "num_layers": info["num_layers"],
+             "num_attention_heads": info["num_attention_heads"], "num_key_value_heads": info["num_query_groups"],
+             "ffn_hidden_size": info["ffn_hidden_size"], "vocab_size": info["vocab_size"],
+             "seq_len": info["seq_length"]}
+    if "num_experts" not in info:
+        return {"shape": "tiny", **shape}
+    freq = info["moe_layer_freq"]
+    pattern = freq if isinstance(freq, list) else [int(i % freq == 0) for i in range(info["num_layers"])]
+    return {"shape": "tiny-moe", **shape, "head_dim": info["hidden_size"] // info["num_attention_heads"],
+            "num_experts": info["num_experts"], "experts_per_token": info["moe_router_topk"],
+            "moe_ffn_hidden_size": info["moe_ffn_hidden_size"],
+            "dense_layers": [i for i, moe in enumerate(pattern) if not moe]}
+
+
 def config_of(info: dict):
     from llmjp_ds.model.shapes import model_config
 
-    return model_config("tiny", hidden_size=info["hidden_size"], num_layers=info["num_layers"],
-                        num_attention_heads=info["num_attention_heads"], num_key_value_heads=info["num_query_groups"],
-                        ffn_hidden_size=info["ffn_hidden_size"], vocab_size=info["vocab_size"],
-                        seq_len=info["seq_length"])
+    return model_config(**shape_of(info))
+
+
+def weight_count(info: dict) -> int:
+    """How many weights a model of the fixture's has: 6 per dense layer; an MoE layer's attention (3, and 2
+    qk-norms), its norm, its router and two per expert."""
+    if "num_experts" not in info:
+        return 3 + 6 * info["num_layers"]
+    dense = len(shape_of(info)["dense_layers"])
+    return 3 + 5 * info["num_layers"] + 3 * dense + (info["num_layers"] - dense) * (2 + 2 * info["num_experts"])
 
 
 def fingerprint(t: torch.Tensor) -> torch.Tensor:  # make_fixtures.py's
@@ -67,27 +91,26 @@ def test_reader_takes_every_weight_and_its_state(d):
     assert (ckpt.fmt, ckpt.iteration, ckpt.step) == (info["format"], info["iteration"], info["iteration"])
     assert ckpt.scheduler["num_steps"] == info["iteration"] * info["global_batch_size"]
     ours = ma.from_megatron_state_dict(ckpt.weights, config_of(info))  # every weight, each of its shape
-    assert len(ours) == 3 + 6 * info["num_layers"]
+    assert len(ours) == weight_count(info)
     assert ckpt.optimizer is not None and ckpt.optimizer.keys() == ckpt.weights.keys()
     for name, weight in ckpt.weights.items():
         state = ckpt.optimizer[name]
         assert {k: v.shape for k, v in state.items()} == {k: weight.shape for k in ("param", "exp_avg", "exp_avg_sq")}
         assert torch.equal(state["param"].to(weight.dtype), weight), name  # megatron-core copies master -> model
-        if "make_fixtures.py" in info["made_by"]:  # every element got a gradient there: none left at zero
+        if "on CPU" in info["made_by"]:  # make_(moe_)fixtures.py: every element got a gradient, none left at zero
             assert (state["exp_avg_sq"] > 0).all(), name
     assert not any(ma.is_extra_state(n) for n in ckpt.weights)  # TE's extra state is dropped
 
 
 def reference_of(d: Path) -> Path | None:
-    """The fixture's own ``reference.pt``, or the canonical fixture's for the fixtures made with it (the same
-    model, every layout started from the same weights by make_fixtures.py)."""
+    """The fixture's own ``reference.pt``, or that of the fixture of the same model made by the same script (every
+    layout started from the same weights by make_fixtures.py or make_moe_fixtures.py)."""
     if (d / "reference.pt").is_file():
         return d / "reference.pt"
     same = ("made_by", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-            "vocab_size", "iteration")
-    if all(fixture_info(d).get(k) == fixture_info(CANONICAL).get(k) for k in same):
-        return CANONICAL / "reference.pt"
-    return None
+            "vocab_size", "iteration", "model")
+    return next((r / "reference.pt" for r in DIRS if (r / "reference.pt").is_file() and
+                 all(fixture_info(d).get(k) == fixture_info(r).get(k) for k in same)), None)
 
 
 REFERENCED = [d for d in DIRS if reference_of(d)]
@@ -100,8 +123,9 @@ def test_every_layout_carries_megatron_cores_optimizer_state(d):
     plain split of fc1 or a stage's layers out of place would each change them."""
     reference = torch.load(reference_of(d))["fingerprints"]
     ckpt = read(d)
+    names = ma.canonical_names(reference)
     for name, prints in reference.items():
-        state = ckpt.optimizer[ma.canonical_name(name)]
+        state = ckpt.optimizer[names[name]]
         for key, expected in prints.items():
             assert torch.allclose(fingerprint(state[key]), expected, rtol=1e-6, atol=1e-9), (name, key)
 
@@ -154,10 +178,10 @@ def import_sets(tmp_path: Path, info: dict) -> list[str]:
 
     prefix = write_corpus(tmp_path / "corpus" / "c_text_document",
                           random_documents(np.random.default_rng(0), 200, high=200, max_len=80))
-    overrides = (f"{{hidden_size: {info['hidden_size']}, num_layers: {info['num_layers']}, num_attention_heads: "
-                 f"{info['num_attention_heads']}, num_key_value_heads: {info['num_query_groups']}, ffn_hidden_size: "
-                 f"{info['ffn_hidden_size']}, vocab_size: {info['vocab_size']}, seq_len: {info['seq_length']}}}")
-    return [f"model.overrides={overrides}", f"data.tokenizer={small_tokenizer(tmp_path / 'sp')}",
+    fields = shape_of(info)
+    overrides = "{" + ", ".join(f"{k}: {v}" for k, v in fields.items() if k != "shape") + "}"
+    return [f"model.shape={fields['shape']}", f"model.overrides={overrides}",
+            f"data.tokenizer={small_tokenizer(tmp_path / 'sp')}",
             f"data.blend=[{prefix}]", f"data.seq_len={info['seq_length']}",
             f"train.global_batch_size={info['global_batch_size']}",
             f"train.micro_batch_size={info['global_batch_size']}", "train.steps=20", "precision.dtype=fp32",
@@ -368,7 +392,7 @@ def twins() -> list[tuple[Path, Path]]:
 def test_both_formats_of_one_run_agree(legacy, dist):
     """Megatron-LM saved one run (the same arguments and seed) in both formats, and its numbers came out bitwise
     equal: the two readers, distrib_optim.pt's buffers in the state dict's order and torch_dist's buckets in the TE
-    spec's registration order (``_LAYER_ORDER``), take the same weights, optimizer state, step and schedule."""
+    spec's registration order (``_ATTENTION_ORDER``), take the same weights, optimizer state, step and schedule."""
     a, b = read(legacy), read(dist)
     assert (a.iteration, a.step, a.scheduler) == (b.iteration, b.step, b.scheduler)
     assert a.arg("consumed_train_samples") == b.arg("consumed_train_samples")

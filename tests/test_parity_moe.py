@@ -230,6 +230,31 @@ def test_the_initial_checkpoint_keeps_an_moe_layers_extra_state(tmp_path):
     assert saved["iteration"] == 0 and (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "release"
 
 
+@pytest.mark.parametrize("shape", ["tiny-moe", "tiny"])
+def test_each_module_with_extra_state_is_one_the_initial_weights_name(shape, tmp_path):
+    """The release checkpoint of our initial weights (benchmarks/parity/init.py, the names
+    interchange/megatron_adapter.to_megatron_state_dict gives them): every module it keeps extra state for holds a
+    weight there (but the attention core, which has none), and every module holding a weight but the router and
+    the embedding keeps it: so Megatron-LM's strict load can match its state dict."""
+    import torch
+
+    from benchmarks.parity.init import write_megatron_release
+    from llmjp_ds.interchange.megatron_adapter import to_megatron_state_dict
+    from llmjp_ds.model import LlamaForCausalLM
+    from llmjp_ds.model.shapes import model_config
+
+    config = model_config(shape, num_layers=2)
+    model = LlamaForCausalLM(config, backend="torch")
+    state = to_megatron_state_dict({k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")},
+                                   config)
+    saved = torch.load(write_megatron_release(state, config, tmp_path), weights_only=False)["model"]
+    extra = {k.removesuffix("._extra_state") for k in saved if k.endswith("._extra_state")}
+    holding = {k.rsplit(".", 1)[0] for k in saved if not k.endswith("_extra_state")}
+    assert {m for m in extra if not m.endswith("core_attention")} == \
+        {m for m in holding if not m.endswith(("mlp.router", "word_embeddings"))}
+    assert len(extra) == 2 * (8 if shape == "tiny-moe" else 5) + 2
+
+
 # --- the report, on stood-in runs -------------------------------------------------------------------------------
 # losses on a grid of 1/32 in [4, 9], which Megatron's %E lines carry exactly, and the mean of two too (a process's
 # second line); the spreads (B against A, FB against FA) 1/32 off on every odd step, ours on every fourth; the

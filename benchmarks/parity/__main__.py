@@ -374,7 +374,7 @@ def main(argv=None) -> int:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--moe", action="store_true", help="the MoE check's runs (M-A1, M-B1, ours-moe, ours-moe-fp8, "
                       "M-A2, M-FA, M-B2, M-FB: benchmarks/parity/moe.py) instead; defaults: 300 steps of 4 sequences "
-                      "of 2048, the flip at 150 (spec.MoE)")
+                      "of 2048, the flip at 150 (spec.MoE); with --report-from, their report")
     mode.add_argument("--recipe", action="store_true", help="LLM-jp-4's recipe's runs (W-A1, W-A2, W-B, ours-wsd, D1, "
                    "D2, import-w, branch, ours-decay) instead of the BF16 and FP8 ones; --lr applies to them, --steps, "
                    "--flip and --global-batch do not (spec.Recipe sizes them)")

@@ -70,7 +70,7 @@ def moe_jobs(setup: Setup, work: Path, runs: Path, mlm: Path, blend, tokenizer: 
         return pretrain(mlm, megatron_args(setup, config, blend, tokenizer, str(work / "cache" / name), load=str(load),
                                            moe=moe, **kw))
 
-    def ours(name, fp8_from=None):
+    def ours(name, fp8_from=None):  # LLM-jp-3's optimizer and schedule (the dense runs' preset), the MoE's model
         return [sys.executable, "-m", "llmjp_ds.train", "--preset", "llmjp3-1.8b", "--set", f"run_dir={runs / name}",
                 *ours_sets(setup, blend, tokenizer, str(work / "cache" / name), str(work / "init-moe-hf"), fp8_from,
                            moe=moe)]

@@ -715,3 +715,18 @@ def test_megatron_core_builds_the_moe_shape_as_ours():
     with torch.device("meta"):
         ours = LlamaForCausalLM(config, backend="torch")
     assert sum(p.numel() for p in gpt.parameters()) == sum(p.numel() for p in ours.parameters())
+
+
+def test_a_failed_variant_names_its_exception_not_the_warnings_after_it():
+    """The bench's row for a variant whose process failed quotes the exception that ended it, not what torch
+    prints at exit after it."""
+    from llmjp_ds.bench.run import error_line
+
+    stderr = ("[rank0]: Traceback (most recent call last):\n[rank0]:   File \"x.py\", line 1, in f\n"
+              "[rank0]: TypeError: GroupedLinear.forward() missing 1 required positional argument: 'm_splits'\n"
+              "[rank0]:[W1204 17:28:06 ProcessGroupNCCL.cpp:1575] Warning: WARNING: destroy_process_group() was "
+              "not called before program exit\n")
+    assert error_line(stderr) == "TypeError: GroupedLinear.forward() missing 1 required positional argument: 'm_splits'"
+    assert error_line("warming up\nerror: llmjp4-moe-slice needs CUDA\n") == "error: llmjp4-moe-slice needs CUDA"
+    assert error_line("killed\n") == "killed" and error_line("") == "no output"
+    assert error_line("torch.OutOfMemoryError: CUDA out of memory.\nwarning\n").startswith("torch.OutOfMemoryError")

@@ -182,8 +182,10 @@ def _mcore_config(config, variant: str, switches: dict | None = None, moe: dict 
         **mcore_layer_shape(config), normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
         bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, gradient_accumulation_fusion=True,
-        **{"apply_rope_fusion": True, "fused_single_qkv_rope": True, "bias_activation_fusion": True,
-           "cross_entropy_loss_fusion": True, "cross_entropy_fusion_impl": "te",
+        # one kernel for the QKV split and RoPE, which Megatron-Core refuses under qk-layernorm (the norm comes
+        # between them)
+        **{"apply_rope_fusion": True, "fused_single_qkv_rope": not has_qk_norm(config),
+           "bias_activation_fusion": True, "cross_entropy_loss_fusion": True, "cross_entropy_fusion_impl": "te",
            # TE's op fuser for the dense MLP; Megatron-Core's grouped MLP asserts under it (Blackwell only)
            "use_transformer_engine_op_fuser": not moe, **(switches or {})}, **fp8, **(moe or {}))
 

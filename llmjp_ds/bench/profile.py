@@ -237,7 +237,7 @@ def profile_table(result: dict) -> str:
     lines += [f"| `{k['kernel']}` | {k['category']} | {k['ms']:.1f} | {k['calls']} |" for k in p["top_kernels"]]
     moe = p.get("moe")
     if moe and any(part["ms"] for name, part in moe.items() if name != "other"):
-        lines.append("an MoE step's kernel time by the host ops that launch it: " + ", ".join(
+        lines.append("profile MoE parts (kernel time by the host ops that launch it): " + ", ".join(
             f"{name} {part['ms']:.1f} ms ({100 * part['share']:.1f}%)" for name, part in moe.items()))
     gaps = p.get("idle_gaps")
     if gaps:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -355,6 +356,17 @@ def variants_for(shape: str, asked: str | None) -> list[str]:
     return variants
 
 
+_RAISED = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[\w.]+(?:Error|Exception|Interrupt)|error)\b.*)")
+
+
+def error_line(stderr: str) -> str:
+    """The line of a failed child's stderr that says why: its last exception (``TypeError: ...``, rank prefix
+    dropped) or ``error: ...`` line; else its last line (warnings printed at exit come after the reason)."""
+    lines = stderr.strip().splitlines()
+    raised = [m.group(1) for m in map(_RAISED.match, lines) if m]
+    return (raised or lines or ["no output"])[-1]
+
+
 def measure(shape: str, variant: str, a) -> dict:
     """One variant in a fresh process; a failure becomes a row with its last error line."""
     tp = bench_config(shape, variant, a.gas, a.sets).parallel.tensor_parallel
@@ -369,8 +381,9 @@ def measure(shape: str, variant: str, a) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     found = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not found:
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:160]
-        result = {"shape": shape, "variant": variant, "error": tail,
+        print(f"[bench] {shape} {variant} failed (exit {proc.returncode}); its output ends:",
+              *proc.stderr.strip().splitlines()[-40:], sep="\n  ", file=sys.stderr, flush=True)
+        result = {"shape": shape, "variant": variant, "error": error_line(proc.stderr)[:160],
                   "sets": list(a.sets) if variant.startswith("ours") else list(a.peer_sets)}
     else:
         result = json.loads(found[0])

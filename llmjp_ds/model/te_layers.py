@@ -10,6 +10,8 @@ backends, where ``TransformerLayer`` would hide them behind its own inference AP
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import transformer_engine.pytorch as te
 from torch import nn
@@ -155,7 +157,10 @@ def DotProductAttention(num_attention_heads, head_dim, num_gqa_groups, qkv_forma
 
 
 class _GroupedLinear(ReusesFP8Weights, te.GroupedLinear):
-    pass
+    @property
+    def MAIN_GRAD_WEIGHTS(self) -> tuple[str, ...]:  # noqa: N802  (the name the engine reads on every GEMM module)
+        """Every expert's weight accumulates its gradient into its fp32 ``main_grad`` in the grouped GEMM."""
+        return tuple(f"weight{i}" for i in range(self.num_gemms))
 
 
 def GroupedLinear(num_gemms, in_features, out_features, init_std, params_dtype=None):
@@ -167,7 +172,9 @@ def GroupedLinear(num_gemms, in_features, out_features, init_std, params_dtype=N
 class GroupedMLP(nn.Module):
     """As :class:`llmjp_ds.model.torch_layers.GroupedMLP`, each projection one TE grouped GEMM. Inside an FP8
     region every expert's rows are padded to the recipe's alignment first (TE's ``Fp8Padding``), as the FP8 GEMMs
-    need, and unpadded after."""
+    need, and unpadded after. In the calibration steps before a flip the experts compute without calibrating:
+    TE 2.20's ``GroupedLinear`` has no input quantizers outside FP8 to record amax with (it raises), so the
+    experts' FP8 scales start from their first FP8 step, as every GEMM's do after Megatron-LM's FP8 restart."""
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, init_std: float,
                  output_std: float, params_dtype=None):
@@ -183,16 +190,21 @@ class GroupedMLP(nn.Module):
         if padded:
             rows, m_splits = self.pad(rows, splits)
             weights = _padded_rows(weights, splits, m_splits)
-        gate, up = self.linear_fc1(rows, m_splits).chunk(2, dim=-1)
-        out = self.linear_fc2(((torch.nn.functional.silu(gate) * up) * weights).to(rows.dtype), m_splits)
+        calibrating = not padded and FP8GlobalStateManager.is_fp8_calibration()
+        with te.autocast(enabled=False, calibrating=False) if calibrating else contextlib.nullcontext():
+            # by keyword: the FP8 weight cache's forward takes a second positional argument as is_first_microbatch
+            gate, up = self.linear_fc1(rows, m_splits=m_splits).chunk(2, dim=-1)
+            out = self.linear_fc2(((torch.nn.functional.silu(gate) * up) * weights).to(rows.dtype),
+                                  m_splits=m_splits)
         return self.unpad(out, splits) if padded else out
 
 
 def _padded_rows(t: torch.Tensor, splits: list[int], padded: list[int]) -> torch.Tensor:
     """``t``'s rows placed as ``Fp8Padding`` places the rows of each expert (zeros in the padding)."""
     before = [p - s for p, s in zip(padded, splits)]
-    shift = torch.repeat_interleave(torch.tensor([sum(before[:i]) for i in range(len(before))], device=t.device),
-                                    torch.tensor(splits, device=t.device))
+    shifts = [sum(before[:i]) for i in range(len(before))]
+    shift = torch.repeat_interleave(torch.tensor(shifts, device=t.device), torch.tensor(splits, device=t.device),
+                                    output_size=t.shape[0])  # the size given: no wait for the device
     out = t.new_zeros(sum(padded), *t.shape[1:])
     return out.index_copy(0, torch.arange(t.shape[0], device=t.device) + shift, t)
 

@@ -46,6 +46,11 @@ def _state(module, phase) -> torch.Tensor:
     return emulated_history(module, gemms, phase.amax_history_len)
 
 
+def _amax(t: torch.Tensor) -> torch.Tensor:
+    """``max |t|``; 0 for an empty tensor (an expert that got no tokens this micro-batch)."""
+    return t.abs().amax() if t.numel() else t.new_zeros(())
+
+
 def _roll(history: torch.Tensor, newest: torch.Tensor) -> None:
     history.copy_(torch.cat([newest.unsqueeze(-1), history[..., :-1]], dim=-1))
 
@@ -60,7 +65,7 @@ def _quantize(t: torch.Tensor, fmt: str, phase, history: torch.Tensor) -> torch.
         q = (tiles.float() * scale).clamp(-fmax, fmax).to(FP8_DTYPES[fmt]).float() / scale
         return q.reshape(t.shape).to(t.dtype)
     if phase.recipe == "current":
-        amax = t.abs().max().float()
+        amax = _amax(t).float()
     else:
         amax = history.max() if phase.amax_compute_algo == "max" else history[0]
     scale = fmax / amax / (2.0 ** phase.margin) if float(amax) > 0 else torch.tensor(1.0)
@@ -150,8 +155,8 @@ class _EmulatedFP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, module, slot, phase, calibrating, emulator):
         state = _state(module, phase)
-        emulator.record_forward(module, slot, INPUT, x.abs().max())
-        emulator.record_forward(module, slot, WEIGHT, weight.abs().max())
+        emulator.record_forward(module, slot, INPUT, _amax(x))
+        emulator.record_forward(module, slot, WEIGHT, _amax(weight))
         if not calibrating:
             x = _quantize(x, "e4m3", phase, state[slot, INPUT])
             weight = _quantize(weight, "e4m3", phase, state[slot, WEIGHT])
@@ -163,7 +168,7 @@ class _EmulatedFP8Linear(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         module, slot, phase, calibrating, emulator = ctx.meta
-        emulator.record_grad(module, slot, grad.abs().max())
+        emulator.record_grad(module, slot, _amax(grad))
         if not calibrating:
             fmt = "e5m2" if phase.fp8_format == "hybrid" else "e4m3"
             grad = _quantize(grad, fmt, phase, module._fp8_emu_state[slot, GRAD])

@@ -280,8 +280,8 @@ def test_te_routing_and_permutation_are_the_torch_formulas():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_te_moe_model_is_its_torch_twin(dtype):
     """The tiny MoE model on the TE backend (grouped GEMMs, fused router and permutation) and on the torch backend
-    with the same weights: the same experts chosen, the router losses, logits, loss and every gradient within
-    TF32's (fp32) or bf16's reach."""
+    with the same weights: the same experts chosen (in bf16 all but a near-tie or two), the router losses, logits,
+    loss and every gradient within TF32's (fp32) or bf16's reach."""
     from llmjp_ds.model import LlamaForCausalLM
 
     config = _qwen3_moe_config()
@@ -298,15 +298,22 @@ def test_te_moe_model_is_its_torch_twin(dtype):
         outs.append((out, {n: p.grad.float() for n, p in model.named_parameters()}))
     (ours, grads), (theirs, their_grads) = outs
     tol = dict(rtol=1e-2, atol=2e-3) if dtype == torch.float32 else dict(rtol=5e-2, atol=2e-2)
-    assert torch.equal(ours.expert_load, theirs.expert_load)
+    # fp32: every choice the same; bf16 rounds the hidden states the routers see, and a near-tie may go the other
+    # way (measured on the H200: 2 of 256 choices)
+    moved = (ours.expert_load - theirs.expert_load).abs().sum().item() / 2
+    assert moved <= (0 if dtype == torch.float32 else 0.02 * theirs.expert_load.sum().item()), moved
     torch.testing.assert_close(ours.logits.float(), theirs.logits.float(), **tol)
     for name in ("loss", "router_aux_loss", "router_z_loss"):
         torch.testing.assert_close(getattr(ours, name).float(), getattr(theirs, name).float(), **tol)
     assert set(grads) == set(their_grads)
     for name, grad in grads.items():
-        scale = their_grads[name].abs().max().clamp_min(1e-6)
-        err = ((grad - their_grads[name]).abs().max() / scale).item()
-        assert err < (2e-2 if dtype == torch.float32 else 1e-1), (name, err)
+        theirs_grad = their_grads[name]
+        if dtype == torch.float32:
+            err = ((grad - theirs_grad).abs().max() / theirs_grad.abs().max().clamp_min(1e-6)).item()
+            assert err < 2e-2, (name, err)
+        else:  # an expert a near-tie sent a token to or away from differs by that token: the norm of the difference
+            err = ((grad - theirs_grad).norm() / theirs_grad.norm().clamp_min(1e-6)).item()
+            assert err < (2e-1 if ".experts." in name else 5e-2), (name, err)
 
 
 @pytest.mark.gpu
@@ -314,8 +321,8 @@ def test_te_moe_model_is_its_torch_twin(dtype):
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
 def test_an_fp8_moe_step_pads_each_experts_rows_and_keeps_the_bf16_loss(recipe):
     """Under an FP8 recipe the grouped GEMMs pad each expert's rows to the recipe's alignment (the rows per expert
-    are not multiples of 16 here) and the loss stays within 2 % of the same step in bf16; every expert weight gets
-    a finite gradient."""
+    are not multiples of 16 here) and the loss stays within 2 % of the same step in bf16, which runs in TE's
+    calibration region as the steps before a flip do; every expert weight gets a finite gradient."""
     import transformer_engine.pytorch as te
 
     from llmjp_ds.model import LlamaForCausalLM
@@ -325,7 +332,7 @@ def test_an_fp8_moe_step_pads_each_experts_rows_and_keeps_the_bf16_loss(recipe):
     torch.manual_seed(0)
     model = LlamaForCausalLM(config, backend="te", params_dtype=torch.bfloat16)
     ids = torch.randint(0, config.vocab_size, (2, 129), device="cuda")
-    with torch.no_grad():
+    with torch.no_grad(), te.autocast(enabled=False, calibrating=True):  # as the steps before a flip run
         bf16 = model(input_ids=ids[:, :-1], shift_labels=ids[:, 1:])
     assert (bf16.expert_load % 16 != 0).any()
     with te.autocast(enabled=True, recipe=te_recipe(Phase(0, "fp8", 1, recipe=recipe))):
@@ -335,3 +342,32 @@ def test_an_fp8_moe_step_pads_each_experts_rows_and_keeps_the_bf16_loss(recipe):
     assert abs(fp8.lm_loss.item() - bf16.lm_loss.item()) < 0.02 * bf16.lm_loss.item()
     experts = [p for n, p in model.named_parameters() if ".experts." in n]
     assert experts and all(p.grad is not None and torch.isfinite(p.grad).all() for p in experts)
+
+
+@pytest.mark.gpu
+@needs_te
+def test_the_grouped_gemm_accumulates_each_experts_gradient_into_its_fp32_main_grad():
+    """With fp32 ``main_grad`` buffers attached (as DeepSpeed's fused accumulation attaches them), two backward
+    passes of TE's grouped MLP add each expert's weight gradient into its buffer in the GEMM: the sum of the two
+    passes' ordinary gradients, an expert without tokens left at zero."""
+    from llmjp_ds.model import te_layers
+    from llmjp_ds.model.attach import accumulate_in_main_grad
+
+    torch.manual_seed(0)
+    mlp = te_layers.GroupedMLP(4, 64, 32, init_std=0.02, output_std=0.02, params_dtype=torch.bfloat16)
+    batches = [(torch.randn(40, 64, device="cuda", dtype=torch.bfloat16), torch.tensor([16, 0, 8, 16]),
+                torch.rand(40, 1, device="cuda")) for _ in range(2)]
+    expected = {}
+    for rows, counts, weights in batches:
+        mlp(rows, counts, weights).float().square().sum().backward()
+    for name, p in mlp.named_parameters():
+        expected[name], p.grad = p.grad.float().clone(), None
+    for linear in (mlp.linear_fc1, mlp.linear_fc2):
+        accumulate_in_main_grad(linear, {n: torch.zeros_like(getattr(linear, n), dtype=torch.float32)
+                                         for n in linear.MAIN_GRAD_WEIGHTS})
+    for rows, counts, weights in batches:
+        mlp(rows, counts, weights).float().square().sum().backward()
+    for name, p in mlp.named_parameters():
+        torch.testing.assert_close(p.main_grad, expected[name], rtol=2e-2, atol=1e-3)
+        assert p.grad_added_to_main_grad
+    assert mlp.linear_fc1.weight1.main_grad.abs().sum() == 0

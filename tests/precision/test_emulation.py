@@ -65,3 +65,29 @@ def test_recompute_under_activation_checkpointing_sees_the_same_fp8_state():
         grads.append([p.grad.clone() for p in model.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_an_expert_with_no_tokens_keeps_its_amax_history_and_gets_a_zero_gradient(recipe):
+    """Under emulated FP8 a grouped linear whose expert got no rows this micro-batch computes nothing for it: its
+    gradient is zero, the amax history of its input and gradient records 0 and no NaN (its weight's is the
+    weight's); the experts that got rows are quantised as any linear."""
+    from llmjp_ds.model import torch_layers
+    from llmjp_ds.precision.emulation import GRAD, INPUT, WEIGHT
+
+    s = schedule([{}, {"precision": "fp8", "start_step": 2, "recipe": recipe, "amax_history_len": 4}])
+    torch.manual_seed(0)
+    grouped = torch_layers.GroupedLinear(3, 16, 8, init_std=0.02)
+    s.attach(grouped, [], 1)
+    rows = torch.randn(5, 16, requires_grad=True)
+    with s.autocast(2):
+        out = grouped(rows, [2, 0, 3])
+    out.square().sum().backward()
+    s.end_step()
+    assert torch.count_nonzero(grouped.weight1.grad) == 0
+    assert torch.count_nonzero(grouped.weight0.grad) > 0 and torch.count_nonzero(grouped.weight2.grad) > 0
+    history = grouped._fp8_emu_state
+    assert torch.isfinite(history).all()
+    assert history[1, INPUT].abs().sum() == history[1, GRAD].abs().sum() == 0 < history[1, WEIGHT, 0]
+    reference = torch.cat([rows[:2] @ grouped.weight0.t(), rows[2:] @ grouped.weight2.t()])
+    assert 0 < (out - reference).abs().max() < 0.1 * reference.abs().max()

@@ -86,6 +86,11 @@ def test_gap_over_the_last_common_steps():
     assert g["final_rel"] == pytest.approx(0.01)
     assert gap(ref, other, last=100)["mean_abs"] == pytest.approx((50 * 0.02 + 50 * 0.5) / 100)
     assert gap(ref, {300: {"loss": 1.0}}) == {}
+    # the last 10 steps' means: ours 2.02 on each, then ours 0.1 over on one of them alone
+    assert g["tail_rel"] == pytest.approx(0.01)
+    other[195]["loss"] += 0.1
+    assert gap(ref, other)["tail_rel"] == pytest.approx((10 * 0.02 + 0.1) / (10 * 2.0))
+    assert gap(ref, other)["final_rel"] == pytest.approx(0.01)
 
 
 def test_a_source_without_a_loss_is_one_line(tmp_path):
@@ -143,3 +148,31 @@ def test_a_megatron_processs_second_line_is_taken_apart_from_its_first():
     fixture = read_curve(Path(__file__).parent / "fixtures" / "megatron" / "pretrain_gpt-0.19.log")
     assert megatron_unmixed(fixture, [1])[2]["loss"] == pytest.approx(11.94641, abs=2e-3)
     assert megatron_unmixed(fixture, [1])[3] == fixture[3]
+
+
+def moe_line(step: int, loss: float, aux: float, z: float) -> str:
+    """A line of an MoE run: ``training_log`` prints the router's losses from its ``total_loss_dict`` after ``lm
+    loss``, as it prints every loss (Megatron-Core 0.19's MoEMetricsTracker.report puts them there)."""
+    return (f" [2026-12-03 10:00:00] iteration {step:8d}/{300:8d} | consumed samples: {4 * step:12d} | learning rate: "
+            f"3.000000E-04 | global batch size:     4 | lm loss: {loss:.6E} | load_balancing_loss: {aux:.6E} | "
+            f"z_loss: {z:.6E} | loss scale: 1.0 | grad norm: 0.500 | number of skipped iterations:   0 |")
+
+
+def test_an_moe_runs_router_losses_are_read_from_both_stacks(tmp_path):
+    """Megatron's ``load_balancing_loss`` and ``z_loss`` are ours' ``moe_aux_loss`` and ``moe_z_loss``; a process's
+    second line holds the mean of its first two of each, as of the LM loss."""
+    from llmjp_ds.metrics.curves import megatron_unmixed
+
+    text = "\n".join(moe_line(s, 5.0 - s / 100, 1.0 + s / 1000, 2.0 + s / 100) for s in (150, 151))
+    text += "\n" + moe_line(152, (3.49 + 3.48) / 2, (1.151 + 1.152) / 2, (3.51 + 3.52) / 2)
+    curve = megatron_log_curve(text)
+    assert curve[150] == pytest.approx({"loss": 3.5, "moe_aux_loss": 1.15, "moe_z_loss": 3.5, "grad_norm": 0.5},
+                                       rel=1e-6)
+    unmixed = megatron_unmixed(curve, [151])
+    assert unmixed[152] == pytest.approx({"loss": 3.48, "moe_aux_loss": 1.152, "moe_z_loss": 3.52,
+                                          "grad_norm": 0.5, "lr": 3e-4}, rel=1e-6)
+    assert unmixed[151] == curve[151] and curve[152]["moe_aux_loss"] == pytest.approx(1.1515, rel=1e-6)
+    with MetricsLogger(tmp_path, wandb_mode="disabled") as logger:
+        logger.log(1, {"loss": 11.5, "moe_aux_loss": 1.25, "moe_z_loss": 4.0, "moe_expert_load": [[1, 2], [3, 0]],
+                       "moe_layer_imbalance": [1.3, 2.0]})
+    assert read_curve(tmp_path) == {1: {"loss": 11.5, "moe_aux_loss": 1.25, "moe_z_loss": 4.0}}

@@ -534,7 +534,7 @@ def test_a_recipe_run_that_fails_or_strays_fails_the_check(recipe_harness, tmp_p
 
 @pytest.mark.parametrize("args, says", [
     (["--recipe", "--only", "W-A2,D1"], "--only names W-A2, which starts after W-A1: name W-A1 too"),
-    (["--only", "W-B,ours-wsd"], "(the recipe's runs need --recipe)"),
+    (["--only", "W-B,ours-wsd"], "(the recipe's runs need --recipe, the MoE check's --moe)"),
     (["--recipe", "--only", "B,ours"], "--only names B, ours, not among the runs of --recipe"),
 ])
 def test_only_refuses_runs_it_cannot_run(args, says, recipe_harness, capsys):

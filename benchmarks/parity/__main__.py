@@ -32,10 +32,15 @@ import-w    ``llmjp-ds import-megatron`` of W-A1's checkpoint; ``branch``: ``llm
             decay and blend (a data phase from the branch step); ``ours-decay`` trains the branch to the end
 ==========  =====================================================================================
 
+``--moe`` trains a small mixture of experts instead (benchmarks/parity/moe.py: Megatron-LM's A and B, each saved at
+the flip and resumed, and its FP8 restarts from both checkpoints, beside ``ours-moe`` and ``ours-moe-fp8``; the LM
+loss, the router's losses and the per-expert loads).
+
 ``--report-from DIR ...`` trains nothing and reports on earlier calls' curves. Writes to ``--out``:
 ``summary-parity.md`` (the gaps, each against its spread, and the first steps),
 ``parity-bf16.png``, ``parity-fp8.png``, ``parity-roundtrip.png``, ``parity-wsd.png``, ``parity-decay.png``
-(``llmjp-ds plot --beside``),
+(``llmjp-ds plot --beside``; with ``--moe`` ``parity-moe-bf16.png``, ``parity-moe-fp8.png``,
+``parity-moe-router.png``),
 ``parity-curves.tgz`` (each run's per-step loss, grad norm, lr and validation loss as JSONL, Megatron's log lines
 they come from, and the tail of every log), and ``megatron-fixtures.tgz`` (benchmarks/parity/fixtures.py's tiny
 checkpoints, written by Megatron-LM beside the runs).
@@ -53,9 +58,11 @@ import subprocess
 import sys
 import tarfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
 
+from benchmarks.parity import moe
+from benchmarks.parity.jobs import Job, pretrain
 from benchmarks.parity.spec import Recipe, Setup, branch_sets, megatron_args, megatron_env, ours_sets
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,19 +74,6 @@ FATAL = ("load_return:",)
 # them within 300 steps, each run at its own pace, and Megatron's two runs then differed by up to 1.4 on their
 # samples (run AD)
 BLEND = (("python-1", 0.5), ("python-2", 0.3), ("python-3", 0.2))
-
-
-@dataclass
-class Job:
-    name: str
-    cmd: list[str]
-    after: tuple[str, ...] = ()
-    gib: float = 46.0  # GPU memory at its peak (measured on the H200: BF16 ~45, FP8 ~47 GiB for the 1.8B at seq 4096)
-    estimate_s: float = 90.0
-    before: list[list[str]] = field(default_factory=list)  # commands run first (a run dir forked by hard links)
-    proc: subprocess.Popen | None = None
-    started: float = 0.0
-    state: str = "waiting"  # waiting | running | done | failed | skipped
 
 
 def prepare(work: Path, tokenizer: str, megabytes: float) -> list[tuple[float, str]]:
@@ -100,7 +94,7 @@ def jobs(setup: Setup, work: Path, runs: Path, mlm: Path, blend, tokenizer: str)
     ckpt = str(work / "megatron-a")
 
     def megatron(name, **kw):
-        return _pretrain(mlm, megatron_args(setup, config, blend, tokenizer, str(work / "cache" / name), **kw))
+        return pretrain(mlm, megatron_args(setup, config, blend, tokenizer, str(work / "cache" / name), **kw))
 
     def ours(name, run_dir, init_hf=None, fp8_from=None):
         return [sys.executable, "-m", "llmjp_ds.train", "--preset", "llmjp3-1.8b", "--set", f"run_dir={run_dir}",
@@ -139,11 +133,6 @@ def jobs(setup: Setup, work: Path, runs: Path, mlm: Path, blend, tokenizer: str)
     ]
 
 
-def _pretrain(mlm: Path, args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-            str(mlm / "pretrain_gpt.py"), *args]
-
-
 def recipe_jobs(setup: Setup, recipe: Recipe, work: Path, runs: Path, mlm: Path, blend, tokenizer: str) -> list[Job]:
     """LLM-jp-4's recipe (``--recipe``): the stable run (W-A1 and W-A2, W-B, ours-wsd) and the decay branch from
     W-A1's checkpoint (D1, D2, import-w, branch, ours-decay)."""
@@ -155,7 +144,7 @@ def recipe_jobs(setup: Setup, recipe: Recipe, work: Path, runs: Path, mlm: Path,
     other = [(weight, path) for weight, (_, path) in zip(recipe.decay_weights, blend)]
 
     def megatron(name, run_blend=blend, **kw):
-        return _pretrain(mlm, megatron_args(setup, config, run_blend, tokenizer, str(work / "cache" / name),
+        return pretrain(mlm, megatron_args(setup, config, run_blend, tokenizer, str(work / "cache" / name),
                                             recipe=recipe, **kw))
 
     def stable(name, init_hf=None):
@@ -251,12 +240,12 @@ def schedule(all_jobs: list[Job], logs: Path, deadline: float, gib: float) -> No
 MEGATRON_RUNS = (("megatron-a", ("A1", "A2")), ("megatron-a3", ("A1", "A3")), ("megatron-b", ("B",)),
                  ("megatron-f1", ("F1",)), ("megatron-f2", ("F2",)),
                  ("megatron-wa", ("W-A1", "W-A2")), ("megatron-wb", ("W-B",)), ("megatron-d1", ("D1",)),
-                 ("megatron-d2", ("D2",)))
-# the processes that start at step 1; the others start after the flip from A1's checkpoint, or after the recipe's
-# branch step from W-A1's
-FROM_INIT = ("A1", "B", "W-A1", "W-B")
+                 ("megatron-d2", ("D2",)), *moe.MEGATRON_RUNS)
+# the processes that start at step 1; the others start after the flip from A1's checkpoint (or M-A1's, M-B1's), or
+# after the recipe's branch step from W-A1's
+FROM_INIT = ("A1", "B", "W-A1", "W-B", *moe.FROM_INIT)
 RECIPE_PROCESSES = ("W-A1", "W-A2", "W-B", "D1", "D2")
-OURS_RUNS = ("ours", "ours-bf16", "ours-fp8", "ours-wsd", "ours-decay")
+OURS_RUNS = ("ours", "ours-bf16", "ours-fp8", "ours-wsd", "ours-decay", *moe.OURS_RUNS)
 RECIPE_CURVES = ("megatron-wa", "megatron-wb", "megatron-d1", "megatron-d2", "ours-wsd", "ours-decay")
 # (row, ours, the Megatron run it is compared with, the Megatron run that gives the spread, figure, whether the
 # runs start from A's checkpoint: then each pair must come from one call, whose A wrote it)
@@ -274,8 +263,8 @@ COMPARISONS = (("BF16, 1..end (against B, uninterrupted like ours)", "ours", "me
 
 def curves(runs: Path, logs: Path, ran: set[str]) -> dict[str, Path]:
     """Each run's curve as a source ``llmjp-ds plot --beside`` reads: Megatron's log lines (A's two processes
-    joined) and our run directories. A Megatron curve only from processes of this call (``ran``): ``--work``'s logs
-    outlive a call, and A1 alone is not A3's curve."""
+    joined; an MoE run's per-expert loads after them) and our run directories. A Megatron curve only from processes
+    of this call (``ran``): ``--work``'s logs outlive a call, and A1 alone is not A3's curve."""
     from llmjp_ds.metrics.curves import megatron_log_curve
 
     keep = ("iteration", "validation loss at")
@@ -284,7 +273,7 @@ def curves(runs: Path, logs: Path, ran: set[str]) -> dict[str, Path]:
         if not set(parts) <= ran:
             continue
         lines = [line for p in parts for line in (logs / f"{p}.log").read_text(errors="replace").splitlines()
-                 if any(k in line for k in keep)]
+                 if any(k in line for k in keep)] + moe.expert_load_lines(logs.parent, parts)
         if megatron_log_curve("\n".join(lines)):  # a run that ended before its first step has no curve
             sources[name] = logs / f"{name}.log"
             sources[name].write_text("\n".join(lines) + "\n")
@@ -382,23 +371,32 @@ def main(argv=None) -> int:
     p.add_argument("--no-fixtures", dest="fixtures", action="store_false",
                    help="leave out benchmarks/parity/fixtures.py's tiny checkpoints")
     p.add_argument("--only", help="these runs alone, comma-separated (e.g. B,ours), each with the runs it follows")
-    p.add_argument("--recipe", action="store_true", help="LLM-jp-4's recipe's runs (W-A1, W-A2, W-B, ours-wsd, D1, "
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--moe", action="store_true", help="the MoE check's runs (M-A1, M-B1, ours-moe, ours-moe-fp8, "
+                      "M-A2, M-FA, M-B2, M-FB: benchmarks/parity/moe.py) instead; defaults: 300 steps of 4 sequences "
+                      "of 2048, the flip at 150 (spec.MoE); with --report-from, their report")
+    mode.add_argument("--recipe", action="store_true", help="LLM-jp-4's recipe's runs (W-A1, W-A2, W-B, ours-wsd, D1, "
                    "D2, import-w, branch, ours-decay) instead of the BF16 and FP8 ones; --lr applies to them, --steps, "
                    "--flip and --global-batch do not (spec.Recipe sizes them)")
-    p.add_argument("--lr", type=float, default=Setup.lr, help="peak LR; 1e-12 leaves the weights as they start, "
-                   "so each step's loss compares the two stacks' batches and forward passes alone")
-    p.add_argument("--steps", type=int, default=Setup.steps)
-    p.add_argument("--flip", type=int, default=Setup.flip)
-    p.add_argument("--global-batch", type=int, default=Setup.global_batch,
-                   help="sequences a step (micro-batches of one): a larger batch narrows the run-to-run spread")
+    p.add_argument("--lr", type=float, help=f"peak LR (default {Setup.lr}); 1e-12 leaves the weights as they "
+                   "start, so each step's loss compares the two stacks' batches and forward passes alone")
+    p.add_argument("--steps", type=int, help=f"default {Setup.steps}")
+    p.add_argument("--flip", type=int, help=f"default {Setup.flip}")
+    p.add_argument("--global-batch", type=int, help=f"sequences a step (micro-batches of one; default "
+                   f"{Setup.global_batch}): a larger batch narrows the run-to-run spread")
     p.add_argument("--report-from", nargs="+", type=Path, metavar="DIR",
                    help="train nothing: the report of earlier calls, each DIR an unpacked parity-curves.tgz")
     a = p.parse_args(argv)
-    setup = Setup(steps=a.steps, flip=a.flip, lr=a.lr, min_lr=a.lr / 10, global_batch=a.global_batch)
-    recipe = Recipe()
+    given = {k: getattr(a, k) for k in ("steps", "flip", "lr", "global_batch") if getattr(a, k) is not None}
+    setup = replace(moe.MOE.setup if a.moe else Setup(), **given)
+    setup, recipe = replace(setup, min_lr=setup.lr / 10), Recipe()
+
+    def summarize(calls):
+        return moe.report(setup, calls, a.out) if a.moe else report(setup, calls, a.out, recipe)
+
     a.out.mkdir(parents=True, exist_ok=True)
     if a.report_from:
-        return _summarize(a.out, report(setup, [sources_in(d) for d in a.report_from], a.out, recipe), [])
+        return _summarize(a.out, summarize([sources_in(d) for d in a.report_from]), [])
     if not (a.megatron_lm and a.tokenizer):
         p.error("--megatron-lm and --tokenizer are needed to train (or --report-from DIR to report on earlier calls)")
     a.runs = a.runs or a.work / "runs"
@@ -406,18 +404,23 @@ def main(argv=None) -> int:
     logs = a.work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     blend = prepare(a.work, a.tokenizer, a.megabytes)
-    if not (a.work / "init-megatron" / "latest_checkpointed_iteration.txt").exists():
-        subprocess.run([sys.executable, "-m", "benchmarks.parity.init", "--hf", str(a.work / "init-hf"),
-                        "--megatron", str(a.work / "init-megatron")], check=True, cwd=ROOT)
-    if a.recipe:
+    init, shape = ("init-moe", ["--shape", moe.MOE.shape]) if a.moe else ("init", [])
+    if not (a.work / f"{init}-megatron" / "latest_checkpointed_iteration.txt").exists():
+        subprocess.run([sys.executable, "-m", "benchmarks.parity.init", "--hf", str(a.work / f"{init}-hf"),
+                        "--megatron", str(a.work / f"{init}-megatron"), *shape], check=True, cwd=ROOT)
+    if a.moe:
+        pool = moe.moe_jobs(setup, a.work, a.runs, a.megatron_lm.resolve(), blend, a.tokenizer)
+    elif a.recipe:
         pool = recipe_jobs(setup, recipe, a.work, a.runs, a.megatron_lm.resolve(), blend, a.tokenizer)
     else:
         pool = jobs(setup, a.work, a.runs, a.megatron_lm.resolve(), blend, a.tokenizer)
     only = a.only.split(",") if a.only else [j.name for j in pool]
     unknown = [name for name in only if name not in {j.name for j in pool}]
     if unknown:
-        p.error(f"--only names {', '.join(unknown)}, not among the runs{' of --recipe' if a.recipe else ''}: "
-                f"{', '.join(j.name for j in pool)}" + ("" if a.recipe else " (the recipe's runs need --recipe)"))
+        flag = "--recipe" if a.recipe else "--moe" if a.moe else None
+        p.error(f"--only names {', '.join(unknown)}, not among the runs{f' of {flag}' if flag else ''}: "
+                f"{', '.join(j.name for j in pool)}" + ("" if flag else " (the recipe's runs need --recipe, the MoE "
+                                                        "check's --moe)"))
     all_jobs = [j for j in pool if (a.fixtures or j.name != "fixtures") and j.name in only]
     for job in all_jobs:  # a run whose predecessor is not run has nothing to start from
         missing = [d for d in job.after if d not in {j.name for j in all_jobs}]
@@ -432,7 +435,7 @@ def main(argv=None) -> int:
                     os.killpg(job.proc.pid, signal.SIGKILL)
         sources = curves(a.runs, logs, {j.name for j in all_jobs if j.started})
         pack(a, all_jobs, sources, logs)
-    summary = report(setup, [sources], a.out, recipe)  # reads our run directories: before they go
+    summary = summarize([sources])  # reads our run directories: before they go
     shutil.rmtree(a.runs, ignore_errors=True)
     return _summarize(a.out, summary, all_jobs)
 

@@ -5,6 +5,11 @@ directory written from the same tensors), the same blend, split, seed and sample
 reads the windows through megatron-core's own builder), the same AdamW, clipping and LR schedule
 (``optim.schedule: megatron``: Megatron's warm-up from 0) and no z-loss, which Megatron-Core does not have.
 
+:class:`MoE` is the mixture-of-experts check's: ``parity-moe`` (llmjp4-32b-a3b's design, reduced), LLM-jp's router
+arguments (the aux_loss load balancing and the router z-loss, router in fp32, dropless), Megatron-Core's fastest
+single-GPU MoE path (grouped GEMM, permutation and router fusion, the alltoall dispatcher), and both stacks
+recording each expert's tokens every few steps.
+
 :class:`Recipe` is LLM-jp-4's recipe (docs/llmjp4-recipe.md) at the same scale: a stable WSD run whose global batch
 grows by Megatron-Core 0.19's ``--step-batch-size-schedule``, and a decay branch from its checkpoint on another blend.
 """
@@ -102,6 +107,36 @@ class Recipe:
         return self.train_samples(seq_len) - self.consumed(self.branch, seq_len)
 
 
+@dataclass(frozen=True)
+class MoE:
+    """The MoE check: ``shape`` over :attr:`setup` (300 steps of four sequences of 2048, FP8 from step 151), the
+    router's losses as LLM-jp's MoE runs weigh them (the llmjp4-32b-a3b preset's), and the steps between the
+    per-expert loads both stacks record (ours' ``logging.expert_load_interval``; Megatron-LM core_v0.19's
+    ``--save-tokens-per-expert-interval``, which writes ``SAVE/tokens_per_expert/rank0.jsonl`` from the forward
+    hooks of megatron/training/activation_logging.py and so needs ``--save``)."""
+
+    shape: str = "parity-moe"
+    setup: Setup = Setup(steps=300, flip=150, seq_len=2048, global_batch=4)
+    aux_loss_coeff: float = 1e-2
+    z_loss_coeff: float = 1e-3
+    load_interval: int = 10
+
+    def megatron_args(self) -> list[str]:
+        """The router and the MoE kernels as LLM-jp's MoE runs pass them (the shape's flags are
+        :func:`_shape_args`'). ``--moe-per-layer-logging`` writes each layer's losses to TensorBoard and W&B only
+        (neither is set here): the log line carries their mean over the layers."""
+        return ["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", str(self.aux_loss_coeff),
+                "--moe-z-loss-coeff", str(self.z_loss_coeff), "--moe-router-dtype", "fp32",
+                "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm", "--moe-permute-fusion",
+                "--moe-router-fusion", "--moe-per-layer-logging"]
+
+    def ours(self) -> dict:
+        """Our ``--set``s of the same (the router in fp32 and dropless routing are ours' only way)."""
+        return {"model.shape": self.shape, "model.moe_aux_loss": "aux_loss",
+                "model.moe_aux_loss_coeff": self.aux_loss_coeff, "model.moe_z_loss_coeff": self.z_loss_coeff,
+                "logging.expert_load_interval": self.load_interval}
+
+
 def megatron_env(env=None) -> dict:
     """The environment ``pretrain_gpt.py`` runs in: apex's weight-gradient kernel stood in for, and one CUDA
     connection (Megatron-LM's requirement for ordering its communication before its GEMMs)."""
@@ -112,12 +147,19 @@ def megatron_env(env=None) -> dict:
 
 
 def _shape_args(config) -> list[str]:
-    from llmjp_ds.model.shapes import rope_theta
+    from llmjp_ds.model.shapes import has_qk_norm, is_moe_layer, rope_theta
 
     heads, groups = config.num_attention_heads, config.num_key_value_heads
-    gqa = ["--group-query-attention", "--num-query-groups", str(groups)] if groups != heads else []
+    extra = ["--group-query-attention", "--num-query-groups", str(groups)] if groups != heads else []
+    if has_qk_norm(config):
+        extra.append("--qk-layernorm")
+    if getattr(config, "num_experts", 0):  # every layer MoE but the dense ones, as Megatron's --moe-layer-freq list
+        pattern = [int(is_moe_layer(config, i)) for i in range(config.num_hidden_layers)]
+        extra += ["--num-experts", str(config.num_experts), "--moe-router-topk", str(config.num_experts_per_tok),
+                "--moe-ffn-hidden-size", str(config.moe_intermediate_size),
+                *(["--moe-layer-freq", str(pattern).replace(" ", "")] if 0 in pattern else [])]
     return ["--num-layers", str(config.num_hidden_layers), "--hidden-size", str(config.hidden_size),
-            "--ffn-hidden-size", str(config.intermediate_size), "--num-attention-heads", str(heads), *gqa,
+            "--ffn-hidden-size", str(config.intermediate_size), "--num-attention-heads", str(heads), *extra,
             "--kv-channels", str(config.head_dim), "--normalization", "RMSNorm",
             "--norm-epsilon", str(config.rms_norm_eps), "--swiglu", "--untie-embeddings-and-output-weights",
             "--disable-bias-linear", "--position-embedding-type", "rope",
@@ -148,12 +190,14 @@ def _schedule_args(setup: Setup, recipe: Recipe | None, decay: bool) -> list[str
 
 def megatron_args(setup: Setup, config, blend: list[tuple[float, str]], tokenizer: str, cache: str,
                   load: str, finetune: bool = False, save: str | None = None, exit_at: int | None = None,
-                  fp8: bool = False, recipe: Recipe | None = None, decay: bool = False) -> list[str]:
+                  fp8: bool = False, recipe: Recipe | None = None, decay: bool = False,
+                  moe: MoE | None = None) -> list[str]:
     """``pretrain_gpt.py`` arguments (Megatron-LM core_v0.19). ``load`` with ``finetune``: the initial weights
     only (iteration 0, no optimizer); without: a resume. ``save`` with ``exit_at``: save there and stop. The
     weight gradients accumulate in fp32 inside the GEMMs (Megatron's default), as ours do: its own linear layer
     (the head) needs apex's kernel, which benchmarks/parity/apex/ stands in for. ``recipe``: its batches and
-    schedule in samples, ``decay`` its branch's (``blend``: the branch's own)."""
+    schedule in samples, ``decay`` its branch's (``blend``: the branch's own). ``moe``: an MoE ``config``'s router
+    and kernels (:class:`MoE`)."""
     s = setup
     args = [*_shape_args(config),
             "--seq-length", str(s.seq_len), "--max-position-embeddings", str(s.seq_len),
@@ -165,7 +209,7 @@ def megatron_args(setup: Setup, config, blend: list[tuple[float, str]], tokenize
             "--data-path", *[str(x) for w, p in blend for x in (w, p)], "--split", s.split, "--seed", str(s.seed),
             "--data-cache-path", cache, "--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", tokenizer,
             "--log-interval", "1", "--eval-interval", str(s.eval_interval), "--eval-iters", str(s.eval_iters),
-            "--load", load, "--ckpt-format", "torch_dist"]
+            "--load", load, "--ckpt-format", "torch_dist", *(moe.megatron_args() if moe else [])]
     if finetune:
         args += ["--finetune", "--no-load-optim", "--no-load-rng"]
     if save:
@@ -183,11 +227,12 @@ def _blend_value(blend: list[tuple[float, str]]) -> str:
 
 
 def ours_sets(setup: Setup, blend: list[tuple[float, str]], tokenizer: str, cache: str, init_hf: str | None,
-              fp8_from: int | None = None, recipe: Recipe | None = None) -> list[str]:
+              fp8_from: int | None = None, recipe: Recipe | None = None, moe: MoE | None = None) -> list[str]:
     """``llmjp-ds train --preset llmjp3-1.8b`` overrides for the same setup; ``fp8_from``: the step whose
     checkpoint the FP8 phase starts from, as Megatron's restart (delayed scaling, hybrid, LLM-jp's amax settings, no
     calibration: the restart has none either); ``recipe``: its stable run, whose step counts the LR schedule turns
-    into the samples its batches read, as Megatron's sample-based arguments give them."""
+    into the samples its batches read, as Megatron's sample-based arguments give them; ``moe``: its shape and
+    router (:class:`MoE`)."""
     s = setup
     sets = {"data.blend": _blend_value(blend), "data.tokenizer": tokenizer,
             "data.order": "megatron", "data.split": "[" + s.split + "]", "data.seed": s.seed,
@@ -205,6 +250,8 @@ def ours_sets(setup: Setup, blend: list[tuple[float, str]], tokenizer: str, cach
                      "optim.warmup_steps": recipe.warmup_steps(s.seq_len), "optim.decay_steps": recipe.steps,
                      "optim.min_lr": 0, "optim.decay_style": "WSD",
                      "optim.wsd_decay_style": recipe.wsd_decay_style, "optim.wsd_decay_steps": 1})
+    if moe is not None:
+        sets.update(moe.ours())
     if init_hf:
         sets["model.init_from_hf"] = init_hf
     if fp8_from is not None:

@@ -60,6 +60,11 @@ MODEL_SHAPES: dict[str, ModelShape] = {
     "llmjp4-moe-slice": ModelShape(2560, 4, 40, 4, 7680, 196608, rope_theta=500000.0, rms_norm_eps=1e-6,
                                    head_dim=128, qk_norm=True, num_experts=128, experts_per_token=8,
                                    moe_ffn_hidden_size=960),
+    # the parity check's MoE (benchmarks/parity, --moe): llmjp4-32b-a3b's design at a width one H200 trains four
+    # times at once beside Megatron-LM (32 experts of width 256, 8 a token, qk-norm, 8 heads of 64 with 4 KV groups,
+    # every layer MoE), on the LLM-jp v3 tokenizer's vocabulary, RoPE and eps as LLM-jp-3's
+    "parity-moe": ModelShape(512, 8, 8, 4, 1536, 99584, head_dim=64, qk_norm=True, num_experts=32,
+                             experts_per_token=8, moe_ffn_hidden_size=256),
     # the MoE model of CPU tests and `llmjp-ds demo --moe`: 8 experts, 2 a token, the demo tokenizer's vocabulary
     "tiny-moe": ModelShape(128, 4, 4, 2, 256, 8064, seq_len=256, head_dim=32, qk_norm=True, num_experts=8,
                            experts_per_token=2, moe_ffn_hidden_size=64),

@@ -129,3 +129,18 @@ def test_unknown_preset_and_field_are_user_errors():
     with pytest.raises(UserError, match="unknown model field"):
         model_config("tiny", hidden=3)
     assert "tiny" in MODEL_SHAPES
+
+
+def test_the_parity_checks_moe_is_llmjp4_32b_a3b_reduced():
+    """The parity check's MoE (benchmarks/parity --moe): the 32B-A3B's qwen3_moe design (qk-norm, top-8 of
+    SwiGLU experts in every layer, untied head) at 512 wide, on the LLM-jp v3 vocabulary, counted by hand."""
+    c = model_config("parity-moe")
+    big = model_config("llmjp4-32b-a3b")
+    assert c.model_type == big.model_type == "qwen3_moe"
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.head_dim) == (32, 8, 256, 64)
+    assert (c.norm_topk_prob, c.mlp_only_layers, c.tie_word_embeddings) == (big.norm_topk_prob, [], False)
+    assert (c.vocab_size, rope_theta(c), c.rms_norm_eps) == (99584, 10000.0, 1e-5)  # llmjp3-1.8b's
+    per_layer = (2 * 512 + 512 * (8 + 2 * 4) * 64 + 2 * 64 + 512 * 512  # norms, QKV, q/k norms, projection
+                 + 32 * 512 + 32 * 3 * 256 * 512)  # router, experts
+    total, embedding = count("parity-moe")
+    assert embedding == 2 * 99584 * 512 and total == 8 * per_layer + 512 + embedding == 209_069_568

@@ -11,6 +11,11 @@
 # and a decay branch from W-A1's checkpoint on another blend (D1, D2; import-w, branch, ours-decay). Two calls:
 #   --recipe --only W-A1,W-B,ours-wsd,W-A2                  ~7 minutes
 #   --recipe --only W-A1,D1,import-w,branch,ours-decay,D2   ~8 minutes
+# --moe: the MoE check instead (benchmarks/parity/moe.py: parity-moe, 32 experts top-8 with qk-norm and the aux and
+# z losses, 300 steps of 4 x 2048 tokens): Megatron-LM's A and B, each saved at 150 and resumed, and its FP8
+# restarts from both checkpoints, beside ours in BF16 and ours flipping to FP8 at 151; up to six runs share the GPU.
+# One call, ~7 minutes (estimated, not yet run):
+#   BUDGET_S=570 bash benchmarks/device/run.sh parity --no-fixtures --moe
 # the device kit's megatron-core wheel ships its compiled dataset helpers but not the Makefile pretrain_gpt.py runs
 # make with on rank 0: an empty one there (a Megatron-LM checkout has its own)
 site=$(python -c 'import megatron.core.datasets as d, os; print(os.path.dirname(d.__file__))' 2>/dev/null)
@@ -22,4 +27,5 @@ logged parity "$(left)" python -m benchmarks.parity --megatron-lm "${MEGATRON_LM
 rc=$?
 dry || sed -n '/^| comparison/,/^$/p' "$OUT/summary-parity.md" 2>/dev/null | note
 verdict parity "$rc" "(the gaps and the figures in \$OUT/summary-parity.md, parity-bf16.png, -fp8.png, \
--roundtrip.png; with --recipe parity-wsd.png, -decay.png)"
+-roundtrip.png; with --recipe parity-wsd.png, -decay.png; with --moe parity-moe-bf16.png, -moe-fp8.png, \
+-moe-router.png)"

@@ -17,7 +17,7 @@ CHECKS=(
   "cluster   3 1 mpirun, a rank per GPU: each rank's place, the flip, SIGUSR1 saves, the relaunch resumes"
   "multi     8 2 ZeRO-1/3, pipeline, tensor parallel on every GPU against one GPU through the flip; resume, export"
   "parity    24 1 Megatron-LM and ours from one init on the same batches: 500 steps BF16, FP8 from 250, a round trip"
-  "moe       8 1 LLM-jp-4's MoE: its GPU tests, ours against Megatron-Core's MoE, the flip, SIGTERM, resume, export"
+  "moe       7 1 LLM-jp-4's MoE: its GPU tests, the flip, SIGTERM, resume, the qwen3_moe export, generate"
   "health    6 1 a loss spike from an LR spike on the whole 1.8B: rolled back beside the same run left to it"
 )
 set -uo pipefail

@@ -1,18 +1,17 @@
 # moe: LLM-jp-4's MoE on one GPU. Its GPU tests (TE's fused routing and permutation against the torch formulas,
-# the TE model against its torch twin, an FP8 step); `llmjp-ds bench` at llmjp4-moe-slice (4 layers of the
-# 32B-A3B, 128 experts, 8 a token, its 196,608-row head) against Megatron-Core's MoE at its best single-GPU
-# settings, BF16 and FP8 delayed; then a 2-layer llmjp4-32b-a3b at 32 experts (its layer otherwise, its head) on
-# the bundled corpus, BF16 then FP8 delayed from step 9, 16 steps:
+# the TE model against its torch twin, an FP8 step, the experts' fp32 gradient accumulation); then a 2-layer
+# llmjp4-32b-a3b at 32 experts (its layer otherwise, its head) on the bundled corpus, BF16 then FP8 delayed from
+# step 9, 16 steps:
 #   moe-uninterrupted  the whole run;
 #   moe-sigterm        the same, SIGTERM after step 6: it saves and exits;
 #   moe-resumed        the same command again, from that checkpoint to step 16;
 #   moe-trail          the resumed run's losses, grad norms and phases against the uninterrupted run's;
 #   export, generate   the qwen3_moe export (reloaded, logits compared) and AutoModelForCausalLM continuing prompts.
-# ARGS: more `llmjp-ds bench` arguments (a --variants among them replaces the one here; --profile adds each
-# variant's kernel table and its MoE parts: routing, permutation, grouped GEMM, ~100 s more).
-gpu_tests moe-gpu-tests tests/model/test_moe.py
-bench bench-moe --shapes llmjp4-moe-slice --steps 3 --warmup 2 \
-  --variants ours-bf16,peer-mcore-bf16,ours-fp8-delayed,peer-mcore-fp8-delayed "$@"
+# The MoE's speed beside Megatron-Core's MoE is the bench check's, in a call of its own (docs/moe.md):
+#   bash benchmarks/device/run.sh bench --shapes llmjp4-moe-slice \
+#     --variants ours-bf16,peer-mcore-bf16,ours-fp8-delayed,peer-mcore-fp8-delayed
+# ARGS: pytest's for the GPU tests (default: tests/model/test_moe.py).
+gpu_tests moe-gpu-tests "${@:-tests/model/test_moe.py}"
 LAUNCHER=python
 COMMON=(--preset llmjp4-32b-a3b --set model.backend=te --set "model.overrides={num_layers: 2, num_experts: 32}"
         --set logging.wandb=disabled --set data.seq_len=2048 --set train.global_batch_size=8

@@ -288,3 +288,12 @@ def test_dropout_is_zero_or_refused():
             check_values(load_config(None, [f"model.{key}=0.1"]))
         assert str(info.value) == (f"model.{key} must be 0 (llmjp-ds's layers apply no dropout; LLM-jp trains without "
                                    "it, Megatron's --attention-dropout 0.0 --hidden-dropout 0.0), got 0.1: set it to 0")
+
+
+@pytest.mark.parametrize("name", sorted(__import__("llmjp_ds.config.presets", fromlist=["x"]).RUN_PRESETS))
+def test_every_run_preset_loads_and_passes_the_value_checks(name):
+    """Each preset a user can name is a valid config as it stands (a preset whose own settings contradict each
+    other, such as an absolute and a relative minimum LR at once, fails here rather than at a user's start)."""
+    cfg = load_config(preset=name)
+    check_values(cfg)
+    assert cfg.to_dict() == load_config(preset=name).to_dict()

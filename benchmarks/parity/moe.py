@@ -123,10 +123,10 @@ def megatron_loads(text: str) -> dict[int, list[list[int]]]:
 
 def ours_loads(run_dir: Path) -> dict[int, list[list[int]]]:
     """The tokens each expert of each MoE layer got at each step our run recorded them (``moe_expert_load``)."""
-    from llmjp_ds.metrics.logger import METRICS_FILE, parse_records
+    from llmjp_ds.metrics.record import current_steps, read_metrics
 
-    records = parse_records((run_dir / METRICS_FILE).read_bytes())[0]
-    return {r["step"]: r["moe_expert_load"] for r in records if "event" not in r and "moe_expert_load" in r}
+    return {step: r["moe_expert_load"] for step, r in current_steps(read_metrics(run_dir)).items()
+            if "moe_expert_load" in r}
 
 
 def loads_of(source: Path) -> dict[int, list[list[int]]]:

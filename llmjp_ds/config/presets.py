@@ -87,7 +87,7 @@ def _preset_llmjp4_moe() -> RunConfig:
     cfg.run_dir = "runs/llmjp4-32b-a3b"
     cfg.model = ModelConfig(shape="llmjp4-32b-a3b", z_loss=0.0, init_std=0.006, moe_aux_loss="aux_loss",
                             moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3)
-    cfg.optim.lr, cfg.optim.min_lr_ratio = 4e-4, 0.1
+    cfg.optim.lr, cfg.optim.min_lr = 4e-4, 4e-5
     return cfg
 
 

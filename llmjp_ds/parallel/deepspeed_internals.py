@@ -54,25 +54,17 @@ checkpoint (model states, ZeRO optimizer shards, pipeline layer files) through `
 with ``_layer_specs``, ``_topo``, ``global_rank``, ``num_stages``, ``parts`` and ``_set_bounds(start, stop)``;
 ``_local_start`` / ``_local_stop`` (this stage's layer indices) beside ``forward_funcs``; ``partition_balanced``.
 
-**The engine's progress counters** (:func:`set_progress`), read from DeepSpeed 0.19.8's ``runtime/engine.py``:
-``global_steps`` and ``global_samples``, which a resume through ``load_checkpoint`` restores and a resume on
-another layout must set itself.
+**The engine's progress counters** (:func:`set_progress`), from DeepSpeed 0.19.8's ``runtime/engine.py``:
+``global_steps`` and ``global_samples``, which ``load_checkpoint`` restores and a resume on another layout sets.
 
 **Expert parallelism through DeepSpeed's MoE support** (:func:`expert_parallel_group`,
 :func:`expert_parallel_module`, :func:`from_expert_file_key`), read from DeepSpeed 0.19.8's ``utils/groups.py``
-(``_create_expert_and_data_parallel``, ``_get_expert_parallel_group``, ``_get_expert_parallel_rank``: the groups
-live in that module's dictionaries, keyed ``ep_size_<n>``) and ``runtime/engine.py``: the engine treats a model as
-MoE (expert groups in its optimizer, expert gradients reduced over the expert-data-parallel group, the MoE
-checkpoint layout) only when an instance of ``deepspeed.moe.layer.MoE`` is in its module tree
-(``_configure_distributed_model``), and reads ``num_experts``, ``num_local_experts`` and ``expert_group_name`` from
-it; ``_save_moe_checkpoint`` writes every state entry of that module whose key contains ``expert`` into one file per
-global expert, which each key must name as ``.deepspeed_moe.experts.deepspeed_experts.<local index>.`` (else
-``int(None)``), and ``load_moe_state_dict`` reads this rank's experts back under the local indices.
+(``_create_expert_and_data_parallel``, ``_get_expert_parallel_group``, ``_get_expert_parallel_rank``; groups keyed
+``ep_size_<n>``) and ``runtime/engine.py`` (``_configure_distributed_model``, ``_save_moe_checkpoint``,
+``load_moe_state_dict``: what each function below says it relies on).
 
-**The overflow notice** (:func:`overflow_notices_held`), read from DeepSpeed 0.19.8's ``runtime/fp16/loss_scaler.py``
-(``LossScaler.update_scale`` and ``DynamicLossScaler.update_scale``) and ``utils/logging.py``: an optimizer step over
-non-finite gradients logs ``[deepspeed] OVERFLOW! ... Skipping step`` through ``deepspeed.utils.logger`` (rank 0's
-``log_dist``). A step the health gate skips makes its gradients NaN on purpose; its notice is held and dropped.
+**The overflow notice** (:func:`overflow_notices_held`), from DeepSpeed 0.19.8's ``runtime/fp16/loss_scaler.py``:
+``[deepspeed] OVERFLOW!`` through ``deepspeed.utils.logger``, held and dropped for a step the health gate skips.
 """
 
 from __future__ import annotations
@@ -404,8 +396,8 @@ def expert_parallel_group(size: int) -> ExpertParallel:
     return ExpertParallel(groups._get_expert_parallel_group(name), size, groups._get_expert_parallel_rank(name), name)
 
 
-# DeepSpeed 0.19.8 runtime/engine.py: an expert's entry in the MoE checkpoint's files; the engine saves it with the
-# expert's global index (layer_0_expert_<global>_mp_rank_00_model_states.pt) and loads it under the local one
+# DeepSpeed 0.19.8 runtime/engine.py: an expert's entry in the MoE checkpoint's files (a key with "expert" must name
+# its local index here, else int(None)); saved under the global index (layer_0_expert_<global>_mp_rank_00_...)
 _DS_EXPERT = "deepspeed_moe.experts.deepspeed_experts"
 EXPERT_STATES_GLOB = "layer_*_expert_*_mp_rank_*_model_states.pt"
 _OUR_EXPERT_KEY = re.compile(r"^(.*\.experts)\.(linear_fc[12])\.(?:weight(\d+)|(_extra_state))$")
@@ -416,8 +408,7 @@ _DS_EXPERT_KEY = re.compile(
 def _to_expert_file_key(key: str) -> str:
     """Our key of an expert weight as DeepSpeed's MoE checkpoint names it; a grouped GEMM's one ``_extra_state``
     (its FP8 state) goes with its first expert. Other keys unchanged."""
-    match = _OUR_EXPERT_KEY.match(key)
-    if match is None:
+    if (match := _OUR_EXPERT_KEY.match(key)) is None:
         return key
     experts, gemm, index, extra = match.groups()
     return f"{experts}.{_DS_EXPERT}.{index or 0}.{gemm}.{extra or 'weight'}"
@@ -426,8 +417,7 @@ def _to_expert_file_key(key: str) -> str:
 def from_expert_file_key(key: str) -> str:
     """Our key of an entry of DeepSpeed's MoE checkpoint (its expert index ours: the global one in its files);
     other keys unchanged."""
-    match = _DS_EXPERT_KEY.match(key)
-    if match is None:
+    if (match := _DS_EXPERT_KEY.match(key)) is None:
         return key
     experts, index, gemm, what = match.groups()
     return f"{experts}.{gemm}.{what}{index}" if what == "weight" else f"{experts}.{gemm}.{what}"

@@ -121,6 +121,19 @@ def rank_micro_batches(dataset, first: int, batch: int, micro: int, ctx: Paralle
                               ctx.device)
 
 
+def step_record(result, step: int, lr: float, step_time: float, batch: int, state: TrainState, cfg: RunConfig,
+                data) -> dict:
+    """The record's fields of step ``step``'s values (``result``: :class:`~llmjp_ds.parallel.runners.StepValues`)
+    after ``state`` advanced over it: the losses, LR and time, the gradient norm (or that the gate skipped the
+    update), the batch and the run's counts, the data phase (``data``'s, when the run has phases), the routing."""
+    return {"loss": result.lm_loss, "z_loss": result.z_loss, "lr": lr, "step_time_s": step_time,
+            **({"skipped": "loss spike"} if result.gated else {"grad_norm": result.grad_norm}),
+            "global_batch_size": batch, "peak_memory_gib": peak_memory_gib(),
+            "consumed_samples": state.consumed_samples, "skipped_steps": state.skipped_total,
+            **({"data_phase": data.phases.index(data.phase_at(step - 1))} if cfg.data.phases else {}),
+            **routing_record(result.routing, step, cfg)}
+
+
 def routing_record(routing, step: int, cfg: RunConfig) -> dict:
     """An MoE model's routing in step ``step``'s record (the whole load matrix every
     ``logging.expert_load_interval`` steps and at the last); nothing for a dense model."""
@@ -294,8 +307,7 @@ class Trainer:
             self.controller.rolled_back(step, good_step, good_tag, reason, client)
             self.save(wait=True)
             return False
-        grad_norm = result.grad_norm
-        verdict = self.health.after_step(step, lm_loss, grad_norm, applied, result.gated)
+        verdict = self.health.after_step(step, lm_loss, result.grad_norm, applied, result.gated)
         if result.routing is not None:
             verdict = verdict or self.health.after_routing(step, starved_experts(result.routing.expert_load))
         if verdict is not None and self._act(verdict, result.gated):
@@ -304,16 +316,10 @@ class Trainer:
             s.skipped_in_a_row = 0
         s.advance(batch, trained=applied)
         self.last_loss = lm_loss
-        metrics = {"loss": lm_loss, "z_loss": z_loss, "lr": lr, "step_time_s": step_time,
-                   **({"skipped": "loss spike"} if result.gated else {"grad_norm": grad_norm}),
-                   "global_batch_size": batch, "peak_memory_gib": peak_memory_gib(),
-                   "consumed_samples": s.consumed_samples, "skipped_steps": s.skipped_total,
-                   **({"data_phase": self.data.phases.index(self.data.phase_at(step - 1))}
-                      if self.cfg.data.phases else {}),
-                   **self.controller.step_metrics(phase), **self.throughput.update(step_time, batch * self.seq_len),
-                   **self.controller.amax_metrics(self.steps.engine.module), **self.checkpointer.take_metrics(),
-                   **routing_record(result.routing, step, self.cfg)}
-        return self._after_step(metrics)
+        return self._after_step({
+            **step_record(result, step, lr, step_time, batch, s, self.cfg, self.data),
+            **self.controller.step_metrics(phase), **self.throughput.update(step_time, batch * self.seq_len),
+            **self.controller.amax_metrics(self.steps.engine.module), **self.checkpointer.take_metrics()})
 
     def _act(self, verdict: Verdict, gated: bool) -> bool:
         """The configured action on ``verdict``: an event always; a skipped update counted (the caller), the run

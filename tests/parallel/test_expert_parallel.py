@@ -37,7 +37,7 @@ import torch.multiprocessing as mp
 
 from llmjp_ds import checkpoint
 from llmjp_ds.errors import UserError
-from llmjp_ds.metrics.logger import read_metrics
+from llmjp_ds.metrics.record import read_metrics
 
 from tests.runs import cli, max_rel_diff, run_train, trail
 from tests.train.test_equivalence import GRAD_NORM_RTOL, LOSS_RTOL

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from llmjp_ds import checkpoint
-from llmjp_ds.metrics.logger import read_metrics
+from llmjp_ds.metrics.record import read_metrics
 
 from tests.runs import run_train, trail
 

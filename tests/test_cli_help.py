@@ -10,11 +10,6 @@ import pytest
 
 from llmjp_ds.cli import VERBS
 
-# health's help is llmjp_ds/health/report.py's, which another change rewrites: its description still stops at the
-# docstring's first line
-OPEN_ELSEWHERE = {"health"}
-
-
 def description(verb: str, capsys) -> str:
     module = importlib.import_module(VERBS[verb][0])
     with pytest.raises(SystemExit) as done:
@@ -25,9 +20,7 @@ def description(verb: str, capsys) -> str:
     return " ".join(body.split("\n\n", 1)[1].split())  # the paragraph after the usage lines
 
 
-@pytest.mark.parametrize("verb", [pytest.param(v, marks=pytest.mark.xfail(reason="health/report.py is another "
-                                                                                  "change's")) if v in OPEN_ELSEWHERE
-                                  else v for v in VERBS])
+@pytest.mark.parametrize("verb", list(VERBS))
 def test_every_verbs_help_is_whole(verb, capsys):
     text = description(verb, capsys)
     assert text and text[-1] in ".)", text

@@ -291,3 +291,46 @@ def test_offline_wandb_run_logs_and_resumes_the_same_run(tmp_path, monkeypatch):
     assert _history(second) == [{"step": 3, "loss": 1.5, "lr": 3e-4, "phase": "fp8"}]
     assert [(s, r["loss"]) for s, r in current_steps(read_metrics(tmp_path)).items()] == [(1, 4.0), (2, 2.0),
                                                                                         (3, 1.5)]
+
+
+def test_batch_and_data_phase_changes_are_events_of_their_own():
+    """A run's current step records give one ``batch_change`` where the global batch changes and one
+    ``data_phase`` where the data phase does, each with the value before it; a run without either gives none."""
+    from llmjp_ds.metrics.record import changes
+
+    steps = {1: {"global_batch_size": 4}, 2: {"global_batch_size": 4, "data_phase": 0},
+             3: {"global_batch_size": 8, "data_phase": 0}, 4: {"global_batch_size": 8, "data_phase": 1},
+             5: {"global_batch_size": 8, "data_phase": 1}}
+    assert changes(steps) == [{"step": 3, "event": "batch_change", "global_batch_size": 8, "from": 4},
+                              {"step": 4, "event": "data_phase", "data_phase": 1, "from": 0}]
+    assert changes({s: {"global_batch_size": 8} for s in range(1, 5)}) == []
+
+
+def test_the_health_report_lists_phase_and_batch_changes_among_the_events(tmp_path, monkeypatch):
+    """``llmjp-ds health``'s table has a row for each batch and data-phase change, in step order among the events
+    (which keep their file order), and ``--plot`` marks them: the changes reach the figure's event lines."""
+    import json
+
+    from llmjp_ds.health.report import report
+
+    records = [{"step": s, "loss": 5.0 - 0.1 * s, "global_batch_size": 4 if s < 4 else 8,
+                "data_phase": 0 if s < 6 else 1, "attempt": 1} for s in range(1, 9)]
+    records.insert(5, {"step": 5, "event": "health", "kind": "loss", "action": "warn", "value": 9.0, "attempt": 1})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    rows = [line for line in report(tmp_path) if line.startswith("| ") and not line.startswith(("| step", "| ---"))]
+    assert rows == ["| 4 | batch change | global batch 4 -> 8 |", "| 5 | loss spike | warn: value 9 |",
+                    "| 6 | data phase | phase 0 -> 1 (data.phases) |"]
+    from llmjp_ds.health.report import HEALTH_EVENTS
+    from llmjp_ds.metrics import plot
+
+    drawn = {}
+    real_draw = plot._draw
+
+    def spy(steps, marked, **kw):
+        drawn["marked"] = [(e["step"], e["event"]) for e in marked]
+        return real_draw(steps, marked, **kw)
+
+    monkeypatch.setattr(plot, "_draw", spy)
+    plot.plot_run(tmp_path, tmp_path / "health.png", events=HEALTH_EVENTS, option="--plot")
+    assert drawn["marked"] == [(5, "health"), (4, "batch_change"), (6, "data_phase")]
+    assert (tmp_path / "health.png").stat().st_size > 0

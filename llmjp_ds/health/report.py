@@ -1,6 +1,7 @@
 """``llmjp-ds health RUN_DIR [--plot [FILE]]``: what happened to a run's health, from its metrics log and its latest
 checkpoint: spikes and what was done about them, skipped updates and steps, rollbacks, stops, FP8's penalty and
-fallbacks, precision and data phases, resumes and branches, as one table; ``--plot`` marks them on the loss curve.
+fallbacks, precision flips, batch and data-phase changes, resumes and branches, as one table; ``--plot`` marks them
+on the loss curve.
 
 The log is read whole, every attempt of the run (metrics/record.py): the events of a timeline a rollback or a
 resume went back over are kept and listed, and each step counts once, as its current record."""
@@ -12,12 +13,13 @@ from pathlib import Path
 
 from llmjp_ds.checkpoint.store import latest_tag, read_marker
 from llmjp_ds.errors import fail
-from llmjp_ds.metrics.record import current_steps, events as events_of, read_metrics
+from llmjp_ds.metrics.record import changes, current_steps, events as events_of, read_metrics
 from llmjp_ds.metrics.plot import plot_run
 
 # the events the report lists, and how each reads in one cell
 HEALTH_EVENTS = ("health", "rollback", "stop", "skipped_step", "precision_flip", "precision_fallback",
-                 "recipe_choice", "fp8_penalty", "resume", "reshape", "checkpoint_fallback", "branch", "preempted")
+                 "recipe_choice", "fp8_penalty", "resume", "reshape", "checkpoint_fallback", "branch", "preempted",
+                 "batch_change", "data_phase")
 
 
 def _number(value) -> str:
@@ -48,16 +50,32 @@ def describe(event: dict) -> tuple[str, str]:
         return "FP8 penalty", f"{event.get('recipe')}: {event.get('reason')}"
     if kind == "branch":
         return "branch", f"from {event.get('from_run')} at {event.get('from_tag')}"
+    if kind == "batch_change":
+        return "batch change", f"global batch {event.get('from')} -> {event.get('global_batch_size')}"
+    if kind == "data_phase":
+        return "data phase", f"phase {event.get('from')} -> {event.get('data_phase')} (data.phases)"
     fields = {k: v for k, v in event.items() if k not in ("step", "time", "event", "attempt")}
     return kind.replace("_", " "), ", ".join(f"{k} {_number(v)}" for k, v in fields.items())
+
+
+def _merged(events: list[dict], step_changes: list[dict]) -> list[dict]:
+    """``events`` in file order (every attempt's), each change of ``step_changes`` (in step order) before the first
+    event of a later step."""
+    out, pending = [], list(step_changes)
+    for event in events:
+        while pending and pending[0]["step"] <= event["step"]:
+            out.append(pending.pop(0))
+        out.append(event)
+    return out + pending
 
 
 def report(run_dir) -> list[str]:
     """The table's lines (markdown), then the counts: steps, rollbacks, stops, skipped updates, and the steps whose
     samples were not trained on (its latest checkpoint's record, each window with the rollback that made it)."""
     records = read_metrics(run_dir)
-    events = events_of(records, HEALTH_EVENTS)
-    steps = [r for r in current_steps(records).values() if "loss" in r]
+    current = current_steps(records)
+    events = _merged(events_of(records, HEALTH_EVENTS), changes(current))
+    steps = [r for r in current.values() if "loss" in r]
     lines = ["| step | what | detail |", "| ---: | --- | --- |"]
     lines += [f"| {e['step']} | {what} | {detail} |" for e in events for what, detail in [describe(e)]]
     skipped_updates = steps[-1].get("skipped_steps", 0) if steps else 0
@@ -74,7 +92,7 @@ def report(run_dir) -> list[str]:
 
 
 def cli_main(argv: list[str], verb: str = "health") -> int:
-    p = argparse.ArgumentParser(prog=f"llmjp-ds {verb}", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog=f"llmjp-ds {verb}", description=__doc__.split("\n\n")[0])  # its first paragraph
     p.add_argument("run", metavar="RUN_DIR", help="the run directory")
     p.add_argument("--plot", nargs="?", const="", metavar="FILE",
                    help="also draw the loss curve with these events marked (default RUN_DIR/health.png)")

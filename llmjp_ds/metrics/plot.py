@@ -23,7 +23,7 @@ from pathlib import Path
 from llmjp_ds.metrics.curves import gap, read_curve, run_curve
 from llmjp_ds.errors import fail
 from llmjp_ds.io_utils import free_space, write_failure
-from llmjp_ds.metrics.record import METRICS_FILE, current_steps, parse_records
+from llmjp_ds.metrics.record import METRICS_FILE, changes, current_steps, parse_records
 
 __all__ = ["plot_run", "cli_main"]
 
@@ -220,7 +220,7 @@ def plot_run(run_dir: str | os.PathLike, output: str | os.PathLike | None = None
         fail(f"cannot write {output}: directory {output.parent} does not exist")
     records, skipped = read_records(metrics)
     steps, marked = _by_step(records)
-    marked = [e for e in marked if events is None or e["event"] in events]
+    marked = [e for e in marked + changes(steps) if events is None or e["event"] in events]
     unreadable = f" ({skipped} unreadable lines skipped: torn, not UTF-8 or not JSON records)" if skipped else ""
     if not steps:
         fail(f"{metrics} holds no step metrics{unreadable or ' yet'}: nothing to plot")

@@ -93,6 +93,25 @@ def current_steps(records: list[dict]) -> dict[int, dict]:
     return dict(sorted(steps.items()))
 
 
+# a step record's fields whose change is an event of its own: the field, the event's name
+CHANGES = (("global_batch_size", "batch_change"), ("data_phase", "data_phase"))
+
+
+def changes(steps: dict[int, dict]) -> list[dict]:
+    """The batch and data-phase changes of a run's current step records (:func:`current_steps`) as events, in step
+    order: ``batch_change`` at the first step of a new global batch size, ``data_phase`` at the first step of
+    another data phase, each with its value and the one before (``from``)."""
+    out, last = [], {}
+    for step, record in steps.items():
+        for key, name in CHANGES:
+            if key not in record:
+                continue
+            if key in last and record[key] != last[key]:
+                out.append({"step": step, "event": name, key: record[key], "from": last[key]})
+            last[key] = record[key]
+    return out
+
+
 def events(records: list[dict], names=None) -> list[dict]:
     """The event records in file order (``names``: only those), of every attempt."""
     return [r for r in records if "event" in r and (names is None or r["event"] in names)]

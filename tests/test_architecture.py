@@ -491,3 +491,24 @@ def test_no_attribute_of_a_built_model_is_set_from_outside_its_room(train_env, t
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-3000:]
     sets_seen = json.loads(lines[-1][len("RESULT "):])
     assert sets_seen == ["trainer/planted.py:1 DecoderLayer.fused_residual_norm"], sets_seen
+
+
+@pytest.mark.slow
+def test_the_walk_names_every_file_a_step_opens_to_the_loss(tmp_path):
+    """docs/architecture.md's walk of a token, rows 4 on, is what one training step enters on its way to the loss,
+    in that order (tests/walk.py measures it on the CPUs: the torch twins stand where the TE layers do on a GPU),
+    and the walk from the corpus to the loss stays within twenty files."""
+    import re
+
+    from tests.launch import run, subprocess_env
+
+    done = run([sys.executable, "-m", "tests.walk", str(tmp_path / "run")], timeout=300,
+               env=subprocess_env(LLMJP_DS_CACHE=str(tmp_path / "cache")))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    measured = next(line for line in done.stdout.splitlines() if line.startswith("WALK ")).split()[1:]
+    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    rows = re.findall(r"^\| (\d+) \| `([^`]+)`", doc, re.M)
+    assert [int(n) for n, _ in rows] == list(range(1, len(rows) + 1))
+    walk = [path for n, path in rows if int(n) >= 4]
+    assert walk == measured
+    assert len(rows) <= 20

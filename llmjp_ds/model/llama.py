@@ -260,6 +260,7 @@ class LlamaForCausalLM(PreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.backend = resolve_backend(backend)
         self.tp = tp
+        self._rope = (head_dim_of(config), rope_theta(config))  # RoPE's width and base, as the pipeline's layers
         self.loss_fn = CausalLMLoss(z_loss_coeff, fused_loss, tp)  # see llmjp_ds.model.loss
         self.activation_checkpointing = options.recompute_layers
         self.checkpoint_fn = checkpoint_fn or layers_module(self.backend).checkpoint
@@ -290,10 +291,9 @@ class LlamaForCausalLM(PreTrainedModel, GenerationMixin):
         s = sequence_length(x, self.tp)
         past = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:
-            freqs = rope_freqs(torch.arange(past, past + s, device=x.device), head_dim_of(self.config),
-                               rope_theta(self.config))
+            freqs = rope_freqs(torch.arange(past, past + s, device=x.device), *self._rope)
         else:
-            freqs = rope_freqs(position_ids, head_dim_of(self.config), rope_theta(self.config))
+            freqs = rope_freqs(position_ids, *self._rope)
             if freqs.dim() == 3 and freqs.shape[0] == 1:
                 freqs = freqs[0]
         mask = _attention_mask(attention_mask, s, past, x.device)

@@ -23,7 +23,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "import-megatron": ("llmjp_ds.interchange.megatron", "continue a Megatron-LM run (weights, optimizer, LR schedule, "
                         "data position) as a new run"),
     "preflight": ("llmjp_ds.preflight", "check a DeepSpeed hostfile and a run config for it, starting nothing"),
-    "plot": ("llmjp_ds.metrics.plot", "draw loss and throughput of a run to PNG"),
+    "plot": ("llmjp_ds.metrics.plot", "draw loss and throughput of a run to PNG (an MoE run's expert load too)"),
     "health": ("llmjp_ds.health.report", "a run's spikes, skips, rollbacks, FP8 fallbacks and phases as a table "
                "(--plot: marked on the loss curve)"),
     "bench": ("llmjp_ds.bench.run", "training TFLOP/s, ours (BF16, FP8) beside Megatron-Core and transformers + "

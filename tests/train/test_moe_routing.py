@@ -12,7 +12,8 @@
   and the router-collapse rule answers it: under ``health.router.action=warn`` an event at ``starved_steps`` and
   again as many steps later, listed by ``llmjp-ds health``; under ``stop`` the run ends at ``starved_steps`` with
   one line and a non-zero exit, the record's ``stop`` event holding that line. The run of the same setup from the
-  seeded start (every expert gets tokens) raises no such event.
+  seeded start (every expert gets tokens) raises no such event. ``llmjp-ds plot``'s heat map of the starved run is
+  its last logged matrix, the starved expert a 0.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import math
 import pytest
 import torch
 
+from llmjp_ds.metrics.plot import run_figure
 from llmjp_ds.metrics.record import read_metrics
 
 from tests.launch import free_port, run_command, subprocess_env, train_argv
@@ -131,6 +133,13 @@ def test_an_expert_without_tokens_is_a_router_collapse_warned_and_listed(moe_run
     assert counts.startswith(f"{STEPS} steps logged, 0 rollbacks, 0 updates skipped;"), counts
     logs = (run_dir.parent / "train-01.out").read_text() + (run_dir.parent / "train-01.err").read_text()
     assert f"warning: a router collapse at step 2: {where} got no token for 2 steps" in logs
+
+    # llmjp-ds plot: the heat map is the last logged matrix (step 5's) as shares, the starved expert a 0
+    (image,) = [im for ax in run_figure(run_dir).axes for im in ax.images]
+    last = records[-1]["moe_expert_load"]
+    assert image.axes.get_title().startswith(f"expert load at step {STEPS} ")
+    assert image.get_array().tolist() == [[n / (sum(layer) / EXPERTS) for n in layer] for layer in last]
+    assert image.get_array()[0, STARVED] == 0
 
 
 def test_a_router_collapse_under_stop_ends_the_run_with_one_line(moe_runs, tmp_path):

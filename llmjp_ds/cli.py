@@ -9,7 +9,7 @@ from llmjp_ds.errors import did_you_mean, run_main
 
 # verb -> (module with ``cli_main(argv)``, one-line help)
 VERBS: dict[str, tuple[str, str]] = {
-    "demo": ("llmjp_ds.demo", "train the tiny model on the bundled corpus end to end and export it"),
+    "demo": ("llmjp_ds.demo", "train the tiny model (--moe: tiny-moe) on the bundled corpus end to end and export it"),
     "train": ("llmjp_ds.train", "pretrain (or resume) a run; same as `deepspeed llmjp_ds/train.py`"),
     "train-tokenizer": ("llmjp_ds.data.tokenizer", "train a SentencePiece unigram tokenizer in LLM-jp v3 layout"),
     "preprocess": ("llmjp_ds.data.preprocess", "jsonl, parquet or Arrow datasets -> Megatron-LM .bin/.idx corpus"),

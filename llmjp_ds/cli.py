@@ -9,7 +9,7 @@ from llmjp_ds.errors import did_you_mean, run_main
 
 # verb -> (module with ``cli_main(argv)``, one-line help)
 VERBS: dict[str, tuple[str, str]] = {
-    "demo": ("llmjp_ds.demo", "train the tiny model on the bundled corpus end to end and export it"),
+    "demo": ("llmjp_ds.demo", "train the tiny model (--moe: tiny-moe) on the bundled corpus end to end and export it"),
     "train": ("llmjp_ds.train", "pretrain (or resume) a run; same as `deepspeed llmjp_ds/train.py`"),
     "train-tokenizer": ("llmjp_ds.data.tokenizer", "train a SentencePiece unigram tokenizer in LLM-jp v3 layout"),
     "preprocess": ("llmjp_ds.data.preprocess", "jsonl, parquet or Arrow datasets -> Megatron-LM .bin/.idx corpus"),
@@ -23,7 +23,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "import-megatron": ("llmjp_ds.interchange.megatron", "continue a Megatron-LM run (weights, optimizer, LR schedule, "
                         "data position) as a new run"),
     "preflight": ("llmjp_ds.preflight", "check a DeepSpeed hostfile and a run config for it, starting nothing"),
-    "plot": ("llmjp_ds.metrics.plot", "draw loss and throughput of a run to PNG"),
+    "plot": ("llmjp_ds.metrics.plot", "draw loss and throughput of a run to PNG (an MoE run's expert load too)"),
     "health": ("llmjp_ds.health.report", "a run's spikes, skips, rollbacks, FP8 fallbacks and phases as a table "
                "(--plot: marked on the loss curve)"),
     "bench": ("llmjp_ds.bench.run", "training TFLOP/s, ours (BF16, FP8) beside Megatron-Core and transformers + "

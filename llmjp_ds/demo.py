@@ -2,7 +2,9 @@
 
 Trains a SentencePiece tokenizer on the bundled Japanese / English / code corpus, preprocesses the corpus to
 Megatron ``.bin/.idx``, trains the ``tiny`` model through DeepSpeed, exports it as a plain Hugging Face Llama,
-loads the export with ``AutoModelForCausalLM`` + ``AutoTokenizer`` and prints continuations.
+loads the export with ``AutoModelForCausalLM`` + ``AutoTokenizer`` and prints continuations. ``--moe``: the same
+with the ``tiny-moe`` shape (Qwen3-MoE, LLM-jp-4's MoE design: 8 experts, 2 a token), exported as ``qwen3_moe``;
+its records carry the routers' load (``llmjp-ds plot`` draws it).
 """
 
 from __future__ import annotations
@@ -39,13 +41,17 @@ def cli_main(argv: list[str], verb: str = "demo") -> int:
     from llmjp_ds.interchange.hf import export
 
     p = argparse.ArgumentParser(prog=f"llmjp-ds {verb}", description=__doc__.splitlines()[0])
-    p.add_argument("--output", default="demo_out", help="directory for the run and the exported model")
+    p.add_argument("--output", help="directory for the run and the exported model (default demo_out, with --moe "
+                                    "demo_moe_out)")
+    p.add_argument("--moe", action="store_true", help="train the tiny-moe shape (8 experts, 2 a token) instead, "
+                                                      "exported as a Hugging Face qwen3_moe model")
     add_config_args(p, config=None, preset=False, example="train.steps=50 (over the demo preset)")
     a = p.parse_args(argv)
-    out = Path(a.output)
-    cfg = load_config(None, [f"run_dir={out / 'run'}", "logging.wandb=offline", *a.sets], preset="demo")
-    print(f"[demo] training the tiny model ({cfg.train.steps} steps) in {cfg.run_dir}; the first run also trains "
-          "the tokenizer and preprocesses the bundled corpus", flush=True)
+    out = Path(a.output or ("demo_moe_out" if a.moe else "demo_out"))
+    shape = ["model.shape=tiny-moe"] if a.moe else []
+    cfg = load_config(None, [f"run_dir={out / 'run'}", "logging.wandb=offline", *shape, *a.sets], preset="demo")
+    print(f"[demo] training the {cfg.model.shape} model ({cfg.train.steps} steps) in {cfg.run_dir}; the first run "
+          "also trains the tokenizer and preprocesses the bundled corpus", flush=True)
     try:
         summary = train(cfg)
     finally:

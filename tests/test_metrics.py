@@ -76,6 +76,18 @@ def test_format_log_line():
         "step 6/9 | loss 212.5000 | update skipped (loss spike) | lr 1.00e-03"
 
 
+def test_an_moe_runs_log_line_shows_its_load_balancing_loss():
+    """An MoE step's record holds its routing (metrics/experts.py); the line shows the load-balancing loss after the
+    losses and nothing else of it (the matrix and per-layer lists are the record's). A dense step's line has none."""
+    dense = {"loss": 3.45214, "z_loss": 1.234e-4, "lr": 2.5e-4, "grad_norm": 0.8701}
+    moe = {**dense, "moe_aux_loss": 1.02449, "moe_z_loss": 3.5, "moe_imbalance": 1.7, "moe_dropped_tokens": 0,
+           "moe_layer_imbalance": [1.7, 1.2], "moe_min_load": [3, 9], "moe_expert_load": [[3, 20], [9, 14]]}
+    assert format_log_line(120, 1000, moe) == \
+        "step  120/1000 | loss 3.4521 z 1.23e-04 aux 1.024 | lr 2.50e-04 | gnorm 0.870"
+    assert format_log_line(120, 1000, dense) == "step  120/1000 | loss 3.4521 z 1.23e-04 | lr 2.50e-04 | gnorm 0.870"
+    assert format_log_line(3, None, {"loss": 2.0, "moe_aux_loss": 1.5}) == "step 3 | loss 2.0000 aux 1.500"
+
+
 # --- the jsonl trail, wandb disabled -----------------------------------------------------------------------------
 
 def test_disabled_logger_writes_jsonl_and_reads_back(tmp_path):

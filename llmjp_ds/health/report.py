@@ -30,8 +30,11 @@ def describe(event: dict) -> tuple[str, str]:
     """(what, detail) of one event record."""
     kind = event["event"]
     if kind == "health":
-        stats = ", ".join(f"{k} {_number(event[k])}" for k in ("value", "median", "z") if k in event)
         action = f"stop ({event['limit']} reached)" if event.get("limit") else event.get("action", "?")
+        if event.get("kind") == "router":
+            return "router collapse", (f"{action}: {event.get('where', '?')} got no token for "
+                                       f"{_number(event.get('value', '?'))} steps")
+        stats = ", ".join(f"{k} {_number(event[k])}" for k in ("value", "median", "z") if k in event)
         return f"{event.get('kind', '?')} spike" if event.get("kind") != "nonfinite" else "non-finite step", \
             f"{action}: {stats}"
     if kind == "stop":

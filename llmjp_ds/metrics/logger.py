@@ -323,7 +323,8 @@ _LOG_FIELDS = (
 def format_log_line(step: int, total_steps: int | None, metrics: dict[str, Any]) -> str:
     """A compact human log line, e.g.
     ``step 120/1000 | loss 3.4521 z 1.2e-04 | lr 2.50e-04 | gnorm 0.870 | 12.3k tok/s | 401.2 TFLOP/s | MFU 40.6%
-    | mem 45.3 GiB | bf16``; metrics that are absent are left out."""
+    | mem 45.3 GiB | bf16`` (an MoE model's: ``loss 3.4521 z 1.2e-04 aux 1.024 | ...``); metrics that are absent are
+    left out."""
     def num(key: str) -> float | None:
         value = metrics.get(key)
         if value is None or isinstance(value, str):
@@ -337,6 +338,8 @@ def format_log_line(step: int, total_steps: int | None, metrics: dict[str, Any])
         text = f"loss {loss:.4f}" if math.isfinite(loss) else f"loss {loss}"
         if num("z_loss") is not None:
             text += f" z {num('z_loss'):.2e}"
+        if num("moe_aux_loss") is not None:  # an MoE model's load-balancing loss: 1 when evenly balanced
+            text += f" aux {num('moe_aux_loss'):.3f}"
         parts.append(text)
     if metrics.get("skipped"):  # the health gate skipped the update: no gradient norm to show
         parts.append(f"update skipped ({metrics['skipped']})")

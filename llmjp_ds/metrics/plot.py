@@ -1,5 +1,9 @@
 """``llmjp-ds plot RUN_DIR``: loss, learning rate and throughput of a run against step, from its metrics.jsonl.
 
+An MoE run's records add a panel of its routers' losses (``moe_aux_loss``, and ``moe_z_loss`` on a second axis)
+below the loss, and a heat map of its last recorded ``moe_expert_load`` matrix (MoE layer x expert, each expert's
+tokens over its layer's mean: 1 is an even share, 0 an expert that got none) under the curves.
+
 Precision phases (the ``phase`` metric, e.g. BF16 then FP8) are shaded and their changes marked; events
 (``rollback``, ``resume`` ...) are vertical lines. Drawn with matplotlib's Agg canvas (no display, no pyplot
 state) and written atomically, so a plot refreshed while the run is going never shows a half-written PNG.
@@ -25,7 +29,7 @@ from llmjp_ds.errors import fail
 from llmjp_ds.io_utils import free_space, write_failure
 from llmjp_ds.metrics.record import METRICS_FILE, changes, current_steps, parse_records
 
-__all__ = ["plot_run", "cli_main"]
+__all__ = ["plot_run", "run_figure", "last_expert_load", "load_shares", "cli_main"]
 
 _PHASE_COLORS = ("tab:orange", "tab:green", "tab:purple", "tab:brown")
 _EVENT_COLORS = {"rollback": "tab:red", "resume": "tab:gray", "precision_flip": "tab:orange"}
@@ -114,6 +118,9 @@ def _panels(steps: dict[int, dict], beside: list, extra: dict, where: str) -> li
     if _series(steps, "loss")[0] or _series(steps, "valid_loss")[0]:
         panels.append(("loss", [("loss", "train loss", "-"), ("valid_loss", "valid loss", "o-")],
                        ("z_loss", "z-loss")))
+    if _series(steps, "moe_aux_loss")[0] or _series(steps, "moe_z_loss")[0]:
+        panels.append(("MoE router losses", [("moe_aux_loss", "load-balancing loss", "-")],
+                       ("moe_z_loss", "router z-loss")))
     if _series(steps, "fp8_penalty")[0]:
         panels.append(("FP8 penalty", [("fp8_penalty", "valid loss FP8 / BF16 - 1", "o-")], None))
     if _series(steps, "lr")[0]:
@@ -139,10 +146,16 @@ def _draw(steps: dict[int, dict], events: list[dict], title: str, where: str = "
 
     extra = _beside_lines(steps, list(beside))
     panels = _panels(steps, list(beside), extra, where)
+    load = last_expert_load(steps)
 
-    fig = Figure(figsize=(10, 2.8 * len(panels) + 0.6), layout="constrained")
+    fig = Figure(figsize=(10, 2.8 * (len(panels) + (load is not None)) + 0.6), layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    if load is None:
+        axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    else:  # the heat map's x axis is the experts: a subfigure of its own below the curves that share the steps
+        curves, heat = fig.subfigures(2, 1, height_ratios=[len(panels), 1])
+        axes = curves.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+        _draw_expert_load(heat, *load)
     fig.suptitle(title)
 
     spans = _phase_spans(steps)
@@ -199,13 +212,44 @@ def _draw(steps: dict[int, dict], events: list[dict], title: str, where: str = "
     return fig
 
 
-def plot_run(run_dir: str | os.PathLike, output: str | os.PathLike | None = None, beside=(), events=None,
-             option: str = "--output") -> Path:
-    """Draw ``<run_dir>/metrics.jsonl`` to ``output`` (default ``<run_dir>/metrics.png``); return its path.
-    ``beside``: other runs' directories or Megatron-LM logs (:mod:`llmjp_ds.metrics.curves`), drawn beside this one;
-    ``events``: the names of the events to mark (default: every event); ``option``: the verb's option that named
-    ``output``, for the messages."""
-    run_dir = Path(run_dir)
+def last_expert_load(steps: dict[int, dict]) -> tuple[int, list[list[float]]] | None:
+    """(step, matrix) of the last step whose current record holds a whole ``moe_expert_load`` (rows of equal
+    length, non-negative finite counts), or None (a dense run's; a malformed matrix is skipped as other values
+    are)."""
+    for step in sorted(steps, reverse=True):
+        matrix = steps[step].get("moe_expert_load")
+        if (isinstance(matrix, list) and matrix and all(isinstance(row, list) and row for row in matrix)
+                and len({len(row) for row in matrix}) == 1
+                and all(_numeric(n) and n >= 0 for row in matrix for n in row)):
+            return step, matrix
+    return None
+
+
+def load_shares(matrix: list[list[float]]) -> list[list[float]]:
+    """Each expert's tokens over its layer's mean (1: an even share); a layer that routed no token is all 0."""
+    out = []
+    for row in matrix:
+        mean = sum(row) / len(row)
+        out.append([n / mean if mean else 0.0 for n in row])
+    return out
+
+
+def _draw_expert_load(subfig, step: int, matrix: list[list[float]]) -> None:
+    """The heat map of ``matrix`` (MoE layer x expert) as :func:`load_shares`, with its colorbar, in ``subfig``."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax = subfig.subplots()
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_locator(MaxNLocator(integer=True))  # experts and layers are whole numbers
+    image = ax.imshow(load_shares(matrix), aspect="auto", interpolation="nearest", cmap="viridis", vmin=0.0)
+    ax.set_title(f"expert load at step {step} (tokens / the layer's mean)", fontsize="medium")
+    ax.set_xlabel("expert")
+    ax.set_ylabel("MoE layer")
+    subfig.colorbar(image, ax=ax, label="1 = an even share")
+
+
+def _metrics_of(run_dir: Path) -> Path:
+    """``<run_dir>/metrics.jsonl``, or one line saying why there is none."""
     if run_dir.exists() and not run_dir.is_dir():
         fail(f"run directory {run_dir} is a file: pass the run_dir of a training run (it holds {METRICS_FILE})")
     if not run_dir.is_dir():
@@ -213,11 +257,13 @@ def plot_run(run_dir: str | os.PathLike, output: str | os.PathLike | None = None
     metrics = run_dir / METRICS_FILE
     if metrics.is_dir() or not metrics.exists():
         fail(f"no {METRICS_FILE} in {run_dir}: has the run logged a step yet?")
-    output = Path(output) if output is not None else run_dir / "metrics.png"
-    if output.is_dir():
-        fail(f"cannot write {output}: it is a directory; pass a file name with {option}")
-    if not output.parent.is_dir():
-        fail(f"cannot write {output}: directory {output.parent} does not exist")
+    return metrics
+
+
+def run_figure(run_dir: str | os.PathLike, beside=(), events=None):
+    """The matplotlib ``Figure`` of ``<run_dir>/metrics.jsonl`` that :func:`plot_run` writes (its arguments)."""
+    run_dir = Path(run_dir)
+    metrics = _metrics_of(run_dir)
     records, skipped = read_records(metrics)
     steps, marked = _by_step(records)
     marked = [e for e in marked + changes(steps) if events is None or e["event"] in events]
@@ -230,8 +276,24 @@ def plot_run(run_dir: str | os.PathLike, output: str | os.PathLike | None = None
               file=sys.stderr)
     last = max(steps)
     others = [(_label(source), read_curve(source)) for source in beside]
-    fig = _draw(steps, marked, title=f"{run_dir.resolve().name}  (step {last})", where=f"{metrics}{unreadable}",
-                beside=others)
+    return _draw(steps, marked, title=f"{run_dir.resolve().name}  (step {last})", where=f"{metrics}{unreadable}",
+                 beside=others)
+
+
+def plot_run(run_dir: str | os.PathLike, output: str | os.PathLike | None = None, beside=(), events=None,
+             option: str = "--output") -> Path:
+    """Draw ``<run_dir>/metrics.jsonl`` to ``output`` (default ``<run_dir>/metrics.png``); return its path.
+    ``beside``: other runs' directories or Megatron-LM logs (:mod:`llmjp_ds.metrics.curves`), drawn beside this one;
+    ``events``: the names of the events to mark (default: every event); ``option``: the verb's option that named
+    ``output``, for the messages."""
+    run_dir = Path(run_dir)
+    metrics = _metrics_of(run_dir)
+    output = Path(output) if output is not None else run_dir / "metrics.png"
+    if output.is_dir():
+        fail(f"cannot write {output}: it is a directory; pass a file name with {option}")
+    if not output.parent.is_dir():
+        fail(f"cannot write {output}: directory {output.parent} does not exist")
+    fig = run_figure(run_dir, beside, events)
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp")
@@ -281,7 +343,8 @@ def cli_main(argv: list[str], verb: str = "plot") -> int:
     parser = argparse.ArgumentParser(
         prog=f"llmjp-ds {verb}",
         description="Draw loss, learning rate and throughput (TFLOP/s per GPU) of a run against step, with "
-                    "precision phases shaded and events such as rollbacks marked.")
+                    "precision phases shaded and events such as rollbacks marked; an MoE run's router losses, and "
+                    "a heat map of its last recorded expert load (MoE layer x expert).")
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (holds metrics.jsonl)")
     parser.add_argument("--output", "-o", metavar="PNG", help="where to write the PNG (default RUN_DIR/metrics.png)")
     parser.add_argument("--beside", action="append", default=[], metavar="SOURCE",

@@ -151,6 +151,47 @@ def test_the_monitor_judges_each_kind_and_keeps_spikes_out_of_the_history():
     assert skipped(5, [[5, 7]]) and skipped(7, [[5, 7]]) and not skipped(8, [[5, 7]]) and not skipped(4, [[5, 7]])
 
 
+def test_a_router_collapse_is_judged_after_starved_steps_in_a_row_and_survives_a_resume():
+    """health.router.starved_steps=3: an expert without a token in steps 1..3 is a verdict at step 3, naming it;
+    one that gets a token in between starts counting again; another expert's starved steps are not its; after a
+    verdict the next one on it comes as many steps later; and the count goes on across a checkpoint's state (a
+    resume), as it would not from a fresh monitor."""
+    import json
+
+    from llmjp_ds.config import HealthConfig
+    from llmjp_ds.config.schema import RouterRule
+    from llmjp_ds.health.monitor import HealthMonitor
+
+    cfg = HealthConfig(router=RouterRule(action="stop", starved_steps=3))
+    h = HealthMonitor(cfg)
+    assert h.after_routing(1, [(0, 2)]) is None and h.after_routing(2, [(0, 2), (1, 5)]) is None
+    found = h.after_routing(3, [(0, 2)])  # expert 5 of layer 1 got a token at step 3
+    assert (found.kind, found.action, found.step, found.value, found.where) == ("router", "stop", 3, 3.0,
+                                                                                "expert 2 of MoE layer 0")
+    assert found.describe() == "a router collapse at step 3: expert 2 of MoE layer 0 got no token for 3 steps"
+    assert found.fields() == {"kind": "router", "action": "stop", "value": 3.0, "where": "expert 2 of MoE layer 0"}
+    assert h.after_routing(4, [(0, 2)]) is None and h.after_routing(5, [(0, 2)]) is None
+    assert h.after_routing(6, [(0, 2)]).step == 6  # the next verdict on it: starved_steps later
+
+    h = HealthMonitor(cfg)
+    steps = [[(0, 2)], [(0, 2)], [], [(0, 2)], [(0, 2)], [(1, 0)], [(1, 0)]]  # step 3: expert 2 got a token
+    assert [h.after_routing(step, starved) for step, starved in enumerate(steps, 1)] == [None] * 7
+    assert h.after_routing(8, [(1, 0), (0, 2)]).where == "expert 0 of MoE layer 1"
+
+    h = HealthMonitor(cfg)
+    h.after_routing(1, [(1, 3)])
+    h.after_routing(2, [(1, 3)])
+    state = json.loads(json.dumps(h.state_dict()))  # as a checkpoint keeps it
+    assert state["starved"] == {"1:3": 2}
+    resumed = HealthMonitor(cfg)
+    resumed.load_state_dict(state)
+    assert resumed.after_routing(3, [(1, 3)]).where == "expert 3 of MoE layer 1"
+    assert HealthMonitor(cfg).after_routing(3, [(1, 3)]) is None  # without the state: a streak of one
+    older = HealthMonitor(cfg)
+    older.load_state_dict({k: v for k, v in state.items() if k != "starved"})  # a checkpoint from before routing
+    assert older.starved == {} and older.after_routing(3, [(1, 3)]) is None
+
+
 # --- runs: each action against its reference ----------------------------------------------------------------
 
 @pytest.mark.slow

@@ -300,16 +300,16 @@ class Trainer:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         step_time = time.perf_counter() - t0
-        diverged = self.controller.after_step(step, lm_loss, z_loss, phase)
-        if diverged:
+        if diverged := self.controller.after_step(step, lm_loss, z_loss, phase):
             reason, first_bad = diverged
             good_step, good_tag, client = self.rollback(first_bad, f"loss diverged after the FP8 flip ({reason})")
             self.controller.rolled_back(step, good_step, good_tag, reason, client)
             self.save(wait=True)
             return False
         verdict = self.health.after_step(step, lm_loss, result.grad_norm, applied, result.gated)
-        if result.routing is not None:
-            verdict = verdict or self.health.after_routing(step, starved_experts(result.routing.expert_load))
+        if result.routing is not None:  # counted every step, whatever else the step's verdict is
+            collapse = self.health.after_routing(step, starved_experts(result.routing.expert_load))
+            verdict = verdict or collapse
         if verdict is not None and self._act(verdict, result.gated):
             return False  # rolled back: the loop goes on from the checkpoint
         if applied:

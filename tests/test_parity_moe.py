@@ -116,7 +116,8 @@ def moe_disagreements(commands: dict[str, list[str]]) -> list[str]:
             or m.z_loss != 0:
         out.append("the router's losses")
     own = ("load", "save", "finetune", "exit_interval", "save_interval", "fp8", "no_save_optim", "no_save_rng",
-           "save_tokens_per_expert_interval")  # what sets a process apart: its start, save, precision and loads
+           "save_tokens_per_expert_interval", "moe_permute_fusion", "moe_router_fusion")  # what sets a process
+    # apart: its start, save, precision, loads, and (B's) Megatron's MoE fusions
     def besides_precision(cfg):
         data = cfg.to_dict()
         data.pop("precision"), data.pop("run_dir"), data["data"].pop("cache_dir")
@@ -125,9 +126,10 @@ def moe_disagreements(commands: dict[str, list[str]]) -> list[str]:
     if any({**vars(r), **{k: getattr(a1, k) for k in own}} != vars(a1) for r in runs.values()) \
             or besides_precision(ours_fp8) != besides_precision(ours):
         out.append("the runs' settings besides their loads, saves and precision")
-    if not (a1.moe_grouped_gemm and a1.moe_permute_fusion and a1.moe_router_fusion
-            and a1.moe_token_dispatcher_type == "alltoall"):
-        out.append("Megatron-Core's MoE kernels")
+    fused = {n: (r.moe_permute_fusion, r.moe_router_fusion) for n, r in runs.items()}
+    if not (a1.moe_grouped_gemm and a1.moe_token_dispatcher_type == "alltoall") or fused != {
+            n: (False, False) if n in moe.UNFUSED else (True, True) for n in runs}:
+        out.append("Megatron-Core's MoE kernels")  # fused as LLM-jp runs them; B's unfused (its spread)
     t = ours.train
     if (a1.train_iters, a1.global_batch_size, a1.micro_batch_size, a1.seq_length, a1.eval_interval, a1.eval_iters) \
             != (t.steps, t.global_batch_size, t.micro_batch_size, ours.data.seq_len, t.eval_interval, t.eval_batches):
@@ -154,7 +156,7 @@ def moe_disagreements(commands: dict[str, list[str]]) -> list[str]:
         first, second, fp8 = runs[f"M-{x}1"], runs[f"M-{x}2"], runs[f"M-F{x}"]
         if not (first.finetune and first.load == str(WORK / "init-moe-megatron") and first.save == second.load
                 == fp8.load and first.exit_interval == first.save_interval == flip and second.save != first.save
-                and not second.finetune and not fp8.finetune):
+                and not second.finetune and not fp8.finetune and not any(r.no_save_optim for r in (first, second))):
             out.append(f"M-{x}'s checkpoint")
         if any(r.save_tokens_per_expert_interval != ours.logging.expert_load_interval or not r.save
                for r in (first, second)) or fp8.save_tokens_per_expert_interval is not None:
@@ -183,6 +185,8 @@ def test_the_moe_runs_say_the_same_to_both_stacks():
     ("ours-moe-fp8", ["--set", "precision.phases=[{precision: bf16}, {precision: fp8, start_step: 150}]"],
      "the FP8 flip"),
     ("M-FB", ["--load", "/w/megatron-moe-a"], "M-B's checkpoint"),
+    ("M-A2", ["--no-save-optim"], "M-A's checkpoint"),  # Megatron then loads no optimizer either: the resume fails
+    ("M-B1", ["--moe-router-fusion"], "Megatron-Core's MoE kernels"),
 ])
 def test_an_moe_run_that_says_otherwise_is_caught(name, change, names):
     commands = moe_commands()

@@ -5,10 +5,12 @@ of four sequences of 2048 (:class:`~benchmarks.parity.spec.MoE`), the eight runs
 
 ============  ====================================================================================
 M-A1, M-A2    Megatron-LM, BF16, steps 1..flip, saved (torch_dist) and resumed to the end: A, the reference
-M-B1, M-B2    the same again, independently: B, whose difference from A is the BF16 comparison's spread
+M-B1, M-B2    the same with Megatron's router and permutation fusions off (the same math by its torch formulas):
+              B, whose difference from A is the BF16 comparison's spread (Megatron run twice alike is bitwise
+              equal to itself here, run AJ's first call: a spread of 0 nothing else could meet)
 ours-moe      llmjp-ds, BF16, 1..end uninterrupted, against A
 M-FA, M-FB    Megatron-LM restarted in FP8 (delayed, hybrid) from M-A1's and from M-B1's checkpoint: FA is the
-              FP8 reference; FB against it is the spread of an FP8 half after an independent BF16 half
+              FP8 reference; FB (unfused, as B) against it is the spread of an FP8 half after B's BF16 half
 ours-moe-fp8  llmjp-ds flipping to FP8 at step flip + 1 in one run (its BF16 half its own), against FA
 ============  ====================================================================================
 
@@ -37,6 +39,8 @@ MOE = MoE()
 MEGATRON_RUNS = (("megatron-moe-a", ("M-A1", "M-A2")), ("megatron-moe-b", ("M-B1", "M-B2")),
                  ("megatron-moe-fa", ("M-FA",)), ("megatron-moe-fb", ("M-FB",)))
 OURS_RUNS = ("ours-moe", "ours-moe-fp8")
+UNFUSED = ("M-B1", "M-B2", "M-FB")  # B's runs: without Megatron's MoE fusions (FUSIONS)
+FUSIONS = ("--moe-router-fusion", "--moe-permute-fusion")
 FROM_INIT = ("M-A1", "M-B1")  # the others start after the flip
 # each BF16 Megatron process's --save (A1's and B1's: their checkpoints), under which it records the experts' loads
 SAVES = {"M-A1": "megatron-moe-a", "M-B1": "megatron-moe-b", "M-A2": "megatron-moe-a2", "M-B2": "megatron-moe-b2"}
@@ -67,8 +71,9 @@ def moe_jobs(setup: Setup, work: Path, runs: Path, mlm: Path, blend, tokenizer: 
     record = ["--save-tokens-per-expert-interval", str(moe.load_interval)]
 
     def megatron(name, load, **kw):
-        return pretrain(mlm, megatron_args(setup, config, blend, tokenizer, str(work / "cache" / name), load=str(load),
-                                           moe=moe, **kw))
+        args = megatron_args(setup, config, blend, tokenizer, str(work / "cache" / name), load=str(load), moe=moe,
+                             **kw)
+        return pretrain(mlm, [a for a in args if name not in UNFUSED or a not in FUSIONS])
 
     def ours(name, fp8_from=None):  # LLM-jp-3's optimizer and schedule (the dense runs' preset), the MoE's model
         return [sys.executable, "-m", "llmjp_ds.train", "--preset", "llmjp3-1.8b", "--set", f"run_dir={runs / name}",
@@ -87,9 +92,10 @@ def moe_jobs(setup: Setup, work: Path, runs: Path, mlm: Path, blend, tokenizer: 
         first, second, ckpt = f"M-{x}1", f"M-{x}2", saves[f"M-{x}1"]
         out += [Job(first, megatron(first, init, finetune=True, save=str(ckpt), exit_at=setup.flip) + record,
                     gib=GIB, estimate_s=seconds(setup.flip, 30), before=fresh(ckpt)),
-                Job(second, megatron(second, ckpt, save=str(saves[second])) + record + ["--no-save-optim",
-                                                                                         "--no-save-rng"],
-                    after=(first,), gib=GIB, estimate_s=seconds(rest, 15), before=fresh(saves[second])),
+                # its --save keeps the optimizer (with --no-save-optim, Megatron-LM core_v0.19 leaves the optimizer
+                # out of what it loads too, and the resume fails: run AJ's first call)
+                Job(second, megatron(second, ckpt, save=str(saves[second])) + record,
+                    after=(first,), gib=GIB, estimate_s=seconds(rest, 30), before=fresh(saves[second])),
                 Job(f"M-F{x}", megatron(f"M-F{x}", ckpt, fp8=True), after=(first,), gib=GIB,
                     estimate_s=seconds(rest))]
     a1, a2, fa, b1, b2, fb = out

@@ -12,9 +12,9 @@
 #   --recipe --only W-A1,W-B,ours-wsd,W-A2                  ~7 minutes
 #   --recipe --only W-A1,D1,import-w,branch,ours-decay,D2   ~8 minutes
 # --moe: the MoE check instead (benchmarks/parity/moe.py: parity-moe, 32 experts top-8 with qk-norm and the aux and
-# z losses, 300 steps of 4 x 2048 tokens): Megatron-LM's A and B, each saved at 150 and resumed, and its FP8
-# restarts from both checkpoints, beside ours in BF16 and ours flipping to FP8 at 151; up to six runs share the GPU.
-# One call, ~7 minutes (estimated, not yet run):
+# z losses, 300 steps of 4 x 2048 tokens): Megatron-LM's A and B (B without its MoE fusions), each saved at 150
+# and resumed, and its FP8 restarts from both checkpoints, beside ours in BF16 and ours flipping to FP8 at 151; up
+# to six runs share the GPU. One call, 8.5 minutes (run AJ):
 #   BUDGET_S=570 bash benchmarks/device/run.sh parity --no-fixtures --moe
 # the device kit's megatron-core wheel ships its compiled dataset helpers but not the Makefile pretrain_gpt.py runs
 # make with on rank 0: an empty one there (a Megatron-LM checkout has its own)

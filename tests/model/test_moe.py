@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 import warnings
@@ -310,6 +311,8 @@ def test_te_moe_model_is_its_torch_twin(dtype):
     for name in ("loss", "router_aux_loss", "router_z_loss"):
         torch.testing.assert_close(getattr(ours, name).float(), getattr(theirs, name).float(), **tol)
     assert set(grads) == set(their_grads)
+    if dtype == torch.bfloat16:  # a layer's experts of a projection as one: a moved choice moves a token between two
+        grads, their_grads = (_experts_joined(g) for g in (grads, their_grads))
     for name, grad in grads.items():
         theirs_grad = their_grads[name]
         if dtype == torch.float32:
@@ -317,8 +320,19 @@ def test_te_moe_model_is_its_torch_twin(dtype):
             assert err < 2e-2, (name, err)
         else:  # an expert a near-tie sent a token to or away from differs by that token: the norm of the difference
             err = ((grad - theirs_grad).norm() / theirs_grad.norm().clamp_min(1e-6)).item()
-            # measured on the H200: 5.4e-2 at the first MoE norm, which every token's experts feed back into
-            assert err < (2e-1 if ".experts." in name else 1e-1), (name, err)
+            # measured on the H200 at an MoE layer's norm, which every token's choices feed back into: 5.4e-2 and
+            # 1.1e-1 in two runs (TE's backward kernels are not bitwise reproducible, nor then the near-ties)
+            assert err < (2e-1 if ".moe.norm." in name else 1e-1), (name, err)
+
+
+def _experts_joined(grads: dict) -> dict:
+    """``grads`` with each MoE layer's per-expert weights of a projection (``...experts.linear_fc1.weight0`` ..)
+    flattened into one entry (``...experts.linear_fc1.weight``)."""
+    joined: dict = {}
+    for name, grad in grads.items():
+        key = re.sub(r"(\.experts\..*weight)\d+$", r"\1", name)
+        joined.setdefault(key, []).append(grad.flatten())
+    return {name: torch.cat(parts) for name, parts in joined.items()}
 
 
 @pytest.mark.gpu

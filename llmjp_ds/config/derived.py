@@ -51,9 +51,12 @@ def blend_history(cfg: RunConfig, until_step: int) -> list[list]:
 
 def model_config_of(cfg: RunConfig):
     """The transformers config of the run's model shape with its overrides (``LlamaConfig``, or ``Qwen3Config`` /
-    ``Qwen3MoeConfig``), initialised with ``model.init_std``."""
+    ``Qwen3MoeConfig``), initialised with ``model.init_std``; an MoE's with the run's load-balancing coefficient
+    (what an export's ``router_aux_loss_coef`` says)."""
     config = model_config(cfg.model.shape, **overrides_dict(cfg.model.overrides))
     config.initializer_range = cfg.model.init_std
+    if getattr(config, "num_experts", None):
+        config.router_aux_loss_coef = cfg.model.moe_aux_loss_coeff
     return config
 
 

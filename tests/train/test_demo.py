@@ -107,6 +107,7 @@ def test_moe_demo_end_to_end(train_env, tmp_path):
     assert (config["model_type"], config["architectures"], config["num_local_experts"],
             config["num_experts_per_tok"], config["num_hidden_layers"]) == (
         "qwen3_moe", ["Qwen3MoeForCausalLM"], 8, 2, 4) and "auto_map" not in config
+    assert config["router_aux_loss_coef"] == 0.01  # the run's (model.moe_aux_loss_coeff), not transformers' 0.001
     for record in steps:
         assert len(record["moe_layer_imbalance"]) == 4 and record["moe_dropped_tokens"] == 0
         assert f"step {record['step']:>2}/{STEPS} | loss {record['loss']:.4f} z {record['z_loss']:.2e} aux " \

@@ -207,9 +207,18 @@ def _check_parallel(cfg: RunConfig, layout: Layout, num_layers: int) -> None:
 
 
 def _check_expert_parallel(cfg: RunConfig, shape, layout: Layout) -> None:
-    """Expert parallelism (docs/moe.md): an MoE model's experts split evenly over groups of data-parallel ranks,
-    on the layouts DeepSpeed's MoE support trains correctly."""
+    """An MoE model's layout and expert parallelism (docs/moe.md): the experts split evenly over groups of
+    data-parallel ranks, on the layouts DeepSpeed's MoE support trains correctly; no tensor parallelism or
+    pipeline, which the MoE block is not built for."""
     ep, experts = layout.expert, shape.num_experts
+    if experts and layout.tensor > 1:
+        fail(f"model.shape {cfg.model.shape} has experts and parallel.tensor_parallel={layout.tensor}: the MoE block is "
+             "not split over the TP group (its weights would drift apart over sequence-parallel shards); use "
+             "parallel.tensor_parallel=1 and split the experts with parallel.expert_parallel")
+    if experts and layout.pipeline > 1:
+        fail(f"model.shape {cfg.model.shape} has experts and parallel.pipeline_stages={layout.pipeline}: a stage does "
+             "not carry its MoE layers' router losses to the last stage's loss (the load balancing would go "
+             "untrained); use parallel.pipeline_stages=1 and split the experts with parallel.expert_parallel")
     if ep == 1:
         return
     if not experts:
@@ -227,15 +236,6 @@ def _check_expert_parallel(cfg: RunConfig, shape, layout: Layout) -> None:
     if cfg.parallel.zero_stage in why:
         fail(f"parallel.expert_parallel={ep} needs ZeRO-1 or ZeRO-2, not ZeRO-{cfg.parallel.zero_stage}: "
              f"{why[cfg.parallel.zero_stage]}; use parallel.zero_stage=1 or 2")
-    if layout.tensor > 1:
-        fail(f"parallel.expert_parallel={ep} with tensor_parallel={layout.tensor} is not supported: the MoE block "
-             "is not split over the TP group, and DeepSpeed's expert groups would take its TP ranks for "
-             "data-parallel copies of the experts; use parallel.tensor_parallel=1 with expert parallelism")
-    if layout.pipeline > 1:
-        fail(f"parallel.expert_parallel={ep} with pipeline_stages={layout.pipeline} is not supported: DeepSpeed's "
-             "MoE step needs experts on every stage (a stage without them hangs the step) and its pipeline MoE "
-             "checkpoints keep no layer files to reshape or export; use parallel.pipeline_stages=1 with "
-             "expert parallelism")
 
 
 def gpus_per_node_from_env() -> int | None:

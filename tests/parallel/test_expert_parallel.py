@@ -170,9 +170,11 @@ def test_a_rank_starts_with_its_own_experts_of_the_whole_model(tmp_path):
     ({"model.shape": "tiny-moe", "parallel.expert_parallel": 2, "parallel.zero_stage": 0}, 2, "not ZeRO-0"),
     ({"model.shape": "tiny-moe", "parallel.expert_parallel": 2, "parallel.zero_stage": 3}, 2, "not ZeRO-3"),
     ({"model.shape": "tiny-moe", "parallel.expert_parallel": 2, "parallel.tensor_parallel": 2}, 4,
-     "with tensor_parallel=2 is not supported"),
+     "has experts and parallel.tensor_parallel=2"),
+    ({"model.shape": "tiny-moe", "parallel.tensor_parallel": 2}, 2, "has experts and parallel.tensor_parallel=2"),
     ({"model.shape": "tiny-moe", "parallel.expert_parallel": 2, "parallel.pipeline_stages": 2}, 4,
-     "with pipeline_stages=2 is not supported"),
+     "has experts and parallel.pipeline_stages=2"),
+    ({"model.shape": "tiny-moe", "parallel.pipeline_stages": 2}, 2, "has experts and parallel.pipeline_stages=2"),
 ])
 def test_unsupported_expert_parallel_layouts_are_refused(sets, world, expected, tmp_path):
     from llmjp_ds.config import build_config

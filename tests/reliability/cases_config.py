@@ -152,12 +152,14 @@ CASES: list[Case] = [
            *EP),
          ("DeepSpeed's ZeRO-2 reduces the expert gradients of an MoE model only with contiguous_gradients and "
           "reduce_scatter",), env={"WORLD_SIZE": "2"}),
-    Case("ep-with-tensor-parallel", T("parallel.expert_parallel=2", "parallel.tensor_parallel=2", *EP),
-         ("parallel.expert_parallel=2 with tensor_parallel=2 is not supported",
-          "use parallel.tensor_parallel=1 with expert parallelism"), env={"WORLD_SIZE": "4"}),
-    Case("ep-with-pipeline", T("parallel.expert_parallel=2", "parallel.pipeline_stages=2", *EP),
-         ("parallel.expert_parallel=2 with pipeline_stages=2 is not supported",
-          "use parallel.pipeline_stages=1 with expert parallelism"), env={"WORLD_SIZE": "4"}),
+    Case("moe-with-tensor-parallel", T("parallel.tensor_parallel=2", *EP),
+         ("model.shape tiny-moe has experts and parallel.tensor_parallel=2",
+          "use parallel.tensor_parallel=1 and split the experts with parallel.expert_parallel"),
+         env={"WORLD_SIZE": "2"}),
+    Case("moe-with-pipeline", T("parallel.expert_parallel=2", "parallel.pipeline_stages=2", *EP),
+         ("model.shape tiny-moe has experts and parallel.pipeline_stages=2",
+          "use parallel.pipeline_stages=1 and split the experts with parallel.expert_parallel"),
+         env={"WORLD_SIZE": "4"}),
 ]
 
 

@@ -212,8 +212,8 @@ def _check_expert_parallel(cfg: RunConfig, shape, layout: Layout) -> None:
     pipeline, which the MoE block is not built for."""
     ep, experts = layout.expert, shape.num_experts
     if experts and layout.tensor > 1:
-        fail(f"model.shape {cfg.model.shape} has experts and parallel.tensor_parallel={layout.tensor}: the MoE block is "
-             "not split over the TP group (its weights would drift apart over sequence-parallel shards); use "
+        fail(f"model.shape {cfg.model.shape} has experts and parallel.tensor_parallel={layout.tensor}: the MoE block "
+             "is not split over the TP group (its weights would drift apart over sequence-parallel shards); use "
              "parallel.tensor_parallel=1 and split the experts with parallel.expert_parallel")
     if experts and layout.pipeline > 1:
         fail(f"model.shape {cfg.model.shape} has experts and parallel.pipeline_stages={layout.pipeline}: a stage does "

@@ -18,6 +18,7 @@ import pytest
 
 from benchmarks.parity import __main__ as harness
 from benchmarks.parity import moe
+from llmjp_ds.config import load_config
 from tests.test_parity_report import CORPORA, MLM, megatron_lrs, megatron_reads, ours_lrs, pretrain_args, sets_of
 
 WORK = Path("/w")
@@ -66,8 +67,6 @@ def moe_reads(argv: list[str]) -> argparse.Namespace:
 
 
 def ours_config(cmd: list[str]):
-    from llmjp_ds.config import load_config
-
     return load_config(None, sets_of(cmd), cmd[cmd.index("--preset") + 1])
 
 
@@ -150,8 +149,25 @@ def moe_disagreements(commands: dict[str, list[str]]) -> list[str]:
     flip = a1.exit_interval
     if [p[:2] for p in phases] != [("bf16", 1), ("fp8", flip + 1)] or phases[1][2:] != (
             fa.fp8_recipe, fa.fp8, fa.fp8_amax_history_len, fa.fp8_amax_compute_algo, 0) \
-            or {n for n, r in runs.items() if r.fp8} != {"M-FA", "M-FB"}:
+            or {n for n, r in runs.items() if r.fp8} != {"M-FA", "M-FB", "M-FAu"}:
         out.append("the FP8 flip")
+    # the FP8 half from A's checkpoint: Megatron's unfused restart of it, and ours importing it and continuing in FP8
+    # with the flip's phases (the import's run config, then the continuation's own settings on it)
+    load, cont = commands["import-moe"], commands["ours-moe-fp8-a"]
+    imported = ours_config(load)
+    continued = load_config(None, sets_of(load) + sets_of(cont), load[load.index("--preset") + 1])
+    run = load[load.index("--run") + 1]
+
+    def besides_start(cfg):
+        data = besides_precision(cfg)
+        data["model"].pop("init_from_hf")
+        return data
+
+    if besides_start(imported) != besides_start(ours) or load[load.index("--load") + 1] != a1.save \
+            or runs["M-FAu"].load != a1.save or cont[cont.index("--config") + 1] != f"{run}/config.yaml" \
+            or f"run_dir={run}" not in sets_of(cont) or continued.precision != ours_fp8.precision \
+            or imported.precision.phases[1:]:
+        out.append("the FP8 half from A's checkpoint")
     for x in "AB":  # the continuation and the FP8 half load the first half's checkpoint; the loads in every BF16 run
         first, second, fp8 = runs[f"M-{x}1"], runs[f"M-{x}2"], runs[f"M-F{x}"]
         if not (first.finetune and first.load == str(WORK / "init-moe-megatron") and first.save == second.load
@@ -187,6 +203,11 @@ def test_the_moe_runs_say_the_same_to_both_stacks():
     ("M-FB", ["--load", "/w/megatron-moe-a"], "M-B's checkpoint"),
     ("M-A2", ["--no-save-optim"], "M-A's checkpoint"),  # Megatron then loads no optimizer either: the resume fails
     ("M-B1", ["--moe-router-fusion"], "Megatron-Core's MoE kernels"),
+    ("M-FAu", ["--moe-router-fusion"], "Megatron-Core's MoE kernels"),
+    ("M-FAu", ["--load", "/w/megatron-moe-b"], "the FP8 half from A's checkpoint"),
+    ("import-moe", ["--set", "model.moe_aux_loss_coeff=0.001"], "the FP8 half from A's checkpoint"),
+    ("ours-moe-fp8-a", ["--set", "precision.phases=[{precision: bf16}, {precision: fp8, start_step: 150}]"],
+     "the FP8 half from A's checkpoint"),
 ])
 def test_an_moe_run_that_says_otherwise_is_caught(name, change, names):
     commands = moe_commands()
@@ -194,21 +215,28 @@ def test_an_moe_run_that_says_otherwise_is_caught(name, change, names):
     assert any(d.startswith(names) for d in moe_disagreements(commands))
 
 
-def test_the_moe_plan_fits_one_device_call():
-    """Eight runs: A's and B's first halves and both of ours from the initial weights, each second half and FP8
-    half after its first half. The six that run at once fit the H200 beside each other, and the longer of the two
-    chains ends within the budget a 570 s call leaves (parity.sh: 30 s less, and ~90 s to prepare the blend and the
-    initial weights, neither yet measured with the MoE)."""
+def test_each_call_of_the_moe_plan_fits_one_device_call():
+    """The first call's eight runs: A's and B's first halves and both of ours from the initial weights, each second
+    half and FP8 half after its first half; the second call's: A's first half, then its FP8 restarts and our import
+    of its checkpoint, our FP8 half after the import. The runs that share the GPU at once fit the H200 beside each
+    other, and the longest chain ends within the budget a 570 s call leaves (parity.sh: 30 s less, and ~90 s to
+    prepare the blend and the initial weights). Without --only, --moe runs the first call's."""
     made = moe.moe_jobs(moe.MOE.setup, WORK, WORK / "runs", MLM, CORPORA, "/w/t.model")
     after = {job.name: job.after for job in made}
     assert after == {"M-A1": (), "M-B1": (), "ours-moe": (), "ours-moe-fp8": (), "M-A2": ("M-A1",),
-                     "M-FA": ("M-A1",), "M-B2": ("M-B1",), "M-FB": ("M-B1",)}
+                     "M-FA": ("M-A1",), "M-B2": ("M-B1",), "M-FB": ("M-B1",), "M-FAu": ("M-A1",),
+                     "import-moe": ("M-A1",), "ours-moe-fp8-a": ("import-moe",)}
+    assert set(moe.CALLS[0]) | set(moe.CALLS[1]) == set(after) and all(
+        d in call for call in moe.CALLS for n in call for d in after[n])
     est = {job.name: job.estimate_s for job in made}
     assert max(est["M-A1"] + max(est["M-A2"], est["M-FA"]), est["ours-moe"], est["ours-moe-fp8"]) + 90 <= 540
+    assert est["M-A1"] + max(est["M-FA"], est["M-FAu"], est["import-moe"] + est["ours-moe-fp8-a"]) + 90 <= 540
     gib = {job.name: job.gib for job in made}
     assert sum(gib[n] for n in ("M-A2", "M-FA", "M-B2", "M-FB", "ours-moe", "ours-moe-fp8")) <= 132
+    assert sum(gib[n] for n in moe.CALLS[1]) <= 132
     processes = {p for _, parts in moe.MEGATRON_RUNS for p in parts}
-    assert processes == {n for n in after if n.startswith("M-")} and set(moe.OURS_RUNS) == set(after) - processes
+    assert processes == {n for n in after if n.startswith("M-")}
+    assert set(moe.OURS_RUNS) == set(after) - processes - {"import-moe"}
     assert all(["rm", "-rf", str(WORK / moe.SAVES[n])] in job.before for job in made for n in (job.name,)
                if n in moe.SAVES)
 
@@ -285,12 +313,15 @@ def stood_in(off: int = 0, tail_off: int = 0) -> dict[str, dict[int, dict]]:
     return {"megatron-moe-a": run(whole, none, none), "megatron-moe-b": run(whole, odd, lambda s: 1),
             "ours-moe": run(whole, fourth, lambda s: int(s % 20 == 0), ours=True),
             "megatron-moe-fa": run(half, none, none), "megatron-moe-fb": run(half, odd, lambda s: 1),
-            "ours-moe-fp8": run(half, fourth, lambda s: int(s % 20 == 0), ours=True)}
+            "ours-moe-fp8": run(half, fourth, lambda s: int(s % 20 == 0), ours=True),
+            "megatron-moe-fau": run(half, odd, lambda s: 1),
+            "ours-moe-fp8-a": run(half, fourth, lambda s: int(s % 20 == 0), ours=True)}
 
 
 # each Megatron process's curve and the steps it runs (None: all of its curve's)
 PROCESSES = {"M-A1": ("megatron-moe-a", True), "M-A2": ("megatron-moe-a", False), "M-B1": ("megatron-moe-b", True),
-             "M-B2": ("megatron-moe-b", False), "M-FA": ("megatron-moe-fa", None), "M-FB": ("megatron-moe-fb", None)}
+             "M-B2": ("megatron-moe-b", False), "M-FA": ("megatron-moe-fa", None), "M-FB": ("megatron-moe-fb", None),
+             "M-FAu": ("megatron-moe-fau", None)}
 
 
 def stood_in_moe(real, values, fail=()):
@@ -330,8 +361,10 @@ def stood_in_moe(real, values, fail=()):
                 curve = {s: v for s, v in values[name].items() if first is None or (s <= setup.flip) == first}
                 records = "--save-tokens-per-expert-interval" in job.cmd
                 cmds[job.name] = prints(curve, job.cmd[job.cmd.index("--save") + 1] if records else None)
-            else:
+            elif job.name in values:
                 cmds[job.name] = writes(runs / job.name, values[job.name])
+            else:  # the import: ours-moe-fp8-a's run directory is its own
+                cmds[job.name] = [sys.executable, "-c", ""]
         return [dataclasses.replace(job, cmd=[sys.executable, "-c", "raise SystemExit(3)"] if job.name in fail
                                     else cmds[job.name], estimate_s=1) for job in made]
 
@@ -396,6 +429,35 @@ def test_the_moe_call_reports_each_row_beside_its_spread(moe_harness, tmp_path):
         (tmp_path / "call" / "summary-parity.md").read_text().split("\n- ")[0].rstrip()
     summary = (tmp_path / "call" / "summary-parity.md").read_text()
     assert "| run | loss / grad norm / load-balancing loss at step 1 | 2 | 151 | 152 |" in summary
+    assert "- M-FB: done" in summary and "M-FAu" not in summary  # the second call's runs: not without --only
+    assert rows[FP8_A_LOSS][0] == "not run"
+
+
+FP8_A_LOSS = "MoE FP8 from A's checkpoint: LM loss"
+
+
+def test_the_second_moe_call_reports_the_fp8_half_from_as_checkpoint(moe_harness, tmp_path):
+    """--only with the second call's runs: the FP8 half from A's checkpoint, ours against FA beside FAu (ours off on
+    25 of the last 100 steps, FAu on 50), the first call's rows not run; the two calls' curves together give every
+    row."""
+    import tarfile
+
+    code, rows = moe_harness("second", "--only", ",".join(moe.CALLS[1]))
+    assert code == 0
+    assert rows[FP8_A_LOSS] == ["0.0078", "0.0156", "0.50", tail(2, "megatron-moe-fa"), tail(5, "megatron-moe-fa"),
+                                "yes"]
+    assert rows[BF16_LOSS][0] == rows[FP8_LOSS][0] == "not run"
+    assert (tmp_path / "second" / "parity-moe-fp8-a.png").read_bytes()[:4] == b"\x89PNG"
+    code, rows = moe_harness("strays", "--only", ",".join(moe.CALLS[1]), values=stood_in(off=2))
+    assert rows[FP8_A_LOSS][2:] == ["4.50", tail(2 * 10 + 2, "megatron-moe-fa"), tail(5, "megatron-moe-fa"), "NO"]
+    code, _ = moe_harness("first")
+    for call in ("first", "second"):
+        with tarfile.open(tmp_path / call / "parity-curves.tgz") as tar:
+            tar.extractall(tmp_path / "unpacked" / call, filter="data")
+    assert harness.main(["--report-from", str(tmp_path / "unpacked" / "first"), str(tmp_path / "unpacked" / "second"),
+                         "--moe", "--out", str(tmp_path / "both")]) == 0
+    both = (tmp_path / "both" / "summary-parity.md").read_text()
+    assert "not run" not in both and both.count("| yes |") == 10
 
 
 def test_an_moe_gap_over_the_spread_or_off_at_the_end_fails_its_row(moe_harness):

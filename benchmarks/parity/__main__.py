@@ -33,14 +33,15 @@ import-w    ``llmjp-ds import-megatron`` of W-A1's checkpoint; ``branch``: ``llm
 ==========  =====================================================================================
 
 ``--moe`` trains a small mixture of experts instead (benchmarks/parity/moe.py: Megatron-LM's A and B, each saved at
-the flip and resumed, and its FP8 restarts from both checkpoints, beside ``ours-moe`` and ``ours-moe-fp8``; the LM
-loss, the router's losses and the per-expert loads).
+the flip and resumed, and its FP8 restarts from both checkpoints, beside ``ours-moe`` and ``ours-moe-fp8``; in a
+second call its FP8 half from A's checkpoint, fused and not, beside ours importing that checkpoint; the LM loss, the
+router's losses and the per-expert loads).
 
 ``--report-from DIR ...`` trains nothing and reports on earlier calls' curves. Writes to ``--out``:
 ``summary-parity.md`` (the gaps, each against its spread, and the first steps),
 ``parity-bf16.png``, ``parity-fp8.png``, ``parity-roundtrip.png``, ``parity-wsd.png``, ``parity-decay.png``
 (``llmjp-ds plot --beside``; with ``--moe`` ``parity-moe-bf16.png``, ``parity-moe-fp8.png``,
-``parity-moe-router.png``),
+``parity-moe-fp8-a.png``, ``parity-moe-router.png``),
 ``parity-curves.tgz`` (each run's per-step loss, grad norm, lr and validation loss as JSONL, Megatron's log lines
 they come from, and the tail of every log), and ``megatron-fixtures.tgz`` (benchmarks/parity/fixtures.py's tiny
 checkpoints, written by Megatron-LM beside the runs).
@@ -373,7 +374,8 @@ def main(argv=None) -> int:
     p.add_argument("--only", help="these runs alone, comma-separated (e.g. B,ours), each with the runs it follows")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--moe", action="store_true", help="the MoE check's runs (M-A1, M-B1, ours-moe, ours-moe-fp8, "
-                      "M-A2, M-FA, M-B2, M-FB: benchmarks/parity/moe.py) instead; defaults: 300 steps of 4 sequences "
+                      "M-A2, M-FA, M-B2, M-FB; with --only M-A1,M-FA,M-FAu,import-moe,ours-moe-fp8-a the FP8 half from "
+                      "A's checkpoint: benchmarks/parity/moe.py) instead; defaults: 300 steps of 4 sequences "
                       "of 2048, the flip at 150 (spec.MoE); with --report-from, their report")
     mode.add_argument("--recipe", action="store_true", help="LLM-jp-4's recipe's runs (W-A1, W-A2, W-B, ours-wsd, D1, "
                    "D2, import-w, branch, ours-decay) instead of the BF16 and FP8 ones; --lr applies to them, --steps, "
@@ -414,7 +416,7 @@ def main(argv=None) -> int:
         pool = recipe_jobs(setup, recipe, a.work, a.runs, a.megatron_lm.resolve(), blend, a.tokenizer)
     else:
         pool = jobs(setup, a.work, a.runs, a.megatron_lm.resolve(), blend, a.tokenizer)
-    only = a.only.split(",") if a.only else [j.name for j in pool]
+    only = a.only.split(",") if a.only else list(moe.CALLS[0]) if a.moe else [j.name for j in pool]
     unknown = [name for name in only if name not in {j.name for j in pool}]
     if unknown:
         flag = "--recipe" if a.recipe else "--moe" if a.moe else None

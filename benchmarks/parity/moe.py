@@ -12,7 +12,14 @@ ours-moe      llmjp-ds, BF16, 1..end uninterrupted, against A
 M-FA, M-FB    Megatron-LM restarted in FP8 (delayed, hybrid) from M-A1's and from M-B1's checkpoint: FA is the
               FP8 reference; FB (unfused, as B) against it is the spread of an FP8 half after B's BF16 half
 ours-moe-fp8  llmjp-ds flipping to FP8 at step flip + 1 in one run (its BF16 half its own), against FA
+M-FAu         Megatron-LM restarted in FP8 from M-A1's checkpoint without its MoE fusions: against FA, the spread
+              of an FP8 half from the same weights
+import-moe,   ``llmjp-ds import-megatron`` of M-A1's checkpoint (weights, Adam's moments, the data position), then
+ours-moe-fp8-a  ``llmjp-ds train`` continuing it in FP8 from step flip + 1, against FA: the FP8 half alone, as the
+              dense check's ours-fp8 (FA, FAu and it enter FP8 from the same weights and optimizer state)
 ============  ====================================================================================
+
+The first eight fit one call; M-A1, M-FA, M-FAu, import-moe and ours-moe-fp8-a another (:data:`CALLS`).
 
 Each row (:data:`ROWS`) puts ours against its reference beside Megatron against itself: the LM loss (the mean
 |difference| over the last 100 steps at most 1.5 times the spread's, and the last 10 steps' means within 0.3 %:
@@ -37,9 +44,12 @@ from benchmarks.parity.spec import MoE, Setup, megatron_args, ours_sets
 
 MOE = MoE()
 MEGATRON_RUNS = (("megatron-moe-a", ("M-A1", "M-A2")), ("megatron-moe-b", ("M-B1", "M-B2")),
-                 ("megatron-moe-fa", ("M-FA",)), ("megatron-moe-fb", ("M-FB",)))
-OURS_RUNS = ("ours-moe", "ours-moe-fp8")
-UNFUSED = ("M-B1", "M-B2", "M-FB")  # B's runs: without Megatron's MoE fusions (FUSIONS)
+                 ("megatron-moe-fa", ("M-FA",)), ("megatron-moe-fb", ("M-FB",)), ("megatron-moe-fau", ("M-FAu",)))
+OURS_RUNS = ("ours-moe", "ours-moe-fp8", "ours-moe-fp8-a")
+UNFUSED = ("M-B1", "M-B2", "M-FB", "M-FAu")  # B's runs and FAu: without Megatron's MoE fusions (FUSIONS)
+# the runs of each device call (``--only``): the BF16 comparison and the flip in one run; the FP8 half from A's weights
+CALLS = (("M-A1", "M-B1", "ours-moe", "ours-moe-fp8", "M-A2", "M-FA", "M-B2", "M-FB"),
+         ("M-A1", "M-FA", "M-FAu", "import-moe", "ours-moe-fp8-a"))
 FUSIONS = ("--moe-router-fusion", "--moe-permute-fusion")
 FROM_INIT = ("M-A1", "M-B1")  # the others start after the flip
 # each BF16 Megatron process's --save (A1's and B1's: their checkpoints), under which it records the experts' loads
@@ -53,15 +63,17 @@ ROWS = tuple((f"MoE {mode}: {what}", ours, ref, spread, key, key == "loss")
                                ("router z-loss", "moe_z_loss"))
              for mode, ours, ref, spread in (
                  ("BF16, 1..end", "ours-moe", "megatron-moe-a", "megatron-moe-b"),
-                 ("FP8 from the flip", "ours-moe-fp8", "megatron-moe-fa", "megatron-moe-fb")))
+                 ("FP8 from the flip", "ours-moe-fp8", "megatron-moe-fa", "megatron-moe-fb"),
+                 ("FP8 from A's checkpoint", "ours-moe-fp8-a", "megatron-moe-fa", "megatron-moe-fau")))
 LOAD_ROW = ("MoE BF16, 1..end: per-expert load (distance of each layer's shares)", "ours-moe", "megatron-moe-a",
             "megatron-moe-b")
 FIGURES = (("parity-moe-bf16.png", "ours-moe", ("megatron-moe-a", "megatron-moe-b")),
-           ("parity-moe-fp8.png", "ours-moe-fp8", ("megatron-moe-fa", "megatron-moe-fb")))
+           ("parity-moe-fp8.png", "ours-moe-fp8", ("megatron-moe-fa", "megatron-moe-fb")),
+           ("parity-moe-fp8-a.png", "ours-moe-fp8-a", ("megatron-moe-fa", "megatron-moe-fau")))
 
 
 def moe_jobs(setup: Setup, work: Path, runs: Path, mlm: Path, blend, tokenizer: str, moe: MoE = MOE) -> list[Job]:
-    """The eight runs, each from the initial weights in ``work/init-moe-*`` (``benchmarks.parity.init --shape``)
+    """The runs, each from the initial weights in ``work/init-moe-*`` (``benchmarks.parity.init --shape``)
     or from its predecessor's checkpoint; a directory an earlier call left in ``work`` is emptied first (Megatron
     appends the loads it records, and a checkpoint there is not this call's)."""
     from llmjp_ds.model.shapes import model_config
@@ -99,12 +111,22 @@ def moe_jobs(setup: Setup, work: Path, runs: Path, mlm: Path, blend, tokenizer: 
                 Job(f"M-F{x}", megatron(f"M-F{x}", ckpt, fp8=True), after=(first,), gib=GIB,
                     estimate_s=seconds(rest))]
     a1, a2, fa, b1, b2, fb = out
+    imported, ckpt = runs / "ours-moe-fp8-a", saves["M-A1"]
+    fp8_phase = ours_sets(setup, blend, tokenizer, "", None, setup.flip, moe=moe)[-2:]
+    from_a = [Job("M-FAu", megatron("M-FAu", ckpt, fp8=True), after=("M-A1",), gib=GIB, estimate_s=seconds(rest)),
+              Job("import-moe", [sys.executable, "-m", "llmjp_ds.cli", "import-megatron", "--load", str(ckpt),
+                                 "--run", str(imported), "--preset", "llmjp3-1.8b",
+                                 *ours_sets(setup, blend, tokenizer, str(work / "cache" / "ours-moe-fp8-a"), None,
+                                            moe=moe)], after=("M-A1",), gib=0, estimate_s=60, before=fresh(imported)),
+              Job("ours-moe-fp8-a", [sys.executable, "-m", "llmjp_ds.train", "--config", str(imported / "config.yaml"),
+                                     "--set", f"run_dir={imported}", *fp8_phase], after=("import-moe",), gib=GIB,
+                  estimate_s=seconds(rest))]
     return [a1, b1,
             Job("ours-moe", ours("ours-moe"), gib=GIB, estimate_s=seconds(setup.steps),
                 before=fresh(runs / "ours-moe")),
             Job("ours-moe-fp8", ours("ours-moe-fp8", setup.flip), gib=GIB, estimate_s=seconds(setup.steps),
                 before=fresh(runs / "ours-moe-fp8")),
-            a2, fa, b2, fb]
+            a2, fa, b2, fb, *from_a]
 
 
 def expert_load_lines(work: Path, parts) -> list[str]:
@@ -189,7 +211,8 @@ NOTE = ("Both stacks log the router's losses without their coefficients (aux 1e-
 def report(setup: Setup, calls: list[dict[str, Path]], out: Path, moe: MoE = MOE) -> str:
     """The MoE check's summary from the sources of one call or several (a row's three runs from one call where a
     call has them all; every MoE run starts from the initial weights, so any call's serves): the rows, the first
-    steps of each run, and the figures (parity-moe-bf16.png, parity-moe-fp8.png and parity-moe-router.png)."""
+    steps of each run, and the figures (parity-moe-bf16.png, parity-moe-fp8.png, parity-moe-fp8-a.png and
+    parity-moe-router.png)."""
     from llmjp_ds.metrics.curves import megatron_unmixed, read_curve
     from llmjp_ds.metrics.plot import plot_run
 
@@ -243,7 +266,7 @@ def router_figure(curves: dict[str, dict], loads: dict[str, dict], path: Path) -
     fig = Figure(figsize=(12, 8), layout="constrained")
     FigureCanvasAgg(fig)
     (aux, z), (scatter, distance) = fig.subplots(2, 2)
-    fp8 = {FIGURES[1][1], *FIGURES[1][2]}
+    fp8 = {name for _, ours, beside in FIGURES[1:] for name in (ours, *beside)}
     for name, curve in curves.items():
         style = "--" if name in fp8 else "-"
         for ax, key in ((aux, "moe_aux_loss"), (z, "moe_z_loss")):

@@ -16,6 +16,8 @@
 # and resumed, and its FP8 restarts from both checkpoints, beside ours in BF16 and ours flipping to FP8 at 151; up
 # to six runs share the GPU. One call, 8.5 minutes (run AJ):
 #   BUDGET_S=570 bash benchmarks/device/run.sh parity --no-fixtures --moe
+# and the FP8 half alone, from A's checkpoint: Megatron's FP8 restart fused and not, ours importing that checkpoint
+#   BUDGET_S=570 bash benchmarks/device/run.sh parity --no-fixtures --moe --only M-A1,M-FA,M-FAu,import-moe,ours-moe-fp8-a
 # the device kit's megatron-core wheel ships its compiled dataset helpers but not the Makefile pretrain_gpt.py runs
 # make with on rank 0: an empty one there (a Megatron-LM checkout has its own)
 site=$(python -c 'import megatron.core.datasets as d, os; print(os.path.dirname(d.__file__))' 2>/dev/null)
@@ -28,4 +30,4 @@ rc=$?
 dry || sed -n '/^| comparison/,/^$/p' "$OUT/summary-parity.md" 2>/dev/null | note
 verdict parity "$rc" "(the gaps and the figures in \$OUT/summary-parity.md, parity-bf16.png, -fp8.png, \
 -roundtrip.png; with --recipe parity-wsd.png, -decay.png; with --moe parity-moe-bf16.png, -moe-fp8.png, \
--moe-router.png)"
+-moe-fp8-a.png, -moe-router.png)"

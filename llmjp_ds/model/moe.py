@@ -172,6 +172,30 @@ class MoEBlock(nn.Module):
         return self._L.unpermute_tokens(out, rows).view(shape)
 
 
+class _RouterLossGrad(torch.autograd.Function):
+    """``hidden`` unchanged; its backward also gives ``loss`` the gradient ``scale`` (Megatron-Core's
+    ``MoEAuxLossAutoScaler``)."""
+
+    @staticmethod
+    def forward(ctx, hidden, loss, scale: float):
+        ctx.save_for_backward(loss)
+        ctx.scale = scale
+        return hidden
+
+    @staticmethod
+    def backward(ctx, grad):
+        (loss,) = ctx.saved_tensors
+        return grad, torch.full_like(loss, ctx.scale), None
+
+
+def with_router_loss(hidden: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
+    """``hidden``, carrying the router ``loss`` of the block that made it into the backward: the gradient the loss
+    gets is ``scale``, what it would get as a term of the training loss (its scale in a fault drill over the
+    micro-batches of the step). A pipeline stage's MoE layers train their routers so, where their losses cannot be
+    added to the last stage's loss."""
+    return _RouterLossGrad.apply(hidden, loss, scale)
+
+
 class Router(nn.Module):
     """``weight [E, h]``; the logits ``[T, E]`` in fp32 whatever the weights' dtype (``--moe-router-dtype fp32``).
     Replicated on every rank (a dense parameter)."""

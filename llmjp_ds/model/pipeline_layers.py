@@ -17,8 +17,9 @@ import torch.distributed as dist
 from llmjp_ds.model.flops import layer_and_logits_flops_for
 from llmjp_ds.model.llama import DecoderLayer, Embedding, FinalNormHead, head_dim_of, rope_freqs, sequence_length
 from llmjp_ds.model.loss import CausalLMLoss
+from llmjp_ds.model.moe import with_router_loss
 from llmjp_ds.model.options import ModelOptions
-from llmjp_ds.model.shapes import rope_theta
+from llmjp_ds.model.shapes import moe_layers, rope_theta
 
 
 class EmbeddingPipe(Embedding):
@@ -27,13 +28,23 @@ class EmbeddingPipe(Embedding):
 
 
 class DecoderLayerPipe(DecoderLayer):
+    """A decoder layer of a stage. An MoE layer's router losses reach the training loss through its output's
+    backward (:func:`~llmjp_ds.model.moe.with_router_loss`, the gradient ``router_loss_scale``, which the step runner
+    sets); ``moe_index`` is its place among the model's MoE layers (None for a dense layer)."""
+
     def __init__(self, config, layer_idx, backend, params_dtype=None, tp=None, options=ModelOptions(), ep=None):
         super().__init__(config, layer_idx, backend, params_dtype, tp, options, ep)
         self.head_dim, self.theta = head_dim_of(config), rope_theta(config)
+        moe = moe_layers(config)
+        self.moe_index = moe.index(layer_idx) if layer_idx in moe else None
+        self.router_loss_scale = 1.0
 
     def forward(self, hidden):
         positions = torch.arange(sequence_length(hidden, self.tp), device=hidden.device)
-        return super().forward(hidden, rope_freqs(positions, self.head_dim, self.theta))
+        out = super().forward(hidden, rope_freqs(positions, self.head_dim, self.theta))
+        if self.moe_index is not None and self.training:
+            out = with_router_loss(out, self.moe.routed.loss, self.router_loss_scale)
+        return out
 
 
 class FinalNormHeadPipe(FinalNormHead):

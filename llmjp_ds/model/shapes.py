@@ -191,6 +191,11 @@ def is_moe_layer(config, layer_idx: int) -> bool:
         (layer_idx + 1) % (getattr(config, "decoder_sparse_step", 1) or 1) == 0
 
 
+def moe_layers(config) -> list[int]:
+    """The indices of the decoder layers that are mixtures of experts (:func:`is_moe_layer`), in order."""
+    return [i for i in range(config.num_hidden_layers) if is_moe_layer(config, i)]
+
+
 def rope_theta(config) -> float:
     params = getattr(config, "rope_parameters", None) or {}
     return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))

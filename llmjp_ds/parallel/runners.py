@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from llmjp_ds.parallel.context import ParallelContext
-from llmjp_ds.parallel.deepspeed_internals import overflow_notices_held, release_notices, set_stage_forward_context
+from llmjp_ds.parallel.deepspeed_internals import (local_layers, overflow_notices_held, release_notices,
+                                                   set_stage_forward_context)
 
 
 def _no_watchdog(phase: str) -> None:
@@ -155,18 +156,38 @@ class EngineRunner(StepRunner):
 
 
 class PipelineRunner(StepRunner):
-    def __init__(self, engine, precision, ctx: ParallelContext, loss, beat=_no_watchdog):
+    """``moe``: an MoE model's ``(MoE layers, experts)``, or None. Each stage trains its MoE layers' routers through
+    their outputs' backward (``model/pipeline_layers.DecoderLayerPipe``, each given the gradient its router losses
+    would get as a term of the step's loss) and adds up what they routed after each forward of a micro-batch; the
+    step's :class:`Routing` is the sum over the stages and data-parallel ranks."""
+
+    def __init__(self, engine, precision, ctx: ParallelContext, loss, beat=_no_watchdog, moe=None):
         super().__init__(engine, precision, ctx, beat)
-        self.loss = loss
+        self.loss, self.moe = loss, moe
+        self.moe_layers = [layer for _, layer in local_layers(engine.module)
+                           if getattr(layer, "moe_index", None) is not None]
+        self.routed = None
         set_stage_forward_context(engine, self._micro_batch)
 
     def _micro_batch(self):
         """The stage's forward of one micro-batch; after it the stage's 1F1B schedule goes on to backward work."""
         self.beat("forward")
-        return _BeatOnExit(self.precision.micro_batch(), lambda: self.beat("backward"))
+        return _BeatOnExit(self.precision.micro_batch(), self._after_forward)
+
+    def _after_forward(self):
+        if self.routed is not None and self.engine.module.training:
+            for layer in self.moe_layers:  # [aux, z, dropped, the loads of every MoE layer ...]
+                r = layer.moe.routed
+                self.routed[:3] += torch.stack([r.aux_loss, r.z_loss, r.dropped.float()]).float()
+                self.routed[3:].view(self.moe)[layer.moe_index] += r.tokens_per_expert.float()
+        self.beat("backward")
 
     def train_step(self, batches, gate=None, loss_scale: float = 1.0, grad_scale: float = 1.0) -> StepResult:
         self.loss.reset(len(batches), gate, self.ctx, loss_scale, grad_scale)
+        if self.moe is not None:
+            self.routed = torch.zeros(3 + self.moe[0] * self.moe[1], device=self.ctx.device)
+            for layer in self.moe_layers:  # DeepSpeed divides the last stage's loss by the micro-batches
+                layer.router_loss_scale = loss_scale * grad_scale / len(batches)
         with _held_if(gate) as held:
             self.engine.train_batch(data_iter=iter(batches))
         parts = torch.zeros(3, device=self.ctx.device)
@@ -175,7 +196,12 @@ class PipelineRunner(StepRunner):
                                       torch.as_tensor(self.loss.z_loss_sum, device=self.ctx.device)]).float()
             parts[:2] /= self.loss.micro_batches * self.ctx.loss_copies
             parts[2] = float(self.loss.skipped)  # the gate ran on the last stage: every rank learns its answer
-        return StepResult(self.ctx.all_reduce(parts), self.engine, held=tuple(held))
+        routing = loads = None
+        if self.moe is not None:  # the losses' means over the MoE layers and every rank's micro-batches
+            routed = self.ctx.all_reduce(self.routed)
+            routing = routed[:3] / routed.new_tensor([self.moe[0] * len(batches) * self.ctx.dp_size] * 2 + [1])
+            loads, self.routed = routed[3:].view(self.moe), None
+        return StepResult(self.ctx.all_reduce(parts), self.engine, routing, loads, held=tuple(held))
 
     def eval_loss(self, batches) -> torch.Tensor:
         self.engine.eval()
@@ -206,7 +232,9 @@ class _BeatOnExit:
         return result
 
 
-def make_runner(engine, precision, ctx: ParallelContext, pipeline_loss=None, beat=_no_watchdog) -> StepRunner:
+def make_runner(engine, precision, ctx: ParallelContext, pipeline_loss=None, beat=_no_watchdog,
+                moe=None) -> StepRunner:
+    """``moe``: an MoE model's ``(MoE layers, experts)`` (the pipeline runner sums the stages' routing)."""
     if pipeline_loss is not None:
-        return PipelineRunner(engine, precision, ctx, pipeline_loss, beat)
+        return PipelineRunner(engine, precision, ctx, pipeline_loss, beat, moe)
     return EngineRunner(engine, precision, ctx, beat)

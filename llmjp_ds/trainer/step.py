@@ -12,6 +12,7 @@ from llmjp_ds.config import RunConfig, model_config_of, seq_len_of
 from llmjp_ds.health.drills import with_drills
 from llmjp_ds.model.backend import layers_module, resolve_backend
 from llmjp_ds.model.llama import DecoderLayer
+from llmjp_ds.model.shapes import moe_layers
 from llmjp_ds.optim.adamw import set_lr
 from llmjp_ds.parallel.build import build_model, initialize
 from llmjp_ds.parallel.context import ParallelContext
@@ -51,8 +52,9 @@ class StepEngine:
         precision.attach(self.engine.module, layers, self.model_config.num_hidden_layers, ctx.amax_reduction_group,
                          tensor_parallel=ctx.tp is not None)
         self.watchdog = Watchdog(cfg.parallel.stall_timeout_s, ctx.rank)
-        self.runner = with_drills(make_runner(self.engine, precision, ctx, pipeline_loss, self.watchdog.beat),
-                                  precision)
+        moe = moe_layers(self.model_config)
+        self.runner = with_drills(make_runner(self.engine, precision, ctx, pipeline_loss, self.watchdog.beat,
+                                              (len(moe), self.model_config.num_experts) if moe else None), precision)
 
     def train_step(self, step: int, batches, lr: float, weight_decay: float | None = None, gate=None) -> StepResult:
         """One optimizer step, step ``step`` (numbered from 1), on this rank's ``batches`` with ``lr`` and

@@ -238,6 +238,14 @@ def _final_weights(run_dir) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if not k.endswith("_extra_state")}
 
 
+def _assert_same_final_weights(run_dir, ref_dir, name: str) -> None:
+    ours, theirs = _final_weights(run_dir), _final_weights(ref_dir)
+    assert sorted(ours) == sorted(theirs)
+    worst = max(((ours[k] - theirs[k]).abs().max() / theirs[k].abs().max()).item() for k in theirs)
+    print(f"{name}: final weights' max rel diff {worst:.2e}")
+    assert worst <= WEIGHT_RTOL
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("layout", ["dp4-ep4", "dp4-ep2-zero2"])
@@ -251,11 +259,7 @@ def test_expert_parallel_follows_one_process(layout, ep_runs):
     files = sorted(p.name for p in (checkpoint.checkpoint_dir(run_dir) / tag).glob("layer_*_expert_*"))
     assert files == sorted(f"layer_0_expert_{e}_mp_rank_00_model_states.pt" for e in range(8))
     assert checkpoint.read_marker(run_dir, tag).expert_parallel == int(layout.split("-ep")[1][0])
-    ours, theirs = _final_weights(run_dir), _final_weights(ep_runs["ep1"])
-    assert sorted(ours) == sorted(theirs)
-    worst = max(((ours[k] - theirs[k]).abs().max() / theirs[k].abs().max()).item() for k in theirs)
-    print(f"{layout}: final weights' max rel diff {worst:.2e}")
-    assert worst <= WEIGHT_RTOL
+    _assert_same_final_weights(run_dir, ep_runs["ep1"], layout)
 
 
 @pytest.mark.slow
@@ -270,11 +274,7 @@ def test_a_pipeline_of_moe_layers_follows_one_process(layout, ep_runs):
     _assert_follows(got, ref, layout)
     for key in ("moe_min_load", "moe_least_loaded", "moe_dropped_tokens", "moe_layer_imbalance"):
         assert [r[key] for r in got] == [r[key] for r in ref], key
-    ours, theirs = _final_weights(ep_runs[layout]), _final_weights(ep_runs["ep1"])
-    assert sorted(ours) == sorted(theirs)
-    worst = max(((ours[k] - theirs[k]).abs().max() / theirs[k].abs().max()).item() for k in theirs)
-    print(f"{layout}: final weights' max rel diff {worst:.2e}")
-    assert worst <= WEIGHT_RTOL
+    _assert_same_final_weights(ep_runs[layout], ep_runs["ep1"], layout)
 
 
 @pytest.mark.slow

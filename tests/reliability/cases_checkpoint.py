@@ -87,12 +87,12 @@ CASES: list[Case] = [
          after_start=True),
     Case("latest-unreadable", resume("latest_binary"), ("checkpoints/latest cannot be read",), trains=True),
     # --- settings that cannot change on resume -----------------------------------------------------------------
-    Case("resume-with-another-dtype", resume("base", "precision.dtype=bf16"),
+    Case("resume-with-another-dtype", resume("other_dtype", "precision.dtype=bf16"),
          ('was saved with precision.dtype="fp32" (now "bf16"): resume with the run\'s own settings',),
          trains=True),
-    Case("resume-with-another-seq-len", resume("base", "data.seq_len=16"),
+    Case("resume-with-another-seq-len", resume("other_seq_len", "data.seq_len=16"),
          ('was saved with data.seq_len=32 (now 16): resume with the run\'s own settings',), trains=True),
-    Case("resume-with-another-zero-stage", resume("base", "parallel.zero_stage=2"),
+    Case("resume-with-another-zero-stage", resume("other_zero_stage", "parallel.zero_stage=2"),
          ("was saved on PP1 x DP1 with ZeRO-1; resuming it on PP1 x DP1 (ZeRO-2) works with ZeRO-1 on both sides "
           "only", "parallel.zero_stage=1"), trains=True),
     # --- export ------------------------------------------------------------------------------------------------
@@ -251,6 +251,8 @@ def prepare(ctx) -> None:
     canary = root / "canary.txt"
     canary.write_text("untouched\n")
     _copy(ctx, "base")
+    for name in ("other_dtype", "other_seq_len", "other_zero_stage"):  # each its own: the cases run side by side
+        _copy(ctx, name)
     for name, file, how, edit in (("planted_model", MODEL, "system", "train_state"),
                                   ("planted_optim", OPTIM, "system", "optimizer_state_dict"),
                                   ("planted_extra", MODEL, "system", "extra"),

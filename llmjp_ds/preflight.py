@@ -127,7 +127,7 @@ def memory_line(cfg, layout, gas: int, capacity_gib: float, ranks_per_node: int 
     stages = layout_memory(resolve_shape(cfg.model.shape, cfg.model.overrides), layers, layout.data,
                            cfg.train.micro_batch_size, seq_len_of(cfg, model_config), gas,
                            recompute=cfg.model.recompute, tensor=layout.tensor,
-                           sequence_parallel=sequence_parallel_of(cfg))
+                           sequence_parallel=sequence_parallel_of(cfg), expert=layout.expert)
     busiest = max(stages, key=lambda s: s.total)
     line = describe(busiest, capacity_gib)
     if cfg.checkpoint.async_save:

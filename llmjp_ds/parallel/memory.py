@@ -30,6 +30,14 @@ Activations per layer per micro-batch follow Korthikanti et al. (2022), bf16, in
 - ``full``: ``2 sbh / t`` (the layer's input, a sequence shard under SP), plus one layer recomputed in backward
   as a transient.
 
+A mixture of experts (``shape.num_experts``; every layer but ``shape.dense_layers``): an MoE layer holds its
+attention, its router (``E h``) and its experts (``3 h f`` each, ``f`` the expert width). With expert parallelism
+``e`` a GPU holds ``E / e`` experts of each MoE layer, and DeepSpeed shards their fp32 master weights and moments
+over the expert-data-parallel group (``DP / e`` ranks) where the dense parameters' go over all ``DP``. Its
+activations replace the dense MLP's ``9.5`` tensors of the 34 by each token's ``k`` routed rows: the permuted
+input and the experts' output (``2k``), fc1's and SwiGLU's outputs (``3 k f / h``), and the router's fp32 logits
+and probabilities (``4 E / h``).
+
 Each stage also holds its output ``2 sbh / t`` (sequence-sharded under SP) per micro-batch; under 1F1B stage *i*
 holds ``min(PP - i, GAS)`` micro-batches. The last stage also holds one micro-batch's logits (bf16, their fp32
 copy, fp32 and bf16 gradients: 12 bytes per logit), ``V / t`` of the vocabulary per TP rank. Every GPU gets an
@@ -67,6 +75,7 @@ class StageMemory:
     transient: float  # the layer recomputed in backward, the all-reduce bucket (DP > 1), CUDA context and NCCL
     tensor: int = 1
     recompute: str = "full"
+    expert: int = 1
 
     @property
     def total(self) -> float:
@@ -78,12 +87,31 @@ def _split(n: int, tensor: int) -> int:
     return -(-n // tensor)
 
 
-def layer_params(shape, tensor: int = 1) -> int:
-    """Parameters of one decoder layer of a :class:`~llmjp_ds.model.shapes.ModelShape` on one TP rank (all of
-    them for ``tensor == 1``): its share of the four projections and the MLP, and both RMSNorm weights whole."""
+def _is_moe(shape, index: int) -> bool:
+    return bool(shape.num_experts) and index not in shape.dense_layers
+
+
+def layer_params(shape, tensor: int = 1, index: int = 0, expert: int = 1) -> int:
+    """Parameters of decoder layer ``index`` of a :class:`~llmjp_ds.model.shapes.ModelShape` on one TP rank (all
+    of them for ``tensor == 1``): its share of the four projections and the MLP, and both RMSNorm weights whole
+    (and qk-norm's two per-head weights). An MoE layer's MLP is its router and its ``E / expert`` experts."""
     h, d = shape.hidden_size, shape.head_dim or shape.hidden_size // shape.num_attention_heads
     attention = 2 * h * (shape.num_attention_heads * d) + 2 * h * (shape.num_key_value_heads * d)
-    return _split(attention + 3 * h * shape.ffn_hidden_size, tensor) + 2 * h
+    norms = 2 * h + (2 * d if shape.qk_norm else 0)
+    if _is_moe(shape, index):
+        return attention + shape.num_experts * h + expert_layer_params(shape, expert) + norms
+    return _split(attention + 3 * h * shape.ffn_hidden_size, tensor) + norms
+
+
+def expert_layer_params(shape, expert: int = 1) -> int:
+    """One GPU's expert parameters of one MoE layer: ``E / expert`` experts of ``3 h f`` each."""
+    return shape.num_experts // expert * 3 * shape.hidden_size * shape.moe_ffn_hidden_size
+
+
+def _moe_extra_tensors(shape) -> float:
+    """An MoE layer's activations beyond a dense layer's, in bf16 ``[s, b, h]`` tensors (the module's docstring)."""
+    h, k, f, e = shape.hidden_size, shape.experts_per_token, shape.moe_ffn_hidden_size, shape.num_experts
+    return 2 * k + 3 * k * f / h + 4 * e / h - 9.5
 
 
 def _activation_tensors(recompute: str, tensor: int, sequence_parallel: bool) -> tuple[float, float, float]:
@@ -104,36 +132,48 @@ def _activation_tensors(recompute: str, tensor: int, sequence_parallel: bool) ->
 
 def stage_memory(shape, stage: int, layers: int, pipeline: int, data: int, micro_batch: int, seq_len: int,
                  gas: int, recompute: str = "none", tensor: int = 1,
-                 sequence_parallel: bool = True) -> StageMemory:
-    """Memory of one GPU of pipeline stage ``stage`` (of ``pipeline``) holding ``layers`` decoder layers, with
-    tensor parallelism ``tensor`` (sequence-parallel unless ``sequence_parallel`` is false); stage 0 also holds
-    the embedding, the last stage the final norm and the LM head (both vocab-parallel)."""
+                 sequence_parallel: bool = True, first: int = 0, expert: int = 1) -> StageMemory:
+    """Memory of one GPU of pipeline stage ``stage`` (of ``pipeline``) holding ``layers`` decoder layers from
+    layer ``first`` on, with tensor parallelism ``tensor`` (sequence-parallel unless ``sequence_parallel`` is
+    false) and expert parallelism ``expert``; stage 0 also holds the embedding, the last stage the final norm and
+    the LM head (both vocab-parallel)."""
     h, vocab = shape.hidden_size, shape.vocab_size
     last = stage == pipeline - 1
+    indices = range(first, first + layers)
+    moe = sum(_is_moe(shape, i) for i in indices)
     embedding = _split(vocab * h, tensor)
-    params = layers * layer_params(shape, tensor) + (embedding if stage == 0 else 0) + (
+    params = sum(layer_params(shape, tensor, i, expert) for i in indices) + (embedding if stage == 0 else 0) + (
         embedding + h if last else 0)
-    norms = layers * 2 * h + (h if last else 0)  # RMSNorm weights: whole on every TP rank, with a bf16 gradient
+    experts = moe * expert_layer_params(shape, expert) if moe else 0
+    head_dim = shape.head_dim or h // shape.num_attention_heads
+    # RMSNorm weights (and qk-norm's): whole on every TP rank, with a bf16 gradient
+    norms = layers * (2 * h + (2 * head_dim if shape.qk_norm else 0)) + (h if last else 0)
     sbh = seq_len * micro_batch * h * 2  # bytes of one bf16 [s, b, h] tensor
     per_layer, output, transient = _activation_tensors(recompute, tensor, sequence_parallel)
+    extra = _moe_extra_tensors(shape) if moe else 0.0
+    kept = layers * per_layer + (moe * extra if recompute != "full" else 0)
+    transient += extra if recompute == "full" else 0  # the MoE layer recomputed in backward
     in_flight = min(pipeline - stage, gas)
-    activations = in_flight * (layers * per_layer + output) * sbh
+    activations = in_flight * (kept + output) * sbh
     logits = LOGIT_BYTES * seq_len * micro_batch * _split(vocab, tensor) if last else 0
     bucket = ALLREDUCE_BUCKET_BYTES if data > 1 else 0  # DeepSpeed buckets only a data-parallel all-reduce
+    sharded = (params - experts) / data + experts / max(1, data // expert)  # experts over the expert-DP group
     return StageMemory(stage=stage, layers=layers, params=params, in_flight=in_flight,
                        weights_grads_accum=(UNSHARDED_BYTES * (params - norms)
                                             + NORM_UNSHARDED_BYTES * norms) / GIB,
-                       optimizer=SHARDED_BYTES * params / data / GIB, activations=activations / GIB,
+                       optimizer=SHARDED_BYTES * sharded / GIB, activations=activations / GIB,
                        logits=logits / GIB,
                        transient=(transient * sbh + bucket) / GIB + CONTEXT_GIB,
-                       tensor=tensor, recompute=recompute)
+                       tensor=tensor, recompute=recompute, expert=expert if moe else 1)
 
 
 def layout_memory(shape, stage_layers: list[int], data: int, micro_batch: int, seq_len: int, gas: int,
-                  recompute: str = "none", tensor: int = 1, sequence_parallel: bool = True) -> list[StageMemory]:
+                  recompute: str = "none", tensor: int = 1, sequence_parallel: bool = True,
+                  expert: int = 1) -> list[StageMemory]:
     """Every stage's memory (one GPU of each), for the decoder layers per stage in ``stage_layers``."""
+    firsts = [sum(stage_layers[:i]) for i in range(len(stage_layers))]
     return [stage_memory(shape, i, n, len(stage_layers), data, micro_batch, seq_len, gas, recompute, tensor,
-                         sequence_parallel)
+                         sequence_parallel, firsts[i], expert)
             for i, n in enumerate(stage_layers)]
 
 
@@ -145,7 +185,8 @@ def stage_layers(bounds: list[int], num_layers: int) -> list[int]:
 
 def describe(stage: StageMemory, capacity_gib: float | None = None) -> str:
     """One line for preflight: the busiest stage's estimate and what it is made of."""
-    shard = f", TP{stage.tensor} shard" if stage.tensor > 1 else ""
+    shard = (f", TP{stage.tensor} shard" if stage.tensor > 1 else "") + (
+        f", 1/{stage.expert} of the experts" if stage.expert > 1 else "")
     parts = (f"weights+fp32 grad accum {stage.weights_grads_accum:.1f} + master+Adam {stage.optimizer:.1f} + "
              f"activations {stage.activations:.1f} ({stage.in_flight} micro-batches in flight, "
              f"recompute {stage.recompute}) + "

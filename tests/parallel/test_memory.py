@@ -4,6 +4,8 @@ recorded measurement: the TP2 slice on two H200s (run Q, docs/172b-layout.md §9
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from llmjp_ds.model.shapes import get_shape, resolve_shape
@@ -274,3 +276,57 @@ def test_preflight_interval_line_from_a_disk_speed():
                                                      "directory to a faster disk")
     assert interval_line(20, 24.4, 1.0, 1.4) == ("a save writes ~26 s at 1 GB/s; checkpoint.interval=20 leaves it "
                                                  "28 s (it needs at least 19 steps)")
+
+
+# run AI (docs/performance.md): llmjp4-moe-slice, micro-batch 1 of 4096, GAS 8, ZeRO-1, bf16, one H200, no
+# recompute: torch.cuda.max_memory_allocated of ours-bf16 (docs/perf-raw/run-ai/)
+RUN_AI_MOE_SLICE_GIB = 87.6
+
+
+@pytest.mark.parametrize("shape_name, dense_layers", [("tiny-moe", ()), ("tiny-moe", (0, 2))])
+def test_an_moe_models_parameters_are_the_built_models(shape_name, dense_layers):
+    """Every parameter of the model as built (the torch twin, TE's names and layout): a dense layer's MLP, an MoE
+    layer's router and experts, qk-norm's weights; and llm-jp-4-32b-a3b's model-card total, exactly."""
+    from llmjp_ds.model import LlamaForCausalLM, model_config
+
+    shape = resolve_shape(shape_name, {"dense_layers": dense_layers})
+    config = model_config(shape)
+    built = sum(p.numel() for p in LlamaForCausalLM(config, backend="torch").parameters())
+    (one,) = layout_memory(shape, [shape.num_layers], 1, 1, 256, 1)
+    assert one.params == built
+    (whole,) = layout_memory(get_shape("llmjp4-32b-a3b"), [32], 1, 1, 4096, 1)
+    assert whole.params == 32_139_028_992
+
+
+def test_expert_parallelism_splits_the_experts_and_shards_their_optimizer_over_the_expert_data_group():
+    """EP 4 over DP 8: a GPU holds a quarter of each MoE layer's experts, and their master weights and moments are
+    sharded over the 2 ranks holding the same experts, the rest over all 8; a dense layer (layer 0 here) is
+    replicated; a pipeline's stages count their own layers' experts."""
+    shape = resolve_shape("tiny-moe", {"dense_layers": (0,)})
+    (ep1,), (ep4,) = (layout_memory(shape, [4], 8, 1, 256, 1, expert=e) for e in (1, 4))
+    experts = 3 * layer_expert_params(shape)  # three MoE layers
+    assert ep1.params - ep4.params == experts * 3 // 4
+    dense = ep4.params - experts // 4
+    assert ep4.optimizer == pytest.approx(12 * (dense / 8 + experts / 4 / 2) / GIB)
+    first, second = layout_memory(shape, [1, 3], 2, 1, 256, 1, expert=2)
+    assert (first.params, second.params) == (
+        layer_params(shape, index=0) + shape.vocab_size * shape.hidden_size,
+        sum(layer_params(shape, index=i, expert=2) for i in (1, 2, 3)) + shape.vocab_size * shape.hidden_size
+        + shape.hidden_size)
+    # each MoE layer's activations: a dense layer's less its MLP's 9.5 [s, b, h] tensors, plus 2 k rows, fc1's and
+    # SwiGLU's 3 k f / h and the router's fp32 logits and probabilities 4 E / h (h 128, k 2, f 64, E 8: -2.25)
+    (dense,) = layout_memory(dataclasses.replace(shape, num_experts=0), [4], 8, 1, 256, 1)
+    sbh = 256 * 128 * 2
+    assert (ep4.activations - dense.activations) * GIB == pytest.approx(3 * (4 + 3 + 0.25 - 9.5) * sbh)
+
+
+def layer_expert_params(shape) -> int:
+    return shape.num_experts * 3 * shape.hidden_size * shape.moe_ffn_hidden_size
+
+
+def test_the_moe_estimate_covers_run_ais_measured_slice():
+    """As run Q's slice for a dense stage: the estimate of what one H200 held for llmjp4-moe-slice must cover the
+    measured allocation and stay within 10 % above it plus the context allowance. The dense formula (the experts
+    counted as one MLP of the config's 7,680) said 34.6 GiB."""
+    (stage,) = layout_memory(get_shape("llmjp4-moe-slice"), [4], 1, 1, 4096, 8, "none")
+    assert RUN_AI_MOE_SLICE_GIB <= stage.total <= 1.10 * (RUN_AI_MOE_SLICE_GIB + CONTEXT_GIB)

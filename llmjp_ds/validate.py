@@ -182,6 +182,9 @@ def _check_model(cfg: RunConfig, shape) -> None:
     if cfg.model.recompute not in RECOMPUTE_MODES:
         fail(f"model.recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {cfg.model.recompute!r}"
              f"{did_you_mean(str(cfg.model.recompute), RECOMPUTE_MODES)}")
+    if cfg.model.recompute == "moe" and not shape.num_experts:
+        fail(f"model.recompute=moe recomputes the MoE blocks, and model.shape {cfg.model.shape} has no experts: use "
+             "model.recompute=selective (the attention core) or full (whole layers)")
 
 
 def _check_parallel(cfg: RunConfig, layout: Layout, num_layers: int) -> None:

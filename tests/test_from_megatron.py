@@ -265,7 +265,8 @@ def test_the_moe_run_is_a_qwen3_moe_shape(tmp_path):
     assert (cfg.parallel.pipeline_stages, cfg.parallel.distributed_timeout_s) == (6, 600.0)
     check_against_megatron(cfg, words)
     notes = "\n".join(result["notes"])
-    for name in ("--expert-model-parallel-size", "--num-virtual-stages-per-pipeline-rank", "--recompute-modules moe",
+    assert m.recompute == "moe"  # --recompute-granularity selective --recompute-modules moe
+    for name in ("--expert-model-parallel-size", "--num-virtual-stages-per-pipeline-rank",
                  "--moe-per-layer-logging", "--rerun-mode"):
         assert f"not carried: {name} (" in notes
 

@@ -53,6 +53,7 @@ class ModelConfig:
     attention_dropout: Real = field(default=0.0, metadata=within(0, 0, message=DROPOUT_MESSAGE))
     hidden_dropout: Real = field(default=0.0, metadata=within(0, 0, message=DROPOUT_MESSAGE))
     # activation recompute: none | selective (the attention core, as LLM-jp's 172B run) | full (every decoder layer)
+    # | moe (an MoE model's MoE blocks, Megatron-LM's --recompute-modules moe)
     recompute: str = ModelOptions.recompute
     # on CUDA: the loss over bf16 logits as two Triton kernels, or one compiled kernel (model/loss.py)
     fused_loss: bool = True

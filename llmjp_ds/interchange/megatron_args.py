@@ -206,10 +206,12 @@ def model_of(a: Args, notes: list[str]) -> dict:
     modules = a.words("--recompute-modules")
     if granularity == "full" or (granularity == "selective" and modules in (None, ["core_attn"])):
         out["recompute"] = granularity
+    elif granularity == "selective" and modules == ["moe"] and a.one("--num-experts", int, 0):
+        out["recompute"] = "moe"
     elif modules:
         notes.append(f"not carried: --recompute-modules {' '.join(modules)} ({a.where('--recompute-modules')}): "
-                     "llmjp-ds's selective recompute is the attention core's (model.recompute); recompute changes "
-                     "memory and time, not the result")
+                     "llmjp-ds recomputes the attention core (selective), an MoE model's MoE blocks (moe) or whole "
+                     "layers (full) (model.recompute); recompute changes memory and time, not the result")
     return out
 
 

@@ -120,10 +120,11 @@ class DecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; the norms live inside TE's fused modules.
     The MLP is a dense SwiGLU (``layernorm_mlp``) or, in an MoE layer (:func:`is_moe_layer`), a mixture of experts
     (``moe``, :class:`~llmjp_ds.model.moe.MoEBlock`; ``ep``: its expert-parallel group). Under tensor parallelism
-    ``x`` is ``[s, b, h]``, sequence-sharded ``[s / tp, b, h]`` with sequence parallelism."""
+    ``x`` is ``[s, b, h]``, sequence-sharded ``[s / tp, b, h]`` with sequence parallelism. Under ``recompute: moe``
+    the MoE block is recomputed in backward by ``checkpoint_fn`` (default the backend's)."""
 
     def __init__(self, config, layer_idx: int, backend: str, params_dtype=None, tp: TensorParallel | None = None,
-                 options: ModelOptions = ModelOptions(), ep: ExpertParallel | None = None):
+                 options: ModelOptions = ModelOptions(), ep: ExpertParallel | None = None, checkpoint_fn=None):
         super().__init__()
         L = layers_module(backend)
         self.tp = tp
@@ -140,11 +141,16 @@ class DecoderLayer(nn.Module):
         # each residual's gradient added inside the backward of the norm that reads the residual (TE backend; the
         # MoE block's norm is TE's plain RMSNorm, which takes none)
         self.fused_residual_norm = options.residual_in_norm(backend) and not moe
+        self.moe_checkpoint = (checkpoint_fn or L.checkpoint) if moe and options.recompute_moe else None
 
     def forward(self, x, freqs, mask=None, cache=None):
         add = residual_add if self.fused_residual_norm else torch.add
         x = add(x, self.self_attention(x, freqs, mask, cache))
-        return add(x, self.moe(x) if hasattr(self, "moe") else self.layernorm_mlp(x))
+        if not hasattr(self, "moe"):
+            return add(x, self.layernorm_mlp(x))
+        if self.moe_checkpoint is not None and self.training and torch.is_grad_enabled():
+            return add(x, self.moe_checkpoint(self.moe, x))
+        return add(x, self.moe(x))
 
 
 def _device_for(backend: str):
@@ -205,10 +211,10 @@ class FinalNormHead(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config, backend: str, params_dtype=None, tp: TensorParallel | None = None,
-                 options: ModelOptions = ModelOptions(), ep: ExpertParallel | None = None):
+                 options: ModelOptions = ModelOptions(), ep: ExpertParallel | None = None, checkpoint_fn=None):
         super().__init__()
         self.embed_tokens = Embedding(config, backend, params_dtype, tp)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, backend, params_dtype, tp, options, ep)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, backend, params_dtype, tp, options, ep, checkpoint_fn)
                                     for i in range(config.num_hidden_layers))
         self.norm: nn.Module | None = None  # set by LlamaForCausalLM from its FinalNormHead
 
@@ -241,7 +247,8 @@ class LlamaForCausalLM(PreTrainedModel, GenerationMixin):
     ``.logits``, plus ``.lm_loss`` / ``.z_loss`` when ``z_loss_coeff`` is set); ``generate()`` works with a KV
     cache on both backends. ``training_loss`` computes the loss on pre-shifted targets without the HF output.
     ``options``: fused kernels and recompute (:class:`~llmjp_ds.model.options.ModelOptions`);
-    ``checkpoint_fn``: the function that recomputes a decoder layer under ``recompute: full`` (default the
+    ``checkpoint_fn``: the function that recomputes a decoder layer under ``recompute: full`` (an MoE block under
+    ``moe``; default the
     backend's; the precision schedule's emulator has its own). ``ep``: the expert-parallel group an MoE model's
     experts are split over (:class:`~llmjp_ds.model.expert_parallel.ExpertParallel`; None: every expert here).
     """
@@ -264,7 +271,7 @@ class LlamaForCausalLM(PreTrainedModel, GenerationMixin):
         self.loss_fn = CausalLMLoss(z_loss_coeff, fused_loss, tp)  # see llmjp_ds.model.loss
         self.activation_checkpointing = options.recompute_layers
         self.checkpoint_fn = checkpoint_fn or layers_module(self.backend).checkpoint
-        self.model = LlamaModel(config, self.backend, params_dtype, tp, options, ep)
+        self.model = LlamaModel(config, self.backend, params_dtype, tp, options, ep, self.checkpoint_fn)
         head = FinalNormHead(config, self.backend, params_dtype, fp8_head=fp8_lm_head, tp=tp)
         self.model.norm, self.lm_head = head.norm, head.lm_head  # HF's names for the same two modules
         self.post_init()

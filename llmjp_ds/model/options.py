@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-RECOMPUTE_MODES = ("none", "selective", "full")  # model.recompute
+RECOMPUTE_MODES = ("none", "selective", "full", "moe")  # model.recompute
 MOE_AUX_LOSSES = ("aux_loss", "seq_aux_loss", "none")  # --moe-router-load-balancing-type (the ones we compute)
 DROP_POLICIES = ("probs", "position")  # --moe-token-drop-policy
 # the fields that choose a kernel, and what each may be
@@ -17,7 +17,8 @@ KERNEL_CHOICES = {"fused_qkv_rope": (True, False, "te", "triton"), "attention_co
 
 @dataclass(frozen=True)
 class ModelOptions:
-    """``recompute``: none | selective (the attention core, as LLM-jp's 172B run) | full (every decoder layer).
+    """``recompute``: none | selective (the attention core, as LLM-jp's 172B run) | full (every decoder layer) |
+    moe (each MoE layer's MoE block, Megatron-LM's ``--recompute-modules moe`` as LLM-jp's MoE runs).
     ``fused_qkv_rope`` (TE backend): the QKV split and both RoPE rotations as one fused kernel: triton = ours
     (model/kernels/rope.py), true or te = TE's, false = none. ``attention_core`` (TE backend): te = TE's
     DotProductAttention, cudnn = torch's scaled_dot_product_attention on its cuDNN backend. ``fused_residual_norm``
@@ -45,6 +46,10 @@ class ModelOptions:
     @property
     def recompute_layers(self) -> bool:
         return self.recompute == "full"
+
+    @property
+    def recompute_moe(self) -> bool:
+        return self.recompute == "moe"
 
     def residual_in_norm(self, backend: str) -> bool:
         """Whether the residual's gradient is added inside the norm's backward on ``backend``."""

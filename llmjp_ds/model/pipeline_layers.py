@@ -32,8 +32,9 @@ class DecoderLayerPipe(DecoderLayer):
     backward (:func:`~llmjp_ds.model.moe.with_router_loss`, the gradient ``router_loss_scale``, which the step runner
     sets); ``moe_index`` is its place among the model's MoE layers (None for a dense layer)."""
 
-    def __init__(self, config, layer_idx, backend, params_dtype=None, tp=None, options=ModelOptions(), ep=None):
-        super().__init__(config, layer_idx, backend, params_dtype, tp, options, ep)
+    def __init__(self, config, layer_idx, backend, params_dtype=None, tp=None, options=ModelOptions(), ep=None,
+                 checkpoint_fn=None):
+        super().__init__(config, layer_idx, backend, params_dtype, tp, options, ep, checkpoint_fn)
         self.head_dim, self.theta = head_dim_of(config), rope_theta(config)
         moe = moe_layers(config)
         self.moe_index = moe.index(layer_idx) if layer_idx in moe else None
@@ -106,10 +107,11 @@ class StageLayer:
 
 
 def pipeline_layers(config, backend: str, params_dtype=None, fp8_head: bool = False, tp=None,
-                    options: ModelOptions = ModelOptions(), ep=None) -> list[StageLayer]:
+                    options: ModelOptions = ModelOptions(), ep=None, checkpoint_fn=None) -> list[StageLayer]:
     """The pipeline's layers in order; ``tp``: the tensor-parallel group every layer is split over (None: whole
-    layers); ``ep``: the expert-parallel group an MoE layer's experts are split over (None: every expert)."""
+    layers); ``ep``: the expert-parallel group an MoE layer's experts are split over (None: every expert);
+    ``checkpoint_fn``: what recomputes an MoE block under ``recompute: moe``."""
     return ([StageLayer(EmbeddingPipe, (config, backend, params_dtype, tp))]
-            + [StageLayer(DecoderLayerPipe, (config, i, backend, params_dtype, tp, options, ep))
+            + [StageLayer(DecoderLayerPipe, (config, i, backend, params_dtype, tp, options, ep, checkpoint_fn))
                for i in range(config.num_hidden_layers)]
             + [StageLayer(FinalNormHeadPipe, (config, backend, params_dtype), {"fp8_head": fp8_head, "tp": tp})])

@@ -36,7 +36,8 @@ attention, its router (``E h``) and its experts (``3 h f`` each, ``f`` the exper
 over the expert-data-parallel group (``DP / e`` ranks) where the dense parameters' go over all ``DP``. Its
 activations replace the dense MLP's ``9.5`` tensors of the 34 by each token's ``k`` routed rows: the permuted
 input and the experts' output (``2k``), fc1's and SwiGLU's outputs (``3 k f / h``), and the router's fp32 logits
-and probabilities (``4 E / h``).
+and probabilities (``4 E / h``). Under ``recompute: moe`` an MoE layer keeps its attention's share and the MoE
+block's input (``17 - 9.5 + 1``), and one block's tensors are the backward's transient.
 
 Each stage also holds its output ``2 sbh / t`` (sequence-sharded under SP) per micro-batch; under 1F1B stage *i*
 holds ``min(PP - i, GAS)`` micro-batches. The last stage also holds one micro-batch's logits (bf16, their fp32
@@ -127,7 +128,7 @@ def _activation_tensors(recompute: str, tensor: int, sequence_parallel: bool) ->
         return shard, shard, layer + gathered
     if recompute == "selective":
         return layer, shard, 1 / t + gathered  # the attention output [s, b, h / t], recomputed in backward
-    return layer, shard, gathered
+    return layer, shard, gathered  # none, and moe (an MoE layer's share: stage_memory)
 
 
 def stage_memory(shape, stage: int, layers: int, pipeline: int, data: int, micro_batch: int, seq_len: int,
@@ -151,8 +152,11 @@ def stage_memory(shape, stage: int, layers: int, pipeline: int, data: int, micro
     sbh = seq_len * micro_batch * h * 2  # bytes of one bf16 [s, b, h] tensor
     per_layer, output, transient = _activation_tensors(recompute, tensor, sequence_parallel)
     extra = _moe_extra_tensors(shape) if moe else 0.0
-    kept = layers * per_layer + (moe * extra if recompute != "full" else 0)
-    transient += extra if recompute == "full" else 0  # the MoE layer recomputed in backward
+    if recompute == "moe" and moe:  # an MoE layer keeps its block's input, and one block is recomputed
+        kept, transient = layers * per_layer + moe * (1 - 9.5), transient + 9.5 + extra
+    else:
+        kept = layers * per_layer + (moe * extra if recompute != "full" else 0)
+        transient += extra if recompute == "full" else 0  # the MoE layer recomputed in backward
     in_flight = min(pipeline - stage, gas)
     activations = in_flight * (kept + output) * sbh
     logits = LOGIT_BYTES * seq_len * micro_batch * _split(vocab, tensor) if last else 0

@@ -47,7 +47,7 @@ def our_names(index: int, num_layers: int, layer_state: dict) -> dict[str, str]:
 
 
 def seeded_layer_specs(model_config, backend: str, seed: int, fp8_head: bool = False, tp=None,
-                       options: ModelOptions = ModelOptions()) -> list:
+                       options: ModelOptions = ModelOptions(), checkpoint_fn=None) -> list:
     """The pipeline's layer specs, each built right after seeding torch with (seed, its index): a stage builds
     only its own layers, so without this its weights would depend on where the partition cuts (and differ
     from the single-process model built from the same seed). Under TP a layer is built whole from its seed
@@ -73,7 +73,8 @@ def seeded_layer_specs(model_config, backend: str, seed: int, fp8_head: bool = F
                                    for name, ours in our_names(self.index, n, whole).items()}, strict=False)
             return layer
 
-    layers = pipeline_layers(model_config, backend, fp8_head=fp8_head, tp=tp, options=options)
+    layers = pipeline_layers(model_config, backend, fp8_head=fp8_head, tp=tp, options=options,
+                             checkpoint_fn=checkpoint_fn)
     wholes = pipeline_layers(model_config, backend, fp8_head=fp8_head) if tp is not None else layers
     return [SeededLayerSpec(layer, whole, i) for i, (layer, whole) in enumerate(zip(layers, wholes))]
 
@@ -84,7 +85,8 @@ def pipeline_module(cfg, model_config, backend: str, checkpoint_fn, loss, tp=Non
 
     options = model_options_of(cfg)
     return pipeline_module_class()(
-        layers=seeded_layer_specs(model_config, backend, cfg.train.seed, cfg.precision.fp8_lm_head, tp, options),
+        layers=seeded_layer_specs(model_config, backend, cfg.train.seed, cfg.precision.fp8_lm_head, tp, options,
+                                  checkpoint_fn),
         num_stages=cfg.parallel.pipeline_stages,
         topology=None if tp is None else topology(layout),
         loss_fn=loss,

@@ -166,6 +166,41 @@ def _qwen3_moe_config(**kw):
     return model_config("tiny-moe", num_layers=2, **kw)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_recomputing_the_moe_blocks_changes_no_loss_and_no_gradient(fp8):
+    """``recompute: moe`` (Megatron-LM's ``--recompute-modules moe``): each MoE block runs again in backward, and
+    the loss and every gradient (the router's, which its aux and z losses feed, among them) are the ones without
+    recompute, exactly; under emulated FP8 delayed scaling too, whose recompute must see the forward's scales. A
+    reentrant checkpoint (its forward under no_grad: the router losses lose their gradient) moved the first
+    router's gradient by 1.7e-3."""
+    from llmjp_ds.model import LlamaForCausalLM
+    from llmjp_ds.model.backend import layers_module
+    from tests.precision.helpers import schedule
+
+    ids = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
+    results = []
+    for recompute in ("none", "moe"):
+        s = schedule([{}, {"precision": "fp8", "start_step": 2, "recipe": "delayed"}]) if fp8 else None
+        torch.manual_seed(0)
+        config = _qwen3_moe_config(vocab_size=256)
+        model = LlamaForCausalLM(config, backend="torch", options=ModelOptions(recompute=recompute),
+                                 checkpoint_fn=s and s.checkpoint_function(layers_module("torch").checkpoint)).train()
+        if s is not None:
+            s.attach(model, model.model.layers, config.num_hidden_layers)
+        calls = []
+        for layer in model.model.layers:
+            layer.moe.register_forward_pre_hook(lambda *_: calls.append(1))
+        with s.autocast(2) if fp8 else torch.enable_grad():
+            loss = model.training_loss(ids[:, :-1], ids[:, 1:]).loss
+        loss.backward()
+        results.append((loss.detach(), [p.grad for p in model.parameters()], len(calls)))
+    (ref, ref_grads, ref_calls), (got, grads, got_calls) = results
+    assert (ref_calls, got_calls) == (2, 4)  # two MoE layers, each block run again in backward
+    assert torch.equal(got, ref)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    assert model.model.layers[0].moe.router.weight.grad.abs().sum() > 0
+
+
 def test_the_block_is_transformers_qwen3_moe_block():
     """Our MoE block (norm, router, experts) against transformers' Qwen3MoeSparseMoeBlock after its decoder
     layer's post-attention norm, with the same weights (fp32): the same output, the same experts per token."""
@@ -390,3 +425,33 @@ def test_the_grouped_gemm_accumulates_each_experts_gradient_into_its_fp32_main_g
         torch.testing.assert_close(p.main_grad, expected[name], rtol=2e-2, atol=1e-3)
         assert p.grad_added_to_main_grad
     assert mlp.linear_fc1.weight1.main_grad.abs().sum() == 0
+
+
+@pytest.mark.gpu
+@needs_te
+@pytest.mark.parametrize("fp8", [False, True])
+def test_te_moe_blocks_recomputed_in_backward_give_the_same_gradients(fp8):
+    """``recompute: moe`` on the TE backend (TE's checkpoint around the MoE block: the grouped GEMMs and the
+    fused routing and permutation run again in backward, in FP8 under the forward's scales): the loss and every
+    gradient as without recompute, to the order of the fused kernels' atomic sums."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.common.recipe import DelayedScaling, Format
+
+    from llmjp_ds.model import LlamaForCausalLM
+
+    config = _qwen3_moe_config()
+    ids = torch.randint(0, config.vocab_size, (2, 65), device="cuda")
+    results = []
+    for recompute in ("none", "moe"):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config, backend="te", params_dtype=torch.bfloat16,
+                                 options=ModelOptions(recompute=recompute)).train()
+        recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
+        with te.autocast(enabled=fp8, recipe=recipe):
+            out = model(input_ids=ids[:, :-1], shift_labels=ids[:, 1:])
+        out.loss.backward()
+        results.append((out.loss.float(), {n: p.grad.float() for n, p in model.named_parameters()}))
+    (ref, ref_grads), (got, grads) = results
+    torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-3)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=5e-2, atol=5e-3, msg=name)

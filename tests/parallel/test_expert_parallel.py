@@ -52,6 +52,8 @@ LAYOUTS = {  # name -> (processes, extra --set values); the global batch (8) of 
     # a pipeline holds every expert of its stage's MoE layers
     "pp2": (2, ("parallel.pipeline_stages=2", "parallel.zero_stage=1")),
     "pp2-dp2": (4, ("parallel.pipeline_stages=2", "parallel.zero_stage=1")),
+    # each MoE block recomputed in backward (Megatron-LM's --recompute-modules moe), through the stages' layers
+    "pp2-recompute-moe": (2, ("parallel.pipeline_stages=2", "parallel.zero_stage=1", "model.recompute=moe")),
 }
 # final weights after 4 steps at the runs' LR (3e-3), each tensor's max |diff| over its max |value|: Adam
 # normalises each weight's step, so a weight whose gradient is ~0 (an embedding row of a token not seen) moves by
@@ -264,12 +266,13 @@ def test_expert_parallel_follows_one_process(layout, ep_runs):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("layout", ["pp2", "pp2-dp2"])
+@pytest.mark.parametrize("layout", ["pp2", "pp2-dp2", "pp2-recompute-moe"])
 def test_a_pipeline_of_moe_layers_follows_one_process(layout, ep_runs):
     """Each stage trains its MoE layers' routers through their outputs' backward, and the step's routing is the
     stages' and data-parallel ranks' sum: the trail is the one-process run's (the router's losses, the same tokens
-    to the same experts) and so are the final weights. Without the router losses' gradient on the first stage the
-    z-loss moved by 5e-3 at step 2 and the loads by 9 tokens at step 4."""
+    to the same experts) and so are the final weights, with the MoE blocks recomputed in backward too. Without the
+    router losses' gradient on the first stage the z-loss moved by 5e-3 at step 2 and the loads by 9 tokens at
+    step 4."""
     ref, got = trail(ep_runs["ep1"]), trail(ep_runs[layout])
     _assert_follows(got, ref, layout)
     for key in ("moe_min_load", "moe_least_loaded", "moe_dropped_tokens", "moe_layer_imbalance"):

@@ -152,6 +152,9 @@ CASES: list[Case] = [
            *EP),
          ("DeepSpeed's ZeRO-2 reduces the expert gradients of an MoE model only with contiguous_gradients and "
           "reduce_scatter",), env={"WORLD_SIZE": "2"}),
+    Case("recompute-moe-on-a-dense-model", T("model.recompute=moe"),
+         ("model.recompute=moe recomputes the MoE blocks, and model.shape tiny has no experts",
+          "use model.recompute=selective (the attention core) or full (whole layers)")),
     Case("moe-with-tensor-parallel", T("parallel.tensor_parallel=2", *EP),
          ("model.shape tiny-moe has experts and parallel.tensor_parallel=2",
           "use parallel.tensor_parallel=1 and split the experts with parallel.expert_parallel"),

@@ -87,7 +87,7 @@ CASES = [
     Case("zero3-with-tensor-parallel", T("parallel.tensor_parallel=2", "parallel.zero_stage=3"),
          ("ZeRO-3 is not supported with tensor parallelism: use parallel.zero_stage=1",), env={"WORLD_SIZE": "2"}),
     Case("recompute-unknown", T("model.recompute=partial"),
-         ("model.recompute must be one of none, selective, full, got 'partial'",)),
+         ("model.recompute must be one of none, selective, full, moe, got 'partial'",)),
     Case("attention-core-unknown", T("model.attention_core=flash"),
          ("model.attention_core must be one of te, cudnn, got 'flash'",)),
     Case("lr-schedule-unknown", T("optim.schedule=megatorn"),

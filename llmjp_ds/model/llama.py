@@ -247,10 +247,10 @@ class LlamaForCausalLM(PreTrainedModel, GenerationMixin):
     ``.logits``, plus ``.lm_loss`` / ``.z_loss`` when ``z_loss_coeff`` is set); ``generate()`` works with a KV
     cache on both backends. ``training_loss`` computes the loss on pre-shifted targets without the HF output.
     ``options``: fused kernels and recompute (:class:`~llmjp_ds.model.options.ModelOptions`);
-    ``checkpoint_fn``: the function that recomputes a decoder layer under ``recompute: full`` (an MoE block under
-    ``moe``; default the
-    backend's; the precision schedule's emulator has its own). ``ep``: the expert-parallel group an MoE model's
-    experts are split over (:class:`~llmjp_ds.model.expert_parallel.ExpertParallel`; None: every expert here).
+    ``checkpoint_fn``: the function that recomputes a decoder layer under ``recompute: full``, an MoE block under
+    ``moe`` (default the backend's; the precision schedule's emulator has its own). ``ep``: the expert-parallel
+    group an MoE model's experts are split over (:class:`~llmjp_ds.model.expert_parallel.ExpertParallel`; None:
+    every expert here).
     """
 
     config_class = LlamaConfig

@@ -53,6 +53,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmjp_ds.config import RECOMPUTE_MODES
+from llmjp_ds.model.flops import parameter_count
 
 GIB = 2**30
 ALLREDUCE_BUCKET_BYTES = 500_000_000 * 4  # the pipeline engine's fp32 all-reduce bucket (MEMORY_OPT_ALLREDUCE_SIZE)
@@ -94,14 +95,20 @@ def _is_moe(shape, index: int) -> bool:
 
 def layer_params(shape, tensor: int = 1, index: int = 0, expert: int = 1) -> int:
     """Parameters of decoder layer ``index`` of a :class:`~llmjp_ds.model.shapes.ModelShape` on one TP rank (all
-    of them for ``tensor == 1``): its share of the four projections and the MLP, and both RMSNorm weights whole
-    (and qk-norm's two per-head weights). An MoE layer's MLP is its router and its ``E / expert`` experts."""
+    of them for ``tensor == 1``), as :func:`~llmjp_ds.model.flops.parameter_count` counts a layer: its share of the
+    four projections and the MLP, and both RMSNorm weights whole (and qk-norm's two per-head weights). An MoE
+    layer's MLP is its router and its ``E / expert`` experts (never split over TP, which an MoE model refuses)."""
     h, d = shape.hidden_size, shape.head_dim or shape.hidden_size // shape.num_attention_heads
-    attention = 2 * h * (shape.num_attention_heads * d) + 2 * h * (shape.num_key_value_heads * d)
+    moe = _is_moe(shape, index)
+    whole = parameter_count(hidden_size=h, num_layers=1, num_attention_heads=shape.num_attention_heads,
+                            num_key_value_heads=shape.num_key_value_heads, intermediate_size=shape.ffn_hidden_size,
+                            vocab_size=0, head_dim=d, qk_norm=shape.qk_norm, moe_layers=int(moe),
+                            num_experts=shape.num_experts, moe_ffn_hidden_size=shape.moe_ffn_hidden_size or 0,
+                            )["non_embedding"] - h  # the final norm is the last stage's
+    if moe:
+        return whole - expert_layer_params(shape) + expert_layer_params(shape, expert)
     norms = 2 * h + (2 * d if shape.qk_norm else 0)
-    if _is_moe(shape, index):
-        return attention + shape.num_experts * h + expert_layer_params(shape, expert) + norms
-    return _split(attention + 3 * h * shape.ffn_hidden_size, tensor) + norms
+    return _split(whole - norms, tensor) + norms
 
 
 def expert_layer_params(shape, expert: int = 1) -> int:

@@ -15,8 +15,10 @@ sharding type (``optimizer.param_state_sharding_type``):
 The layer split over pipeline stages and virtual chunks comes from the run's arguments (even, or with
 ``decoder_first_pipeline_num_layers`` / ``decoder_last_pipeline_num_layers``).
 
-An MoE model's optimizer is megatron-core's ChainedOptimizer: a distributed optimizer over the dense parameters and
-one over the experts (buffers of their own, the expert-data-parallel group's padding). Its common state holds one
+An MoE model's optimizer under expert parallelism is megatron-core's ChainedOptimizer: a distributed optimizer over
+the dense parameters and one over the experts (buffers of their own, the expert-data-parallel group's padding); at
+EP 1 the experts are ordinary data-parallel weights, in the dense buffers after each layer's router
+(:func:`~llmjp_ds.interchange.megatron_moe.optimizer_counts`). Its common state holds one
 entry per optimizer (``{0: ..., 1: ...}``); ``dp_reshardable`` keys each one's buckets under ``chained_<i>.``, the
 experts' by their rank in the expert-tensor x expert x pipeline group (``dp_group_idx_<etp rank + ETP x ep rank +
 ETP x EP x pp rank>``), each holding the rank's experts; the per-parameter formats name the model keys, whose MoE
@@ -74,10 +76,10 @@ def dist_optimizer(dcp, common: dict, args, weights: dict):
     if not isinstance(opt, dict):
         return None, 0
     parts = _parts(opt)
-    if len(parts) != 1 + (moe.num_experts(args) > 0):
-        fail(f"{dcp.dir} holds {len(parts)} optimizers where megatron-core builds "
-             f"{'two (the dense parameters and the experts)' if moe.num_experts(args) else 'one'}: it cannot be "
-             "imported")
+    counts = moe.optimizer_counts(args)
+    if len(parts) not in counts:
+        fail(f"{dcp.dir} holds {len(parts)} optimizers where megatron-core builds {' or '.join(map(str, counts))} "
+             "for its arguments (two: the dense parameters and the experts apart): it cannot be imported")
     prefixes = [f"chained_{i}." for i in range(len(parts))] if len(parts) > 1 else [""]
     if parts[0].get("param_state_sharding_type") == "dp_reshardable":
         state = _dp_reshardable(dcp, args, weights, prefixes)
@@ -185,30 +187,32 @@ def stage_layers(args) -> list[list[range]]:
     return [[range(offsets[v][p], offsets[v][p] + counts[p]) for p in range(pp)] for v in range(vp)]
 
 
-def _chunk_names(args, v: int, p: int, layers: list[list[range]]) -> list[str]:
-    """The dense parameters of virtual chunk ``v`` of pipeline stage ``p`` in registration order (canonical
-    names)."""
+def _chunk_names(args, v: int, p: int, layers: list[list[range]], experts: bool) -> list[str]:
+    """The parameters of virtual chunk ``v`` of pipeline stage ``p`` in the dense buffers, in registration order
+    (canonical names); ``experts``: the experts among them (megatron-core kept them with the dense ones)."""
     spec = "local" if args.get("transformer_impl") == "local" else "transformer_engine"
     pattern = moe.layer_pattern(args)
     attention = _ATTENTION_ORDER[spec] + (_QK_NORMS if args.get("qk_layernorm") else ())
     names = ["embedding.word_embeddings.weight"] if v == 0 and p == 0 else []
-    names += [f"decoder.layers.{i}.{rest}" for i in layers[v][p]
-              for rest in attention + (_MOE_MLP if pattern[i] else _DENSE_MLP)]
+    for i in layers[v][p]:
+        names += [f"decoder.layers.{i}.{rest}" for rest in attention + (_MOE_MLP if pattern[i] else _DENSE_MLP)]
+        if experts and pattern[i]:
+            names += _expert_names(args, range(i, i + 1), 0)
     if v == len(layers) - 1 and p == len(layers[0]) - 1:
         names += ["decoder.final_layernorm.weight", "output_layer.weight"]
     return names
 
 
-def _expert_names(args, v: int, p: int, layers: list[list[range]], rank: int) -> list[str]:
-    """The experts' parameters of expert-parallel rank ``rank`` in chunk ``v`` of stage ``p``, in registration
-    order: TEGroupedMLP's (``--moe-grouped-gemm``) fc1 of each then fc2 of each, SequentialMLP's fc1 and fc2 of
-    one expert after the other."""
+def _expert_names(args, chunk: range, rank: int) -> list[str]:
+    """The experts' parameters of expert-parallel rank ``rank`` in the decoder layers ``chunk``, in registration
+    order: TEGroupedMLP's (``--moe-grouped-gemm``) fc1 of each then fc2 of each, SequentialMLP's fc1
+    and fc2 of one expert after the other."""
     ep = moe.expert_layout(args)[0]
     local = moe.num_experts(args) // ep
     pattern, first = moe.layer_pattern(args), rank * local
     grouped = [(k, e) for k in (1, 2) for e in range(local)]
     order = grouped if args.get("moe_grouped_gemm") else sorted(grouped, key=lambda ke: ke[1])
-    return [f"decoder.layers.{i}.mlp.experts.linear_fc{k}.weight{first + e}" for i in layers[v][p] if pattern[i]
+    return [f"decoder.layers.{i}.mlp.experts.linear_fc{k}.weight{first + e}" for i in chunk if pattern[i]
             for k, e in order]
 
 
@@ -217,16 +221,18 @@ def _dp_reshardable(dcp, args, weights: dict, prefixes: list[str]) -> dict:
     ep, etp, edp = moe.expert_layout(args)
     layers = stage_layers(args)
     shards: dict = {}
+    apart = len(prefixes) > 1
     for p in range(len(layers[0])):
-        dense = [_chunk_names(args, v, p, layers) for v in range(len(layers))]
-        experts = [[_expert_names(args, v, p, layers, e) for v in range(len(layers))] for e in range(ep)]
+        dense = [_chunk_names(args, v, p, layers, not apart) for v in range(len(layers))]
+        experts = [[_expert_names(args, layers[v][p], e) if apart else [] for v in range(len(layers))]
+                   for e in range(ep)]
         # a rank's parameters, which --ddp-num-buckets divides into buckets: its dense shard and its experts'
         numel = [sum(ma.tp_shard_megatron(n, weights[n], t, tp).numel() for c in dense + experts[0] for n in c)
                  for t in range(tp)]
         for t in range(tp):
             _buffers(dcp, f"{prefixes[0]}optimizer.distributed.dp_group_idx_{t + tp * p}", dense, weights, (t, tp),
                      dp, args, p, numel[t], shards)
-        for e in range(ep if len(prefixes) > 1 else 0):
+        for e in range(ep if apart else 0):
             for t in range(etp):
                 _buffers(dcp, f"{prefixes[1]}optimizer.distributed.dp_group_idx_{t + etp * e + etp * ep * p}",
                          experts[e], weights, (t, etp), edp, args, p, numel[t % tp], shards)

@@ -108,6 +108,20 @@ def expert_layout(args) -> tuple[int, int, int]:
     return ep, etp, dp * tp * cp // (ep * etp)
 
 
+def optimizer_counts(args) -> tuple[int, ...]:
+    """How many optimizers megatron-core may have saved for the run: two (a ChainedOptimizer of the dense
+    parameters' and the experts', each with DDP buffers of its own) where the experts are reduced over groups of
+    their own, under expert parallelism (and, from megatron-core 0.19, an expert-tensor-parallel size other than
+    the tensor-parallel one); else one, the experts ordinary data-parallel weights in the dense buffers, in
+    registration order."""
+    if not num_experts(args):
+        return (1,)
+    ep, etp, _ = expert_layout(args)
+    if ep > 1:
+        return (2,)
+    return (1, 2) if etp != int(args.get("tensor_model_parallel_size") or 1) else (1,)
+
+
 def config_pairs(args, cfg, model_config) -> list[tuple[str, object, str, object]]:
     """(Megatron argument, its value, config key, the config's value) of everything about the experts that must
     agree (nothing for a dense run and a dense config)."""

@@ -320,27 +320,29 @@ def _torch_optimizer(directory, args, dirs, states, chunks, offsets):
 
 def _distributed_states(rank_dir: Path, args, chunks: list[dict], stage: int, expert_rank: int) -> list[dict]:
     """Per model chunk: name (local) -> {param, exp_avg, exp_avg_sq} shaped as the rank's weight, from the rank's
-    ``distrib_optim.pt``: one optimizer's state, or (an MoE model: megatron-core's ChainedOptimizer) a list of the
+    ``distrib_optim.pt``: one optimizer's state, or (an MoE model's experts kept apart,
+    :func:`~llmjp_ds.interchange.megatron_moe.optimizer_counts`: megatron-core's ChainedOptimizer) a list of the
     dense parameters' (on expert rank 0; the others repeat them, and store None) and the experts'."""
     path = rank_dir / "distrib_optim.pt"
     if not path.is_file():
         fail(f"{rank_dir} lacks distrib_optim.pt, which the distributed optimizer writes beside model_optim_rng.pt: "
              "the checkpoint is incomplete; copy it again from the Megatron run")
     state = load_megatron(path)
-    experts = moe.num_experts(args) > 0
     parts = state if isinstance(state, list) else [state]
-    if len(parts) != 1 + experts or (parts[0] is None) != (expert_rank > 0) or (experts and parts[1] is None):
+    counts = moe.optimizer_counts(args)
+    apart = len(parts) == 2
+    if len(parts) not in counts or (parts[0] is None) != (expert_rank > 0) or (apart and parts[1] is None):
         fail(f"{path} holds {len(parts)} optimizer states ({', '.join('none' if p is None else 'one' for p in parts)})"
-             f" where Megatron writes {'the dense parameters and the experts' if experts else 'one'}: it does not "
-             "match its model (another megatron-core layout)")
+             f" where Megatron writes {' or '.join(map(str, counts))} for its arguments (two: the dense parameters and"
+             " the experts apart): it does not match its model (another megatron-core layout)")
     numel = sum(n for c in chunks for _, n, _ in _params(c))
     out: list[dict] = [{} for _ in chunks]
     ep, _, edp = moe.expert_layout(args)
-    groups = [(parts[0], False, mo.arg_int(args, "data_parallel_size"))] + ([(parts[1], True, edp)] if experts else [])
+    groups = [(parts[0], False, mo.arg_int(args, "data_parallel_size"))] + ([(parts[1], True, edp)] if apart else [])
     for part, of_experts, dp in groups:
         if part is None:
             continue
-        params = [_params(c, of_experts if experts else None) for c in chunks]
+        params = [_params(c, of_experts if apart else None) for c in chunks]
         for v, found in enumerate(_buffer_states(part, params, args, stage, numel, dp, path)):
             out[v].update({name: {k: t.view(chunks[v][name].shape) for k, t in tensors.items()}
                            for name, tensors in found.items()})

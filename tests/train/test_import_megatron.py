@@ -120,14 +120,19 @@ REFERENCED = [d for d in DIRS if reference_of(d)]
 def test_every_layout_carries_megatron_cores_optimizer_state(d):
     """Each parameter's master weight and moments, TP-merged and renumbered, are those megatron-core's optimizer
     holds for that parameter (its fingerprints): a moment on the wrong parameter, a wrong bucket offset, a
-    plain split of fc1 or a stage's layers out of place would each change them."""
+    plain split of fc1 or a stage's layers out of place would each change them. The master weights of an MoE model
+    at EP 1 (its experts in the dense optimizer, not one of their own) come within a few fp32 roundings of the
+    update (1.2e-8 on weights of 0.03-0.17; the moments exactly), against a whole update of up to 1e-2 (the LR)
+    by any of those faults."""
     reference = torch.load(reference_of(d))["fingerprints"]
     ckpt = read(d)
     names = ma.canonical_names(reference)
+    param_atol = 5e-8 if "moe-ep1" in d.name else 1e-9
     for name, prints in reference.items():
         state = ckpt.optimizer[names[name]]
         for key, expected in prints.items():
-            assert torch.allclose(fingerprint(state[key]), expected, rtol=1e-6, atol=1e-9), (name, key)
+            atol = param_atol if key == "param" else 1e-9
+            assert torch.allclose(fingerprint(state[key]), expected, rtol=1e-6, atol=atol), (name, key)
 
 
 @pytest.mark.parametrize("d", [d for d in DIRS if (d / "reference.pt").is_file()],

@@ -335,8 +335,9 @@ def report(setup: Setup, calls: list[dict[str, Path]], out: Path, recipe: Recipe
         rows.append(f"| {what} | {g['mean_abs']:.4f} | {s['mean_abs']:.4f} | {ratio:.2f} | "
                     f"{100 * g['final_rel']:+.3f} % | {100 * s['final_rel']:+.3f} % | {'yes' if meets else 'NO'} |")
         # the spread's run beside where its difference from the reference drawn is the spread reported
-        beside = [calls[at[ref]][ref]] + ([calls[at[spread]][spread]] if spread_ref == at[ref] else [])
-        plot_run(calls[at[ours]][ours], out / png, beside)
+        # Megatron's curves as the rows read them (a restart's second line unmixed), not its raw lines
+        drawn = [(ref, at[ref])] + ([(spread, at[spread])] if spread_ref == at[ref] else [])
+        plot_run(calls[at[ours]][ours], out / png, [(Path(calls[i][n]).stem, c[i][n]) for n, i in drawn])
     def firsts(steps, recipe_runs):
         return [f"| {name}{f' (call {i + 1})' if len(c) > 1 else ''} | "
                 + " | ".join(f"{curve[s]['loss']:.5f} / {curve[s].get('grad_norm', float('nan')):.3f}"

@@ -237,7 +237,8 @@ def report(setup: Setup, calls: list[dict[str, Path]], out: Path, moe: MoE = MOE
     for png, ours, beside in FIGURES:
         at = pick(ours, *beside)
         if None not in at.values():
-            plot_run(calls[at[ours]][ours], out / png, [calls[at[n]][n] for n in beside])
+            # Megatron's curves as the rows read them (a restart's second line unmixed), not its raw lines
+            plot_run(calls[at[ours]][ours], out / png, [(Path(calls[at[n]][n]).stem, c[at[n]][n]) for n in beside])
     first = {n: c[i][n] for n, i in pick(*sorted(names)).items() if i is not None}
     if first:
         router_figure(first, loads, out / "parity-moe-router.png")

@@ -275,7 +275,7 @@ def run_figure(run_dir: str | os.PathLike, beside=(), events=None):
         print(f"plot: {metrics}: skipped {skipped} unreadable lines (torn, not UTF-8 or not JSON records)",
               file=sys.stderr)
     last = max(steps)
-    others = [(_label(source), read_curve(source)) for source in beside]
+    others = [source if isinstance(source, tuple) else (_label(source), read_curve(source)) for source in beside]
     return _draw(steps, marked, title=f"{run_dir.resolve().name}  (step {last})", where=f"{metrics}{unreadable}",
                  beside=others)
 
@@ -283,7 +283,8 @@ def run_figure(run_dir: str | os.PathLike, beside=(), events=None):
 def plot_run(run_dir: str | os.PathLike, output: str | os.PathLike | None = None, beside=(), events=None,
              option: str = "--output") -> Path:
     """Draw ``<run_dir>/metrics.jsonl`` to ``output`` (default ``<run_dir>/metrics.png``); return its path.
-    ``beside``: other runs' directories or Megatron-LM logs (:mod:`llmjp_ds.metrics.curves`), drawn beside this one;
+    ``beside``: other runs' directories or Megatron-LM logs (:mod:`llmjp_ds.metrics.curves`), or (label, curve)
+    pairs already read, drawn beside this one;
     ``events``: the names of the events to mark (default: every event); ``option``: the verb's option that named
     ``output``, for the messages."""
     run_dir = Path(run_dir)

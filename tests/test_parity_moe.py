@@ -19,7 +19,8 @@ import pytest
 from benchmarks.parity import __main__ as harness
 from benchmarks.parity import moe
 from llmjp_ds.config import load_config
-from tests.test_parity_report import CORPORA, MLM, megatron_lrs, megatron_reads, ours_lrs, pretrain_args, sets_of
+from tests.test_parity_report import (CORPORA, MLM, megatron_lrs, megatron_reads, ours_lrs, pretrain_args, rows,
+                                      sets_of)
 
 WORK = Path("/w")
 
@@ -385,10 +386,7 @@ def moe_harness(tmp_path, monkeypatch):
         monkeypatch.setattr(moe, "moe_jobs", stood_in_moe(real, values or stood_in(), fail))
         code = harness.main(["--megatron-lm", str(tmp_path), "--tokenizer", "t.model", "--work", str(tmp_path / "work"),
                              "--budget-s", "120", "--out", str(tmp_path / out), "--moe", *args])
-        lines = (tmp_path / out / "summary-parity.md").read_text().splitlines()
-        rows = {cells[1].strip(): [c.strip() for c in cells[2:-1]]
-                for line in lines if line.startswith("| MoE") and len(cells := line.split("|")) == 9}
-        return code, rows
+        return code, rows(tmp_path / out)
 
     return call
 
@@ -481,3 +479,18 @@ def test_only_names_the_moe_runs(moe_harness, capsys):
     with pytest.raises(SystemExit):
         moe_harness("refused", "--only", "A1")
     assert "not among the runs of --moe" in capsys.readouterr().err
+
+
+def test_run_ak_gives_the_documented_fp8_half_from_as_checkpoint(tmp_path):
+    """Run AK's second call on the H100 (docs/perf-raw/run-ak/call-2): Megatron-LM's checkpoint of step 150 at EP 1
+    imported and trained in FP8 beside Megatron's FP8 restarts from it, fused (FA) and not (FAu, the spread)."""
+    import tarfile
+
+    raw = Path(__file__).resolve().parents[1] / "docs" / "perf-raw" / "run-ak" / "call-2" / "parity-curves.tgz"
+    with tarfile.open(raw) as tar:
+        tar.extractall(tmp_path / "curves", filter="data")
+    assert harness.main(["--report-from", str(tmp_path / "curves"), "--moe", "--out", str(tmp_path / "out")]) == 0
+    got = rows(tmp_path / "out")
+    assert got[FP8_A_LOSS] == ["0.0009", "0.0008", "1.12", "-0.008 %", "-0.008 %", "yes"]
+    assert got["MoE FP8 from A's checkpoint: router z-loss"][2] == "0.85"
+    assert got[BF16_LOSS][0] == "not run"

@@ -248,3 +248,24 @@ def test_train_continues_the_megatron_moe_run(train_env, tmp_path):
     assert any(n.endswith("moe.experts.linear_fc1.weight3") for n in after)
     for name, p in params.items():
         assert torch.allclose(after[name], p.detach(), rtol=1e-5, atol=1e-7), name
+
+
+def test_an_optimizer_count_the_arguments_cannot_give_is_refused_in_one_line(tmp_path):
+    """At EP 1 megatron-core saves one optimizer (the experts in the dense buffers), at EP 2 two: a legacy
+    ``distrib_optim.pt`` or torch_dist ``common.pt`` holding the other count is refused, naming what the arguments
+    allow."""
+    from llmjp_ds.interchange.megatron_reader import read as read_megatron
+
+    directory = _copy(FIXTURES / "torch-moe-ep1", tmp_path)
+    path = directory / "mp_rank_00" / "distrib_optim.pt"
+    state = torch.load(path, weights_only=False)
+    torch.save([state, state], path)
+    with pytest.raises(UserError, match="holds 2 optimizer states .* where Megatron writes 1 for its arguments"):
+        read_megatron(tmp_path / "save")
+    shutil.rmtree(tmp_path / "save")
+    common = _copy(FIXTURES / "torch_dist-moe-ep2-dp_reshardable", tmp_path) / "common.pt"
+    state = torch.load(common, weights_only=False)
+    state["optimizer"] = state["optimizer"][0]
+    torch.save(state, common)
+    with pytest.raises(UserError, match="holds 1 optimizers where megatron-core builds 2 for its arguments"):
+        read_megatron(tmp_path / "save")

@@ -62,15 +62,11 @@ with ``_layer_specs``, ``_topo``, ``global_rank``, ``num_stages``, ``parts`` and
 (``_create_expert_and_data_parallel``, ``_get_expert_parallel_group``, ``_get_expert_parallel_rank``; groups keyed
 ``ep_size_<n>``) and ``runtime/engine.py`` (``_configure_distributed_model``, ``_save_moe_checkpoint``,
 ``load_moe_state_dict``: what each function below says it relies on).
-
-**The overflow notice** (:func:`overflow_notices_held`), from DeepSpeed 0.19.8's ``runtime/fp16/loss_scaler.py``:
-``[deepspeed] OVERFLOW!`` through ``deepspeed.utils.logger``, held and dropped for a step the health gate skips.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import re
 from pathlib import Path
 
@@ -461,39 +457,3 @@ def expert_parallel_module(model: torch.nn.Module, ep: ExpertParallel, num_exper
             return super().train(mode)
 
     return ExpertParallelModel()
-
-OVERFLOW_NOTICE = "[deepspeed] OVERFLOW!"
-
-
-class _HeldNotices(logging.Filter):
-    def __init__(self):
-        super().__init__()
-        self.records: list[logging.LogRecord] = []
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if OVERFLOW_NOTICE in record.getMessage():
-            self.records.append(record)
-            return False
-        return True
-
-
-@contextlib.contextmanager
-def overflow_notices_held():
-    """DeepSpeed's overflow notices logged inside are held back, in the list this yields: :func:`release_notices`
-    prints them once the step is known to have overflowed (a skip the gate asked for is no overflow)."""
-    from deepspeed.utils import logger
-
-    held = _HeldNotices()
-    logger.addFilter(held)
-    try:
-        yield held.records
-    finally:
-        logger.removeFilter(held)
-
-
-def release_notices(records) -> None:
-    """Print the notices :func:`overflow_notices_held` held, as DeepSpeed would have."""
-    from deepspeed.utils import logger
-
-    for record in records:
-        logger.handle(record)

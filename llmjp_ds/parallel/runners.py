@@ -21,13 +21,13 @@ the loss only where it makes the gradients (a planted gradient spike). A step re
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from llmjp_ds.parallel.context import ParallelContext
-from llmjp_ds.parallel.deepspeed_internals import (local_layers, overflow_notices_held, release_notices,
-                                                   set_stage_forward_context)
+from llmjp_ds.parallel.deepspeed_internals import local_layers, set_stage_forward_context
 
 
 def _no_watchdog(phase: str) -> None:
@@ -212,6 +212,44 @@ class PipelineRunner(StepRunner):
                                   if self.engine.is_last_stage() else 0.0], device=self.ctx.device)
         self.engine.train()
         return self.ctx.all_reduce(value)
+
+
+# DeepSpeed 0.19.8 runtime/fp16/loss_scaler.py logs this through deepspeed.utils.logger on a skipped step
+OVERFLOW_NOTICE = "[deepspeed] OVERFLOW!"
+
+
+class _HeldNotices(logging.Filter):
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if OVERFLOW_NOTICE in record.getMessage():
+            self.records.append(record)
+            return False
+        return True
+
+
+@contextlib.contextmanager
+def overflow_notices_held():
+    """DeepSpeed's overflow notices logged inside are held back, in the list this yields: :func:`release_notices`
+    prints them once the step is known to have overflowed (a skip the gate asked for is no overflow)."""
+    from deepspeed.utils import logger
+
+    held = _HeldNotices()
+    logger.addFilter(held)
+    try:
+        yield held.records
+    finally:
+        logger.removeFilter(held)
+
+
+def release_notices(records) -> None:
+    """Print the notices :func:`overflow_notices_held` held, as DeepSpeed would have."""
+    from deepspeed.utils import logger
+
+    for record in records:
+        logger.handle(record)
 
 
 def _held_if(gate):

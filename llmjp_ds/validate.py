@@ -211,17 +211,13 @@ def _check_parallel(cfg: RunConfig, layout: Layout, num_layers: int) -> None:
 
 def _check_expert_parallel(cfg: RunConfig, shape, layout: Layout) -> None:
     """An MoE model's layout and expert parallelism (docs/moe.md): the experts split evenly over groups of
-    data-parallel ranks, on the layouts DeepSpeed's MoE support trains correctly; no tensor parallelism, which the
-    MoE block is not built for, and a pipeline only with every expert on each stage."""
+    data-parallel ranks (a pipeline stage's), on the layouts DeepSpeed's MoE support trains correctly; no tensor
+    parallelism, which the MoE block is not built for."""
     ep, experts = layout.expert, shape.num_experts
     if experts and layout.tensor > 1:
         fail(f"model.shape {cfg.model.shape} has experts and parallel.tensor_parallel={layout.tensor}: the MoE block "
              "is not split over the TP group (its weights would drift apart over sequence-parallel shards); use "
              "parallel.tensor_parallel=1 and split the experts with parallel.expert_parallel")
-    if experts and layout.pipeline > 1 and ep > 1:
-        fail(f"parallel.expert_parallel={ep} with parallel.pipeline_stages={layout.pipeline}: a pipeline stage holds "
-             "every expert of its MoE layers; use parallel.expert_parallel=1 with the pipeline, or "
-             "parallel.pipeline_stages=1 with expert parallelism")
     if ep == 1:
         return
     if not experts:

@@ -18,7 +18,7 @@ from llmjp_ds.checkpoint.manifest import save_hashed
 from llmjp_ds.checkpoint.safe_load import load_checkpoint_file, vet_files
 from llmjp_ds.checkpoint.store import CheckpointMeta, checkpoint_dir, vet_tag
 from llmjp_ds.errors import fail
-from llmjp_ds.model.hf_adapter import pipeline_name_to_ours, tp_merge_state_dicts
+from llmjp_ds.model.hf_adapter import pipeline_module_name_to_ours, pipeline_name_to_ours, tp_merge_state_dicts
 from llmjp_ds.parallel.deepspeed_internals import (EXPERT_STATES_GLOB, MODEL_STATES_GLOB, PIPELINE_LAYER_GLOB,
                                                    from_expert_file_key, model_states_file, pipeline_layer_ranks,
                                                    route_checkpoint_io)
@@ -73,14 +73,10 @@ def read_model_state(run_dir, tag: str, marker: CheckpointMeta) -> dict[str, tor
     if marker.layout_free:  # an imported checkpoint: the fp32 master weights of the layout-free form
         return {f.name[:-3]: load_checkpoint_file(f)["fp32"] for f in sorted((d / CONVERTED).glob("*.pt"))
                 if f.name != "_extra_state.pt"}
+    if marker.expert_parallel > 1:
+        return _expert_parallel_state(d, marker.pipeline_stages, marker.model_config["num_hidden_layers"])
     if marker.pipeline_stages > 1:
-        n = marker.model_config["num_hidden_layers"]
-        shards: list[dict] = [{} for _ in range(marker.tensor_parallel)]
-        for f in sorted(d.glob(PIPELINE_LAYER_GLOB)):
-            idx, tp_rank = pipeline_layer_ranks(f.name)
-            for name, tensor in load_checkpoint_file(f).items():
-                shards[tp_rank][pipeline_name_to_ours(idx, n, name)] = tensor
-        return tp_merge_state_dicts(shards)
+        return _pipeline_layer_files(d, marker.model_config["num_hidden_layers"], marker.tensor_parallel)
     if marker.zero_stage == 3:
         # DeepSpeed's reader unpickles with weights_only=False: it sees the tag's files only once all are vetted
         vet_files(d)
@@ -88,8 +84,6 @@ def read_model_state(run_dir, tag: str, marker: CheckpointMeta) -> dict[str, tor
 
         with contextlib.redirect_stdout(open(os.devnull, "w")):
             return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir(run_dir)), tag=tag)
-    if marker.expert_parallel > 1:
-        return _expert_parallel_state(d)
     files = sorted(d.glob(MODEL_STATES_GLOB))
     if len(files) < marker.tensor_parallel or not files:
         fail(f"{d} has {len(files)} model states files for tensor_parallel={marker.tensor_parallel}: the checkpoint "
@@ -97,11 +91,23 @@ def read_model_state(run_dir, tag: str, marker: CheckpointMeta) -> dict[str, tor
     return tp_merge_state_dicts([load_checkpoint_file(f)["module"] for f in files[:marker.tensor_parallel]])
 
 
+def _pipeline_layer_files(d, num_layers: int, tensor_parallel: int = 1) -> dict[str, torch.Tensor]:
+    """The weights of a pipeline checkpoint's layer files in directory ``d`` (TP shards merged), under our names."""
+    shards: list[dict] = [{} for _ in range(tensor_parallel)]
+    for f in sorted(d.glob(PIPELINE_LAYER_GLOB)):
+        idx, tp_rank = pipeline_layer_ranks(f.name)
+        for name, tensor in load_checkpoint_file(f).items():
+            shards[tp_rank][pipeline_name_to_ours(idx, num_layers, name)] = tensor
+    return tp_merge_state_dicts(shards)
 
-def _expert_parallel_state(d) -> dict[str, torch.Tensor]:
-    """The model of an expert-parallel checkpoint in directory ``d``: the dense weights of its model states, the
-    experts' weights of their own files under our names and global indices."""
-    state = load_checkpoint_file(d / model_states_file(0))["module"]
+
+def _expert_parallel_state(d, stages: int, num_layers: int) -> dict[str, torch.Tensor]:
+    """The model of an expert-parallel checkpoint in directory ``d``: the dense weights of its model states (one
+    file per pipeline stage, its layers under the pipeline module's names; a stage without experts saved layer
+    files), the experts' weights of their own files under our names and global indices."""
+    state = {}
+    for stage in range(stages):
+        state.update(load_checkpoint_file(d / model_states_file(stage))["module"] or {})
     experts = sorted(d.glob(EXPERT_STATES_GLOB))
     if not experts:
         fail(f"{d} holds no expert files ({EXPERT_STATES_GLOB}) for its expert_parallel > 1: the checkpoint is "
@@ -109,4 +115,7 @@ def _expert_parallel_state(d) -> dict[str, torch.Tensor]:
     for f in experts:
         state.update({from_expert_file_key(k): v for k, v in load_checkpoint_file(f).items()
                       if not k.endswith("_extra_state")})
-    return state
+    if stages == 1:
+        return state
+    return {**_pipeline_layer_files(d, num_layers), **{pipeline_module_name_to_ours(k, num_layers): v
+                                                         for k, v in state.items()}}

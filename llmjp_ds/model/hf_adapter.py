@@ -184,6 +184,12 @@ def pipeline_name_to_ours(layer_index: int, num_layers: int, name: str) -> str:
     return name  # lm_head.weight
 
 
+def pipeline_module_name_to_ours(name: str, num_layers: int) -> str:
+    """Our name of a pipeline module's parameter ``name`` (``<layer index>.<the layer's name>``)."""
+    index, _, rest = name.partition(".")
+    return pipeline_name_to_ours(int(index), num_layers, rest)
+
+
 # --- tensor-parallel shards ---------------------------------------------------------------------------------
 # how each of our weights is split over a tensor-parallel group (TE's layout): rows of the column-parallel GEMMs
 # (QKV: whole KV groups, as the interleaved layout keeps each group's rows together), columns of the

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from llmjp_ds.config import RunConfig, model_options_of
+from llmjp_ds.config import RunConfig, model_config_of, model_options_of
+from llmjp_ds.errors import fail
 from llmjp_ds.model import LlamaForCausalLM
 from llmjp_ds.model.backend import layers_module
 from llmjp_ds.model.hf_adapter import ep_global_name, from_hf_state_dict
@@ -28,9 +29,8 @@ def build_model(cfg: RunConfig, model_config, backend: str, checkpoint_fn=None, 
     function (None without a pipeline). ``checkpoint_fn``: the activation-checkpoint function (default: the
     backend's; the precision schedule hands the emulator's). ``tp``: this rank's tensor-parallel group
     (:class:`~llmjp_ds.model.tensor_parallel.TensorParallel`), or None; ``ep``: its expert-parallel group
-    (:class:`~llmjp_ds.model.expert_parallel.ExpertParallel`; validation allows it without a pipeline only), or
-    None. ``weights``: the whole model's first weights (our names; a fine-tune start), else
-    ``model.init_from_hf``'s or the seeded initialisation."""
+    (:class:`~llmjp_ds.model.expert_parallel.ExpertParallel`), or None. ``weights``: the whole model's first
+    weights (our names; a fine-tune start), else ``model.init_from_hf``'s or the seeded initialisation."""
     checkpoint_fn = checkpoint_fn or layers_module(backend).checkpoint
     loss_kwargs = {"z_loss_coeff": cfg.model.z_loss, "fused_loss": cfg.model.fused_loss and torch.cuda.is_available()}
     fp8_head = cfg.precision.fp8_lm_head
@@ -53,13 +53,26 @@ def build_model(cfg: RunConfig, model_config, backend: str, checkpoint_fn=None, 
     from llmjp_ds.model.pipeline_layers import PipelineLoss
 
     loss = PipelineLoss(cfg.model.z_loss, loss_kwargs["fused_loss"], tp)
-    module = pipeline_module(cfg, model_config, backend, checkpoint_fn, loss, tp, layout)
+    module = pipeline_module(cfg, model_config, backend, checkpoint_fn, loss, tp, layout, ep)
     if cfg.model.init_from_hf:
-        load_hf_into_layers(local_layers(module), cfg.model.init_from_hf, model_config, tp)
+        load_hf_into_layers(local_layers(module), cfg.model.init_from_hf, model_config, tp, ep)
     elif weights is not None:
-        load_into_layers(local_layers(module), weights, model_config, tp)
+        load_into_layers(local_layers(module), weights, model_config, tp, ep)
     sum_sequence_parallel_grads(module, tp)
     return module, loss
+
+
+def check_stages_hold_experts(cfg: RunConfig, module, ctx) -> None:
+    """Under expert parallelism with a pipeline, every stage holds experts (the stages agree, one all-reduce):
+    DeepSpeed's ZeRO reduces the gradient norm of each optimizer group over the stages, and a stage's experts are a
+    group of their own."""
+    if ctx.ep is None or cfg.parallel.pipeline_stages == 1:
+        return
+    if ctx.any_rank(all(getattr(p, "allreduce", True) for p in module.parameters())):
+        fail(f"parallel.expert_parallel={ctx.ep.size} with parallel.pipeline_stages={cfg.parallel.pipeline_stages}: "
+             f"a stage of parallel.partition_method={cfg.parallel.partition_method} holds no MoE layer, and "
+             "DeepSpeed's ZeRO needs the experts' optimizer group on every stage; use "
+             "parallel.partition_method=type:DecoderLayerPipe (decoder layers split evenly) or fewer stages")
 
 
 def _layers_of(model) -> list:
@@ -117,7 +130,7 @@ def initialize(cfg: RunConfig, model, layout: Layout, mpu=None, ep=None):
 
     split = None
     if ep is not None:
-        model = expert_parallel_module(model, ep, model.config.num_experts)
+        model = expert_parallel_module(model, ep, model_config_of(cfg).num_experts)
         split = split_params_into_different_moe_groups_for_optimizer
     # fp32 + ZeRO-0 is the one layout where DeepSpeed steps our AdamW directly, with no overflow check: a
     # non-finite step must still be skipped (and reported through was_step_applied) there

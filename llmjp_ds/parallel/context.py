@@ -157,7 +157,7 @@ class ParallelContext:
         if layout.tensor > 1:
             ctx._tensor_groups(sequence_parallel)
         if layout.expert > 1:
-            ctx.ep = expert_parallel_group(layout.expert)
+            ctx.ep = expert_parallel_group(layout.expert, layout.pipeline)
         return ctx
 
     def _tensor_groups(self, sequence_parallel: bool) -> None:

@@ -381,14 +381,15 @@ def seed_optimizer_state(optimizer, step: torch.Tensor) -> None:
 
 # --- expert parallelism: DeepSpeed's expert groups and its MoE engine ------------------------------------------
 
-def expert_parallel_group(size: int) -> ExpertParallel:
+def expert_parallel_group(size: int, stages: int = 1) -> ExpertParallel:
     """DeepSpeed's expert-parallel groups of ``size`` consecutive ranks and their expert-data-parallel groups (the
-    ranks that hold the same experts: every ``size``-th rank), made by every rank before the model is built; this
-    rank's expert-parallel group."""
+    ranks that hold the same experts: every ``size``-th rank), within each of ``stages`` pipeline stages (a stage's
+    data-parallel ranks are consecutive: ``parallel.context.topology``), made by every rank before the model is
+    built; this rank's expert-parallel group."""
     from deepspeed.utils import groups  # DeepSpeed 0.19.8: utils/groups.py
 
     name = f"ep_size_{size}"
-    groups._create_expert_and_data_parallel(size, mp_size=1, pp_size=1)
+    groups._create_expert_and_data_parallel(size, mp_size=1, pp_size=stages)
     return ExpertParallel(groups._get_expert_parallel_group(name), size, groups._get_expert_parallel_rank(name), name)
 
 
@@ -419,14 +420,9 @@ def from_expert_file_key(key: str) -> str:
     return f"{experts}.{gemm}.{what}{index}" if what == "weight" else f"{experts}.{gemm}.{what}"
 
 
-def expert_parallel_module(model: torch.nn.Module, ep: ExpertParallel, num_experts: int) -> torch.nn.Module:
-    """``model`` as DeepSpeed's engine takes an MoE model with expert parallelism: a module of
-    ``deepspeed.moe.layer.MoE``'s class (the engine's only sign of one) holding ``model``'s own children under their
-    own names, so every parameter keeps its name, and running ``model``'s forward. Its state dict names the experts'
-    weights as DeepSpeed's MoE checkpoint needs them (:func:`from_expert_file_key` reads them back); ``model``'s own
-    state dict keeps ours."""
-    from deepspeed.moe.layer import MoE
-
+def _expert_files_hooks(module: torch.nn.Module) -> None:
+    """``module``'s state dict names the experts' weights as DeepSpeed's MoE checkpoint needs them
+    (:func:`from_expert_file_key` reads them back), and its loading reads them under those names."""
     def to_files(module, state, prefix, local_metadata):
         for key in [k for k in state if _OUR_EXPERT_KEY.match(k)]:
             state[_to_expert_file_key(key)] = state.pop(key)
@@ -435,19 +431,48 @@ def expert_parallel_module(model: torch.nn.Module, ep: ExpertParallel, num_exper
         for key in [k for k in state if _DS_EXPERT_KEY.match(k)]:
             state[from_expert_file_key(key)] = state.pop(key)
 
+    module.register_state_dict_post_hook(to_files)
+    module.register_load_state_dict_pre_hook(from_files)
+
+
+def _groups_made(self, use_data_before_expert_parallel_=False):
+    """MoE's ``set_deepspeed_parallelism``, which the engine calls on each MoE module: :func:`expert_parallel_group`
+    made the groups."""
+
+
+def expert_parallel_module(model: torch.nn.Module, ep: ExpertParallel, num_experts: int) -> torch.nn.Module:
+    """``model`` as DeepSpeed's engine takes an MoE model with expert parallelism: a module of
+    ``deepspeed.moe.layer.MoE``'s class (the engine's only sign of one; it then reduces the experts' gradients over
+    their expert-data-parallel groups, keeps their optimizer state apart and saves one file per expert), whose state
+    dict names the experts' weights as DeepSpeed's MoE checkpoint needs them. A pipeline module (the engine must
+    see a ``PipelineModule``) becomes one in place if its stage holds experts: DeepSpeed then saves the stage's
+    model states and its experts' files under the stage's model-parallel rank (``mp_rank_<stage>``), each
+    expert-parallel rank its own experts; a stage without experts stays a plain pipeline stage (its layer files).
+    Any other model is wrapped: a module holding ``model``'s own children under their own names, so every parameter
+    keeps its name, and running ``model``'s forward; ``model``'s own state dict keeps our names."""
+    from deepspeed.moe.layer import MoE
+    from deepspeed.pipe import PipelineModule
+
+    marks = {"num_experts": num_experts, "num_local_experts": ep.local(num_experts),
+             "expert_group_name": ep.group_name, "ep_size": ep.size}
+    if isinstance(model, PipelineModule):
+        if all(getattr(p, "allreduce", True) for p in model.parameters()):  # moe.utils.is_moe_param: none here
+            return model
+        model.__class__ = type(type(model).__name__, (type(model), MoE), {"set_deepspeed_parallelism": _groups_made})
+        model.__dict__.update(marks)
+        _expert_files_hooks(model)
+        return model
+
     class ExpertParallelModel(MoE):
+        set_deepspeed_parallelism = _groups_made
+
         def __init__(self):
             torch.nn.Module.__init__(self)  # not MoE's: its gate, experts and dispatch are the model's own
             for name, child in model.named_children():
                 self.add_module(name, child)
             self.wrapped = (model,)  # not a child: its children are this module's
-            self.num_experts, self.num_local_experts = num_experts, ep.local(num_experts)
-            self.expert_group_name, self.ep_size = ep.group_name, ep.size
-            self.register_state_dict_post_hook(to_files)
-            self.register_load_state_dict_pre_hook(from_files)
-
-        def set_deepspeed_parallelism(self, use_data_before_expert_parallel_=False):
-            pass  # the engine asks each MoE module to make its groups: expert_parallel_group made them
+            self.__dict__.update(marks)
+            _expert_files_hooks(self)
 
         def forward(self, *args, **kwargs):
             return self.wrapped[0](*args, **kwargs)

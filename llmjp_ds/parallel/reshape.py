@@ -25,7 +25,7 @@ import torch
 
 from llmjp_ds.errors import fail
 from llmjp_ds.io_utils import write_bytes_atomic
-from llmjp_ds.model.hf_adapter import ep_global_name, pipeline_name_to_ours, tp_merge, tp_shard
+from llmjp_ds.model.hf_adapter import ep_global_name, pipeline_module_name_to_ours, tp_merge, tp_shard
 from llmjp_ds.parallel.deepspeed_internals import (seed_optimizer_state, zero_checkpoint_params, zero_checkpoint_ranks,
                                                    zero_checkpoint_step)
 from llmjp_ds.parallel.layout import Layout
@@ -44,10 +44,7 @@ def saved_layout(tag_dir) -> tuple[int, int]:
 
 
 def _ours(name: str, pipeline: bool, num_layers: int) -> str:
-    if not pipeline:
-        return name
-    index, _, rest = name.partition(".")
-    return pipeline_name_to_ours(int(index), num_layers, rest)
+    return pipeline_module_name_to_ours(name, num_layers) if pipeline else name
 
 
 def convert(tag_dir, num_layers: int, read_extra_states, saved: Layout, load, num_experts: int = 0) -> Path:

@@ -28,13 +28,15 @@ def shard_of(name: str, tensor: torch.Tensor, tp) -> torch.Tensor:
     return tensor if tp is None else tp_shard(name, tensor, tp.rank, tp.size)
 
 
-def local_weights(names: dict[str, str], whole: dict, tp=None, ep=None, num_experts: int = 0) -> dict:
+def local_weights(names: dict[str, str], whole: dict, tp=None, ep=None, num_experts: int = 0,
+                  by_layer: bool = False) -> dict:
     """This rank's part of a layer's ``whole`` weights, under our names (``names``: the layer's name of each ->
-    ours): the TP shard of each and, under expert parallelism (``ep``), only the experts this rank holds, under
-    their local indices (``hf_adapter.ep_local_name``)."""
+    ours), or the layer's own (``by_layer``): the TP shard of each and, under expert parallelism (``ep``), only the
+    experts this rank holds, under their local indices (``hf_adapter.ep_local_name``)."""
     out = {}
     for name, ours in names.items():
-        local = ours if ep is None else ep_local_name(ours, ep.rank, ep.local(num_experts))
+        key = name if by_layer else ours
+        local = key if ep is None else ep_local_name(key, ep.rank, ep.local(num_experts))
         if local is not None:
             out[local] = shard_of(ours, whole[name], tp)
     return out
@@ -47,11 +49,12 @@ def our_names(index: int, num_layers: int, layer_state: dict) -> dict[str, str]:
 
 
 def seeded_layer_specs(model_config, backend: str, seed: int, fp8_head: bool = False, tp=None,
-                       options: ModelOptions = ModelOptions(), checkpoint_fn=None) -> list:
+                       options: ModelOptions = ModelOptions(), checkpoint_fn=None, ep=None) -> list:
     """The pipeline's layer specs, each built right after seeding torch with (seed, its index): a stage builds
     only its own layers, so without this its weights would depend on where the partition cuts (and differ
-    from the single-process model built from the same seed). Under TP a layer is built whole from its seed
-    and this rank keeps its shard (``hf_adapter.tp_shard``): every TP size starts from the same weights."""
+    from the single-process model built from the same seed). Under TP or expert parallelism (``ep``) a layer is
+    built whole from its seed and this rank keeps its part (its TP shard, ``hf_adapter.tp_shard``; the experts it
+    holds, :func:`local_weights`): every TP and EP size starts from the same weights."""
     from deepspeed.pipe import LayerSpec
 
     from llmjp_ds.model.pipeline_layers import pipeline_layers
@@ -65,28 +68,31 @@ def seeded_layer_specs(model_config, backend: str, seed: int, fp8_head: bool = F
 
         def build(self, log=False):
             torch.manual_seed(layer_seed(seed, self.index))
-            if tp is None:
+            if tp is None and ep is None:
                 return super().build(log)
             whole = self.whole.build().state_dict()
             layer = super().build(log)
-            layer.load_state_dict({name: shard_of(ours, whole[name], tp)
-                                   for name, ours in our_names(self.index, n, whole).items()}, strict=False)
+            layer.load_state_dict(local_weights(our_names(self.index, n, whole), whole, tp, ep, experts, True),
+                                  strict=False)
             return layer
 
-    layers = pipeline_layers(model_config, backend, fp8_head=fp8_head, tp=tp, options=options,
+    layers = pipeline_layers(model_config, backend, fp8_head=fp8_head, tp=tp, options=options, ep=ep,
                              checkpoint_fn=checkpoint_fn)
-    wholes = pipeline_layers(model_config, backend, fp8_head=fp8_head) if tp is not None else layers
+    experts = getattr(model_config, "num_experts", 0)
+    parted = tp is not None or ep is not None
+    wholes = pipeline_layers(model_config, backend, fp8_head=fp8_head, options=options) if parted else layers
     return [SeededLayerSpec(layer, whole, i) for i, (layer, whole) in enumerate(zip(layers, wholes))]
 
 
-def pipeline_module(cfg, model_config, backend: str, checkpoint_fn, loss, tp=None, layout=None):
-    """This stage's ``PipelineModule`` of the run's layers (``loss``: the last stage's loss function)."""
+def pipeline_module(cfg, model_config, backend: str, checkpoint_fn, loss, tp=None, layout=None, ep=None):
+    """This stage's ``PipelineModule`` of the run's layers (``loss``: the last stage's loss function; ``ep``: the
+    expert-parallel group the MoE layers' experts are split over, or None)."""
     from llmjp_ds.model.pipeline_layers import flops_weights
 
     options = model_options_of(cfg)
     return pipeline_module_class()(
         layers=seeded_layer_specs(model_config, backend, cfg.train.seed, cfg.precision.fp8_lm_head, tp, options,
-                                  checkpoint_fn),
+                                  checkpoint_fn, ep),
         num_stages=cfg.parallel.pipeline_stages,
         topology=None if tp is None else topology(layout),
         loss_fn=loss,

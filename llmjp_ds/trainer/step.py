@@ -14,7 +14,7 @@ from llmjp_ds.model.backend import layers_module, resolve_backend
 from llmjp_ds.model.llama import DecoderLayer
 from llmjp_ds.model.shapes import moe_layers
 from llmjp_ds.optim.adamw import set_lr
-from llmjp_ds.parallel.build import build_model, initialize
+from llmjp_ds.parallel.build import build_model, check_stages_hold_experts, initialize
 from llmjp_ds.parallel.context import ParallelContext
 from llmjp_ds.parallel.deepspeed_internals import set_global_batch
 from llmjp_ds.launch.failure import Watchdog
@@ -46,6 +46,7 @@ class StepEngine:
             checkpoint_fn = precision.checkpoint_function(layers_module(self.backend).checkpoint)
             model, pipeline_loss = build_model(cfg, self.model_config, self.backend, checkpoint_fn, ctx.tp, layout,
                                                ctx.ep, weights)
+            check_stages_hold_experts(cfg, model, ctx)
         self.engine = initialize(cfg, model, layout, ctx.mpu, ctx.ep)
         ctx.bind(self.engine)
         layers = [m for m in self.engine.module.modules() if isinstance(m, DecoderLayer)]

@@ -26,6 +26,7 @@ puts an expert under another index (the resumed trail).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 from types import SimpleNamespace
@@ -39,7 +40,8 @@ from llmjp_ds import checkpoint
 from llmjp_ds.errors import UserError
 from llmjp_ds.metrics.record import read_metrics
 
-from tests.runs import cli, max_rel_diff, run_train, trail
+from tests.launch import run_command, train_argv
+from tests.runs import COMMON_SETS, cli, max_rel_diff, run_train, trail
 from tests.train.test_equivalence import GRAD_NORM_RTOL, LOSS_RTOL
 
 STEPS, HALF = 4, 2
@@ -51,6 +53,9 @@ LAYOUTS = {  # name -> (processes, extra --set values); the global batch (8) of 
     "dp2-ep2": (2, ("parallel.expert_parallel=2", "parallel.zero_stage=1")),
     # a pipeline holds every expert of its stage's MoE layers
     "pp2": (2, ("parallel.pipeline_stages=2", "parallel.zero_stage=1")),
+    # or splits them over each stage's data-parallel ranks; the decoder layers split evenly, so each stage holds one
+    "pp2-dp2-ep2": (4, ("parallel.pipeline_stages=2", "parallel.expert_parallel=2", "parallel.zero_stage=1",
+                        "parallel.partition_method=type:DecoderLayerPipe")),
     "pp2-dp2": (4, ("parallel.pipeline_stages=2", "parallel.zero_stage=1")),
     # each MoE block recomputed in backward (Megatron-LM's --recompute-modules moe), through the stages' layers
     "pp2-recompute-moe": (2, ("parallel.pipeline_stages=2", "parallel.zero_stage=1", "model.recompute=moe")),
@@ -177,8 +182,8 @@ def test_a_rank_starts_with_its_own_experts_of_the_whole_model(tmp_path):
     ({"model.shape": "tiny-moe", "parallel.expert_parallel": 2, "parallel.tensor_parallel": 2}, 4,
      "has experts and parallel.tensor_parallel=2"),
     ({"model.shape": "tiny-moe", "parallel.tensor_parallel": 2}, 2, "has experts and parallel.tensor_parallel=2"),
-    ({"model.shape": "tiny-moe", "parallel.expert_parallel": 2, "parallel.pipeline_stages": 2}, 4,
-     "parallel.expert_parallel=2 with parallel.pipeline_stages=2"),
+    ({"model.shape": "tiny-moe", "parallel.expert_parallel": 4, "parallel.pipeline_stages": 2}, 4,
+     "does not divide the data-parallel size 2"),
 ])
 def test_unsupported_expert_parallel_layouts_are_refused(sets, world, expected, tmp_path):
     from llmjp_ds.config import build_config
@@ -193,6 +198,28 @@ def test_unsupported_expert_parallel_layouts_are_refused(sets, world, expected, 
     assert layout.expert == 2 and layout.name == "PP1 x DP2 (EP2)"
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_pipeline_stage_without_experts_is_refused_in_one_line(train_env, tmp_path):
+    """tiny-moe's two decoder layers cut by training FLOPs (the default) leave the second stage the head alone:
+    under expert parallelism every stage must hold experts (DeepSpeed's ZeRO reduces each optimizer group's norm
+    over the stages; a stage without the experts' group hung in that reduction). Every rank refuses, naming the
+    fix (each rank its line), and nothing is trained."""
+    run_dir = tmp_path / "run"
+    sets = [s for s in LAYOUTS["pp2-dp2-ep2"][1] if not s.startswith("parallel.partition_method")]
+    result = run_command(train_argv(run_dir, COMMON_SETS, *MOE, *sets, f"train.steps={STEPS}"), tmp_path / "train",
+                         check=False, nproc=4, timeout=300)
+    assert result.returncode != 0
+    err = (tmp_path / "train.err").read_text()
+    lines = [re.sub(r"^error: \[rank (\d)\] ", r"error: ", line) for line in err.splitlines()
+             if line.startswith("error: ")]
+    assert len(lines) == 4 and set(lines) == {
+        "error: parallel.expert_parallel=2 with parallel.pipeline_stages=2: a stage of parallel.partition_method=flops "
+        "holds no MoE layer, and DeepSpeed's ZeRO needs the experts' optimizer group on every stage; use "
+        "parallel.partition_method=type:DecoderLayerPipe (decoder layers split evenly) or fewer stages"}, err[-2000:]
+    assert not list(run_dir.glob("checkpoints/step*"))
+
+
 def _nested(sets: dict) -> dict:
     out: dict = {}
     for key, value in sets.items():
@@ -203,24 +230,33 @@ def _nested(sets: dict) -> dict:
 
 # --- training ------------------------------------------------------------------------------------------------
 
+RESHAPES = {  # a checkpoint of step 2 of the first layout, resumed on the second
+    "dp2-ep2-then-dp4-ep4": ("dp2-ep2", "dp4-ep4"),
+    "dp2-ep2-then-ep1": ("dp2-ep2", "ep1"),
+    "dp2-ep2-then-pp2-dp2-ep2": ("dp2-ep2", "pp2-dp2-ep2"),
+    "pp2-dp2-ep2-then-ep1": ("pp2-dp2-ep2", "ep1"),
+    "pp2-then-ep1": ("pp2", "ep1"),
+}
+
+
 @pytest.fixture(scope="module")
 def ep_runs(train_env, tmp_path_factory):
-    """Each layout's uninterrupted run, DP2 x EP2 stopped at ``HALF`` and resumed, and that checkpoint resumed
-    on DP4 x EP4 and on one process (copies of the directory)."""
+    """Each layout's uninterrupted run; DP2 x EP2 and PP2 x DP2 (EP2) each stopped at ``HALF`` and resumed
+    (``<layout>-resumed``), and each checkpoint of :data:`RESHAPES` resumed on another layout (copies of the
+    stopped run's directory)."""
     root = tmp_path_factory.mktemp("expert-parallel")
     out = {name: run_train(root / name, nproc, *MOE, *sets, f"train.steps={STEPS}")
            for name, (nproc, sets) in LAYOUTS.items()}
-    nproc, sets = LAYOUTS["dp2-ep2"]
-    run_train(root / "dp2-ep2-resumed", nproc, *MOE, *sets, f"train.steps={HALF}")
-    for then in ("dp4-ep4", "ep1"):
-        shutil.copytree(root / "dp2-ep2-resumed", root / f"dp2-ep2-then-{then}")
-    out["resumed"] = run_train(root / "dp2-ep2-resumed", nproc, *MOE, *sets, f"train.steps={STEPS}")
-    nproc, sets = LAYOUTS["pp2"]  # a pipeline's checkpoint of step 2 continued on one process
-    run_train(root / "pp2-then-ep1", nproc, *MOE, *sets, f"train.steps={HALF}")
-    out["pp2-then-ep1"] = run_train(root / "pp2-then-ep1", 1, *MOE, f"train.steps={STEPS}")
-    for then in ("dp4-ep4", "ep1"):
+    for name in {saved for saved, _ in RESHAPES.values()}:
+        nproc, sets = LAYOUTS[name]
+        run_train(root / f"{name}-resumed", nproc, *MOE, *sets, f"train.steps={HALF}")
+        for reshape, (saved, _) in RESHAPES.items():
+            if saved == name:
+                shutil.copytree(root / f"{name}-resumed", root / reshape)
+        out[f"{name}-resumed"] = run_train(root / f"{name}-resumed", nproc, *MOE, *sets, f"train.steps={STEPS}")
+    for reshape, (_, then) in RESHAPES.items():
         nproc, sets = LAYOUTS[then]
-        out[f"then-{then}"] = run_train(root / f"dp2-ep2-then-{then}", nproc, *MOE, *sets, f"train.steps={STEPS}")
+        out[reshape] = run_train(root / reshape, nproc, *MOE, *sets, f"train.steps={STEPS}")
     return out
 
 
@@ -266,27 +302,39 @@ def test_expert_parallel_follows_one_process(layout, ep_runs):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("layout", ["pp2", "pp2-dp2", "pp2-recompute-moe"])
+@pytest.mark.parametrize("layout", ["pp2", "pp2-dp2", "pp2-recompute-moe", "pp2-dp2-ep2"])
 def test_a_pipeline_of_moe_layers_follows_one_process(layout, ep_runs):
     """Each stage trains its MoE layers' routers through their outputs' backward, and the step's routing is the
     stages' and data-parallel ranks' sum: the trail is the one-process run's (the router's losses, the same tokens
-    to the same experts) and so are the final weights, with the MoE blocks recomputed in backward too. Without the
-    router losses' gradient on the first stage the z-loss moved by 5e-3 at step 2 and the loads by 9 tokens at
-    step 4."""
+    to the same experts) and so are the final weights, with the MoE blocks recomputed in backward too, and with
+    each stage's experts split over its data-parallel ranks (each stage's expert files under its model-parallel
+    rank: one stage's files overwriting the other's would lose a layer's experts). Without the router losses'
+    gradient on the first stage the z-loss moved by 5e-3 at step 2 and the loads by 9 tokens at step 4."""
     ref, got = trail(ep_runs["ep1"]), trail(ep_runs[layout])
     _assert_follows(got, ref, layout)
     for key in ("moe_min_load", "moe_least_loaded", "moe_dropped_tokens", "moe_layer_imbalance"):
         assert [r[key] for r in got] == [r[key] for r in ref], key
+    if layout == "pp2-dp2-ep2":
+        tag = checkpoint.latest_tag(ep_runs[layout])
+        files = sorted(p.name for p in (checkpoint.checkpoint_dir(ep_runs[layout]) / tag).glob("layer_*_expert_*"))
+        assert files == sorted(f"layer_0_expert_{e}_mp_rank_{s:02d}_model_states.pt" for e in range(8)
+                               for s in range(2))
     _assert_same_final_weights(ep_runs[layout], ep_runs["ep1"], layout)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_a_pipelines_moe_checkpoint_continues_on_one_process(ep_runs):
-    run_dir = ep_runs["pp2-then-ep1"]
-    _assert_follows(trail(run_dir), trail(ep_runs["ep1"]), "PP2 then one process")
+@pytest.mark.parametrize("reshape,saved,now", [("pp2-then-ep1", "PP2 x DP1", "PP1 x DP1"),
+                                               ("pp2-dp2-ep2-then-ep1", "PP2 x DP2 (EP2)", "PP1 x DP1"),
+                                               ("dp2-ep2-then-pp2-dp2-ep2", "PP1 x DP2 (EP2)", "PP2 x DP2 (EP2)")])
+def test_a_pipelines_moe_checkpoint_continues_on_another_layout(ep_runs, reshape, saved, now):
+    """A pipeline's checkpoint of step 2 (its experts whole on each stage, or split over its data-parallel ranks)
+    continued on one process, and an expert-parallel one continued on a pipeline that splits its experts: the
+    one-process trail goes on."""
+    run_dir = ep_runs[reshape]
+    _assert_follows(trail(run_dir), trail(ep_runs["ep1"]), f"{saved} then {now}")
     events = [r for r in read_metrics(run_dir) if r.get("event") == "reshape"]
-    assert [(e["step"], e["saved"], e["now"]) for e in events] == [(HALF, "PP2 x DP1", "PP1 x DP1")]
+    assert [(e["step"], e["saved"], e["now"]) for e in events] == [(HALF, saved, now)]
 
 
 @pytest.mark.slow
@@ -307,12 +355,13 @@ def test_export_of_an_expert_parallel_checkpoint_is_the_whole_model(ep_runs, tmp
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_resume_with_expert_parallelism_is_exact(ep_runs):
-    full, resumed = trail(ep_runs["dp2-ep2"]), trail(ep_runs["resumed"])
+@pytest.mark.parametrize("layout", ["dp2-ep2", "pp2", "pp2-dp2-ep2"])
+def test_resume_with_expert_parallelism_is_exact(ep_runs, layout):
+    full, resumed = trail(ep_runs[layout]), trail(ep_runs[f"{layout}-resumed"])
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
     for key in ("loss", "z_loss", "lr", "grad_norm", "consumed_samples", "moe_aux_loss", "moe_min_load"):
         assert [r[key] for r in resumed] == [r[key] for r in full], f"{key} differs after resuming at step {HALF}"
-    a, b = _final_weights(ep_runs["dp2-ep2"]), _final_weights(ep_runs["resumed"])
+    a, b = _final_weights(ep_runs[layout]), _final_weights(ep_runs[f"{layout}-resumed"])
     assert sorted(a) == sorted(b)
     assert not [k for k in a if not torch.equal(a[k], b[k])]
 
@@ -323,7 +372,7 @@ def test_resume_with_expert_parallelism_is_exact(ep_runs):
 def test_a_checkpoint_resumes_on_another_expert_and_data_parallel_size(ep_runs, then, name):
     """DP2 x EP2's checkpoint of step 2 on DP4 x EP4, and on one process without EP: each expert moves to the rank
     that holds it now, with its Adam moments, and the trail goes on as the one-process EP1 run's."""
-    run_dir = ep_runs[f"then-{then}"]
+    run_dir = ep_runs[f"dp2-ep2-then-{then}"]
     _assert_follows(trail(run_dir), trail(ep_runs["ep1"]), f"DP2 x EP2 then {name}")
     events = [r for r in read_metrics(run_dir) if r.get("event") == "reshape"]
     assert [(e["step"], e["saved"], e["now"]) for e in events] == [(HALF, "PP1 x DP2 (EP2)", name)]

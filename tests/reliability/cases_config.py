@@ -159,10 +159,6 @@ CASES: list[Case] = [
          ("model.shape tiny-moe has experts and parallel.tensor_parallel=2",
           "use parallel.tensor_parallel=1 and split the experts with parallel.expert_parallel"),
          env={"WORLD_SIZE": "2"}),
-    Case("moe-expert-parallel-with-pipeline", T("parallel.expert_parallel=2", "parallel.pipeline_stages=2", *EP),
-         ("parallel.expert_parallel=2 with parallel.pipeline_stages=2",
-          "use parallel.expert_parallel=1 with the pipeline"),
-         env={"WORLD_SIZE": "4"}),
 ]
 
 

@@ -339,8 +339,10 @@ def test_a_pipelines_moe_checkpoint_continues_on_another_layout(ep_runs, reshape
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_export_of_an_expert_parallel_checkpoint_is_the_whole_model(ep_runs, tmp_path):
-    run_dir = ep_runs["dp4-ep2-zero2"]
+@pytest.mark.parametrize("layout", ["dp4-ep2-zero2", "pp2-dp2-ep2"])
+def test_export_of_an_expert_parallel_checkpoint_is_the_whole_model(ep_runs, layout, tmp_path):
+    """Layer 1's expert 5 lives in the second expert-parallel rank's files (of stage 1 under the pipeline)."""
+    run_dir = ep_runs[layout]
     out = tmp_path / "hf"
     result = cli(["export", "--run", str(run_dir), "--output", str(out), "--dtype", "fp32"], tmp_path / "export")
     assert "AutoModelForCausalLM reload check passed" in result.stdout, result.stdout

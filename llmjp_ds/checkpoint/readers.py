@@ -76,7 +76,13 @@ def read_model_state(run_dir, tag: str, marker: CheckpointMeta) -> dict[str, tor
     if marker.expert_parallel > 1:
         return _expert_parallel_state(d, marker.pipeline_stages, marker.model_config["num_hidden_layers"])
     if marker.pipeline_stages > 1:
-        return _pipeline_layer_files(d, marker.model_config["num_hidden_layers"], marker.tensor_parallel)
+        n = marker.model_config["num_hidden_layers"]
+        shards: list[dict] = [{} for _ in range(marker.tensor_parallel)]
+        for f in sorted(d.glob(PIPELINE_LAYER_GLOB)):
+            idx, tp_rank = pipeline_layer_ranks(f.name)
+            for name, tensor in load_checkpoint_file(f).items():
+                shards[tp_rank][pipeline_name_to_ours(idx, n, name)] = tensor
+        return tp_merge_state_dicts(shards)
     if marker.zero_stage == 3:
         # DeepSpeed's reader unpickles with weights_only=False: it sees the tag's files only once all are vetted
         vet_files(d)
@@ -91,23 +97,13 @@ def read_model_state(run_dir, tag: str, marker: CheckpointMeta) -> dict[str, tor
     return tp_merge_state_dicts([load_checkpoint_file(f)["module"] for f in files[:marker.tensor_parallel]])
 
 
-def _pipeline_layer_files(d, num_layers: int, tensor_parallel: int = 1) -> dict[str, torch.Tensor]:
-    """The weights of a pipeline checkpoint's layer files in directory ``d`` (TP shards merged), under our names."""
-    shards: list[dict] = [{} for _ in range(tensor_parallel)]
-    for f in sorted(d.glob(PIPELINE_LAYER_GLOB)):
-        idx, tp_rank = pipeline_layer_ranks(f.name)
-        for name, tensor in load_checkpoint_file(f).items():
-            shards[tp_rank][pipeline_name_to_ours(idx, num_layers, name)] = tensor
-    return tp_merge_state_dicts(shards)
-
-
 def _expert_parallel_state(d, stages: int, num_layers: int) -> dict[str, torch.Tensor]:
     """The model of an expert-parallel checkpoint in directory ``d``: the dense weights of its model states (one
-    file per pipeline stage, its layers under the pipeline module's names; a stage without experts saved layer
-    files), the experts' weights of their own files under our names and global indices."""
+    file per pipeline stage, its layers under the pipeline module's names), the experts' weights of their own files
+    under our names and global indices."""
     state = {}
     for stage in range(stages):
-        state.update(load_checkpoint_file(d / model_states_file(stage))["module"] or {})
+        state.update(load_checkpoint_file(d / model_states_file(stage))["module"])
     experts = sorted(d.glob(EXPERT_STATES_GLOB))
     if not experts:
         fail(f"{d} holds no expert files ({EXPERT_STATES_GLOB}) for its expert_parallel > 1: the checkpoint is "
@@ -117,5 +113,4 @@ def _expert_parallel_state(d, stages: int, num_layers: int) -> dict[str, torch.T
                       if not k.endswith("_extra_state")})
     if stages == 1:
         return state
-    return {**_pipeline_layer_files(d, num_layers), **{pipeline_module_name_to_ours(k, num_layers): v
-                                                         for k, v in state.items()}}
+    return {pipeline_module_name_to_ours(k, num_layers): v for k, v in state.items()}

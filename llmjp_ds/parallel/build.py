@@ -66,9 +66,11 @@ def check_stages_hold_experts(cfg: RunConfig, module, ctx) -> None:
     """Under expert parallelism with a pipeline, every stage holds experts (the stages agree, one all-reduce):
     DeepSpeed's ZeRO reduces the gradient norm of each optimizer group over the stages, and a stage's experts are a
     group of their own."""
+    from deepspeed.moe.utils import is_moe_param
+
     if ctx.ep is None or cfg.parallel.pipeline_stages == 1:
         return
-    if ctx.any_rank(all(getattr(p, "allreduce", True) for p in module.parameters())):
+    if ctx.any_rank(not any(is_moe_param(p) for p in module.parameters())):
         fail(f"parallel.expert_parallel={ctx.ep.size} with parallel.pipeline_stages={cfg.parallel.pipeline_stages}: "
              f"a stage of parallel.partition_method={cfg.parallel.partition_method} holds no MoE layer, and "
              "DeepSpeed's ZeRO needs the experts' optimizer group on every stage; use "

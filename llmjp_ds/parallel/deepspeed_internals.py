@@ -444,11 +444,10 @@ def expert_parallel_module(model: torch.nn.Module, ep: ExpertParallel, num_exper
     """``model`` as DeepSpeed's engine takes an MoE model with expert parallelism: a module of
     ``deepspeed.moe.layer.MoE``'s class (the engine's only sign of one; it then reduces the experts' gradients over
     their expert-data-parallel groups, keeps their optimizer state apart and saves one file per expert), whose state
-    dict names the experts' weights as DeepSpeed's MoE checkpoint needs them. A pipeline module (the engine must
-    see a ``PipelineModule``) becomes one in place if its stage holds experts: DeepSpeed then saves the stage's
-    model states and its experts' files under the stage's model-parallel rank (``mp_rank_<stage>``), each
-    expert-parallel rank its own experts; a stage without experts stays a plain pipeline stage (its layer files).
-    Any other model is wrapped: a module holding ``model``'s own children under their own names, so every parameter
+    dict names the experts' weights as DeepSpeed's MoE checkpoint needs them. A pipeline stage's module (the
+    engine must see a ``PipelineModule``; ``build.check_stages_hold_experts`` made sure it holds experts) becomes one
+    in place: DeepSpeed then saves the stage's model states and its experts' files under the stage's model-parallel
+    rank (``mp_rank_<stage>``), each expert-parallel rank its own experts. Any other model is wrapped: a module holding ``model``'s own children under their own names, so every parameter
     keeps its name, and running ``model``'s forward; ``model``'s own state dict keeps our names."""
     from deepspeed.moe.layer import MoE
     from deepspeed.pipe import PipelineModule
@@ -456,8 +455,6 @@ def expert_parallel_module(model: torch.nn.Module, ep: ExpertParallel, num_exper
     marks = {"num_experts": num_experts, "num_local_experts": ep.local(num_experts),
              "expert_group_name": ep.group_name, "ep_size": ep.size}
     if isinstance(model, PipelineModule):
-        if all(getattr(p, "allreduce", True) for p in model.parameters()):  # moe.utils.is_moe_param: none here
-            return model
         model.__class__ = type(type(model).__name__, (type(model), MoE), {"set_deepspeed_parallelism": _groups_made})
         model.__dict__.update(marks)
         _expert_files_hooks(model)

@@ -64,7 +64,8 @@ echo "llmjp-ds: job $job: $ranks ranks on ${hosts}master $MASTER_ADDR:$MASTER_PO
 
 command -v mpirun >/dev/null || { echo "error: mpirun is not on PATH: install Open MPI (apt install openmpi-bin) or load its module, then submit again" >&2; exit 1; }
 stopped=0
-trap 'stopped=1; kill -USR2 "$pid" 2>/dev/null || true' USR2 TERM
+# $!, not $pid: a signal that comes as mpirun starts runs the trap before `pid=$!` does
+trap 'stopped=1; kill -USR2 $! 2>/dev/null || true' USR2 TERM
 mpirun -np "$ranks" --hostfile "$hostfile" -bind-to none -map-by slot -mca plm_rsh_disable_qrsh 1 \
     -x MASTER_ADDR -x MASTER_PORT -x PATH -x LD_LIBRARY_PATH \
     python -m llmjp_ds.train --set 'checkpoint.stop_signals=[SIGTERM,SIGINT,SIGUSR2]' "$@" &

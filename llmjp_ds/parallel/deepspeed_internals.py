@@ -447,8 +447,9 @@ def expert_parallel_module(model: torch.nn.Module, ep: ExpertParallel, num_exper
     dict names the experts' weights as DeepSpeed's MoE checkpoint needs them. A pipeline stage's module (the
     engine must see a ``PipelineModule``; ``build.check_stages_hold_experts`` made sure it holds experts) becomes one
     in place: DeepSpeed then saves the stage's model states and its experts' files under the stage's model-parallel
-    rank (``mp_rank_<stage>``), each expert-parallel rank its own experts. Any other model is wrapped: a module holding ``model``'s own children under their own names, so every parameter
-    keeps its name, and running ``model``'s forward; ``model``'s own state dict keeps our names."""
+    rank (``mp_rank_<stage>``), each expert-parallel rank its own experts. Any other model is wrapped: a module
+    holding ``model``'s own children under their own names, so every parameter keeps its name, and running
+    ``model``'s forward; ``model``'s own state dict keeps our names."""
     from deepspeed.moe.layer import MoE
     from deepspeed.pipe import PipelineModule
 

@@ -41,6 +41,7 @@ from llmjp_ds.errors import UserError
 from llmjp_ds.metrics.record import read_metrics
 
 from tests.launch import run_command, train_argv
+from tests.reliability.test_bad_inputs import _files
 from tests.runs import COMMON_SETS, cli, max_rel_diff, run_train, trail
 from tests.train.test_equivalence import GRAD_NORM_RTOL, LOSS_RTOL
 
@@ -204,8 +205,9 @@ def test_a_pipeline_stage_without_experts_is_refused_in_one_line(train_env, tmp_
     """tiny-moe's two decoder layers cut by training FLOPs (the default) leave the second stage the head alone:
     under expert parallelism every stage must hold experts (DeepSpeed's ZeRO reduces each optimizer group's norm
     over the stages; a stage without the experts' group hung in that reduction). Every rank refuses, naming the
-    fix (each rank its line), and nothing is trained."""
+    fix (each rank its line), nothing is trained, and the corpus and tokenizer it read come out byte-identical."""
     run_dir = tmp_path / "run"
+    before = _files(train_env)
     sets = [s for s in LAYOUTS["pp2-dp2-ep2"][1] if not s.startswith("parallel.partition_method")]
     result = run_command(train_argv(run_dir, COMMON_SETS, *MOE, *sets, f"train.steps={STEPS}"), tmp_path / "train",
                          check=False, nproc=4, timeout=300)
@@ -218,6 +220,8 @@ def test_a_pipeline_stage_without_experts_is_refused_in_one_line(train_env, tmp_
         "holds no MoE layer, and DeepSpeed's ZeRO needs the experts' optimizer group on every stage; use "
         "parallel.partition_method=type:DecoderLayerPipe (decoder layers split evenly) or fewer stages"}, err[-2000:]
     assert not list(run_dir.glob("checkpoints/step*"))
+    after = _files(train_env)
+    assert not [p for p in before if after.get(p) != before[p]], "an existing file changed or was removed"
 
 
 def _nested(sets: dict) -> dict:

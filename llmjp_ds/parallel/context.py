@@ -16,7 +16,9 @@ import contextlib
 import datetime
 import os
 import secrets
+import shutil
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +60,7 @@ def init_distributed(rendezvous_timeout_s: float = 60.0, heartbeat_timeout_s: fl
     for key, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
                          ("MASTER_PORT", "29500")):
         os.environ.setdefault(key, default)
+    use_the_environments_ninja()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     else:
@@ -81,6 +84,18 @@ def init_distributed(rendezvous_timeout_s: float = 60.0, heartbeat_timeout_s: fl
             fail(launcher.port_in_use_message(addr, port))
         raise
     return launchers, heartbeat
+
+
+def use_the_environments_ninja() -> None:
+    """torch's JIT build of DeepSpeed's ops runs the first ``ninja`` on PATH, and a launcher may put another one
+    first: Open MPI's mpirun started by its full path puts its own bin/ (/usr/bin) ahead of the venv's, a login shell
+    over ssh resets PATH. Ninja 1.11 and 1.12+ hash a build command differently, so runs under two launchers took
+    turns rebuilding the op in the one extensions directory (~1 min each on two cores). Where the interpreter's
+    environment has its own ninja (a venv's, from DeepSpeed's dependency), it goes first on PATH."""
+    own = Path(sys.executable).parent / "ninja"
+    found = shutil.which("ninja")
+    if own.is_file() and os.access(own, os.X_OK) and not (found and os.path.samefile(found, own)):
+        os.environ["PATH"] = f"{own.parent}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
 def check_build_lock(name: str = "deepspeed_shm_comm", stale_after_s: float = 1800.0) -> None:

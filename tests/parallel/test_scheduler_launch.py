@@ -13,7 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
+from deepspeed.accelerator import get_accelerator
 
+from llmjp_ds.parallel.context import use_the_environments_ninja
 from tests import forkserver
 from tests.launch import REPO, free_port, kill_tree, subprocess_env, tail, train_argv
 from tests.runs import COMMON_SETS, LAYOUTS, STEPS, TRAIN_TIMEOUT, trail
@@ -117,7 +119,15 @@ def test_mpirun_trains_one_world(runs, tmp_path):
     argv = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2", "-bind-to", "none",
             "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={port}", *train_argv(run_dir, SETS)]
     env = _clean_env(OMPI_ALLOW_RUN_AS_ROOT=1, OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1)
+    # mpirun started by its full path puts its own bin/ first on the ranks' PATH, where a system ninja may be: the
+    # ranks still build DeepSpeed's op with the venv's, so the op built here (as a rank of any launcher builds it)
+    # stays as it is
+    use_the_environments_ninja()
+    get_accelerator().create_op_builder("ShareMemCommBuilder").load(verbose=False)
+    built = Path(env["TORCH_EXTENSIONS_DIR"]) / "deepspeed_shm_comm" / ".ninja_log"
+    before = built.read_text()
     done = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=TRAIN_TIMEOUT)
     assert done.returncode == 0, done.stderr[-4000:]
     assert f"[llmjp-ds] launch: openmpi, world 2, nodes 1, master 127.0.0.1:{port}" in done.stdout
     _same_trail(run_dir, reference)
+    assert built.read_text() == before, "the ranks under mpirun rebuilt DeepSpeed's op with another ninja"

@@ -1,16 +1,19 @@
 """On the CPU DeepSpeed compiles its shared-memory op at the first run, under a lock file of torch's JIT build; a
 build interrupted (Ctrl-C, a killed job) leaves the lock, and every later run would wait on it forever without a
 word. A run refuses a stale lock with one line and names a fresh one in a warning, and never removes it
-(``llmjp_ds.parallel.context.check_build_lock``)."""
+(``llmjp_ds.parallel.context.check_build_lock``). The build runs the environment's own ninja, whatever PATH a
+launcher gave (``use_the_environments_ninja``; tests/parallel/test_scheduler_launch.py checks it under mpirun)."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import sys
 import time
 
 import pytest
 
-from llmjp_ds.parallel.context import check_build_lock
+from llmjp_ds.parallel.context import check_build_lock, use_the_environments_ninja
 
 from tests.reliability.conftest import TINY, run, subprocess_env, train_argv
 
@@ -52,3 +55,24 @@ def test_a_lock_of_a_build_in_progress_gets_a_warning(tmp_path, monkeypatch, cap
     monkeypatch.setenv("LOCAL_RANK", "1")  # one line per node
     check_build_lock()
     assert capsys.readouterr().out == "" and lock.is_file()
+
+
+def test_the_build_runs_the_ninja_beside_the_interpreter_whatever_path_the_launcher_gave(tmp_path, monkeypatch):
+    def ninja(bin_dir):
+        bin_dir.mkdir(parents=True)
+        (bin_dir / "ninja").write_text("#!/bin/sh\nexit 1\n")  # never run: only found
+        (bin_dir / "ninja").chmod(0o755)
+        return bin_dir / "ninja"
+
+    own, launchers = ninja(tmp_path / "venv" / "bin"), ninja(tmp_path / "usr" / "bin")
+    monkeypatch.setattr(sys, "executable", str(own.parent / "python"))
+    monkeypatch.setenv("PATH", f"{launchers.parent}{os.pathsep}{own.parent}")  # as /usr/bin/mpirun gives its ranks
+    use_the_environments_ninja()
+    assert shutil.which("ninja") == str(own)
+    use_the_environments_ninja()  # first already: PATH stays as it is
+    assert os.environ["PATH"] == f"{own.parent}{os.pathsep}{launchers.parent}{os.pathsep}{own.parent}"
+    # an interpreter without a ninja of its own (a system Python): PATH is the launcher's
+    own.unlink()
+    monkeypatch.setenv("PATH", str(launchers.parent))
+    use_the_environments_ninja()
+    assert os.environ["PATH"] == str(launchers.parent)

@@ -60,8 +60,8 @@ def _env_file(path: Path) -> Path:
     carries only these lines and a few prefixes of the runner's environment."""
     lines = [f"{k}={os.environ[k]}" for k in CARRIED if os.environ.get(k)]
     lines += ["OMP_NUM_THREADS=1", "WANDB_SILENT=true", "TOKENIZERS_PARALLELISM=false", "PYTHONUNBUFFERED=1"]
-    # this session's PATH, not sshd's: the ranks then build DeepSpeed's CPU op with the same ninja as every other
-    # run, which finds it built (two ninja versions take each other's build log as stale and rebuild, ~30 s)
+    # this session's PATH, not sshd's, as a user of a venv puts it in .deepspeed_env (DeepSpeed's CPU op is built
+    # with the venv's ninja either way: llmjp_ds.parallel.context.use_the_environments_ninja)
     lines.append(f"PATH={BIN}:{os.environ['PATH']}")
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -89,8 +89,8 @@ def init_distributed(rendezvous_timeout_s: float = 60.0, heartbeat_timeout_s: fl
 def use_the_environments_ninja() -> None:
     """torch's JIT build of DeepSpeed's ops runs the first ``ninja`` on PATH, and a launcher may put another one
     first: Open MPI's mpirun started by its full path puts its own bin/ (/usr/bin) ahead of the venv's, a login shell
-    over ssh resets PATH. Ninja 1.11 and 1.12+ hash a build command differently, so runs under two launchers took
-    turns rebuilding the op in the one extensions directory (~1 min each on two cores). Where the interpreter's
+    over ssh resets PATH. Ninja 1.11 and 1.12+ hash a build command differently, so runs under two launchers would
+    take turns rebuilding the op in the one extensions directory (~1 min each on two cores). Where the interpreter's
     environment has its own ninja (a venv's, from DeepSpeed's dependency), it goes first on PATH."""
     own = Path(sys.executable).parent / "ninja"
     found = shutil.which("ninja")

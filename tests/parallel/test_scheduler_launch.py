@@ -6,6 +6,7 @@ same process count, same code path). Two lone trainings instead would collide on
 from __future__ import annotations
 
 import ipaddress
+import os
 import shutil
 import socket
 import subprocess
@@ -109,7 +110,7 @@ def test_srun_style_environment_trains_one_world(runs, tmp_path):
 
 
 @pytest.mark.timeout(900)
-def test_mpirun_trains_one_world(runs, tmp_path):
+def test_mpirun_trains_one_world(runs, tmp_path, monkeypatch):
     mpirun = shutil.which("mpirun")
     if mpirun is None:
         pytest.skip("no mpirun on this machine (Open MPI is not installed)")
@@ -121,7 +122,8 @@ def test_mpirun_trains_one_world(runs, tmp_path):
     env = _clean_env(OMPI_ALLOW_RUN_AS_ROOT=1, OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1)
     # mpirun started by its full path puts its own bin/ first on the ranks' PATH, where a system ninja may be: the
     # ranks still build DeepSpeed's op with the venv's, so the op built here (as a rank of any launcher builds it)
-    # stays as it is
+    # stays as it is; PATH, which that call may change, is this worker's again after the test
+    monkeypatch.setenv("PATH", os.environ.get("PATH", ""))
     use_the_environments_ninja()
     get_accelerator().create_op_builder("ShareMemCommBuilder").load(verbose=False)
     built = Path(env["TORCH_EXTENSIONS_DIR"]) / "deepspeed_shm_comm" / ".ninja_log"

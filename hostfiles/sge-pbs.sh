@@ -63,12 +63,21 @@ export MASTER_ADDR MASTER_PORT
 echo "llmjp-ds: job $job: $ranks ranks on ${hosts}master $MASTER_ADDR:$MASTER_PORT"
 
 command -v mpirun >/dev/null || { echo "error: mpirun is not on PATH: install Open MPI (apt install openmpi-bin) or load its module, then submit again" >&2; exit 1; }
+# ssh gives the other hosts' ranks only what -x names: PATH and the rendezvous, and the variables a training reads
+# there, by prefix, as DeepSpeed's launcher forwards NCCL_*, PYTHON* and UCX_* (TORCH_EXTENSIONS_DIR: the build
+# of DeepSpeed's ops this job's environment already has). Not CUDA_VISIBLE_DEVICES: each host has its own.
+forward=(-x MASTER_ADDR -x MASTER_PORT -x PATH -x LD_LIBRARY_PATH)
+for name in $(compgen -e); do
+    case "$name" in
+        NCCL_* | UCX_* | PYTHON* | TORCH_* | OMP_NUM_THREADS | HF_* | TRANSFORMERS_* | TOKENIZERS_* | LLMJP_DS_*)
+            forward+=(-x "$name") ;;
+    esac
+done
 stopped=0
 # $!, not $pid: a signal that comes as mpirun starts runs the trap before `pid=$!` does
 trap 'stopped=1; kill -USR2 $! 2>/dev/null || true' USR2 TERM
 mpirun -np "$ranks" --hostfile "$hostfile" -bind-to none -map-by slot -mca plm_rsh_disable_qrsh 1 \
-    -x MASTER_ADDR -x MASTER_PORT -x PATH -x LD_LIBRARY_PATH \
-    python -m llmjp_ds.train --set 'checkpoint.stop_signals=[SIGTERM,SIGINT,SIGUSR2]' "$@" &
+    "${forward[@]}" python -m llmjp_ds.train --set 'checkpoint.stop_signals=[SIGTERM,SIGINT,SIGUSR2]' "$@" &
 pid=$!
 status=0
 wait "$pid" || status=$?

@@ -64,13 +64,14 @@ echo "llmjp-ds: job $job: $ranks ranks on ${hosts}master $MASTER_ADDR:$MASTER_PO
 
 command -v mpirun >/dev/null || { echo "error: mpirun is not on PATH: install Open MPI (apt install openmpi-bin) or load its module, then submit again" >&2; exit 1; }
 # ssh gives the other hosts' ranks only what -x names: PATH and the rendezvous, and the variables a training reads
-# there, by prefix, as DeepSpeed's launcher forwards NCCL_*, PYTHON* and UCX_* (TORCH_EXTENSIONS_DIR: the build
-# of DeepSpeed's ops this job's environment already has). Not CUDA_VISIBLE_DEVICES: each host has its own.
+# there, by prefix, as DeepSpeed's launcher forwards NCCL_*, PYTHON* and UCX_* (GLOO_SOCKET_IFNAME: the twin of
+# NCCL_SOCKET_IFNAME the trainer reads as well; TORCH_EXTENSIONS_DIR: the build of DeepSpeed's ops this job's
+# environment already has). Not CUDA_VISIBLE_DEVICES: each host has its own.
 forward=(-x MASTER_ADDR -x MASTER_PORT -x PATH -x LD_LIBRARY_PATH)
 for name in $(compgen -e); do
     case "$name" in
-        NCCL_* | UCX_* | PYTHON* | TORCH_* | OMP_NUM_THREADS | HF_* | TRANSFORMERS_* | TOKENIZERS_* | LLMJP_DS_*)
-            forward+=(-x "$name") ;;
+        NCCL_* | GLOO_* | UCX_* | PYTHON* | TORCH_* | OMP_NUM_THREADS | HF_* | TRANSFORMERS_* | TOKENIZERS_* \
+            | LLMJP_DS_*) forward+=(-x "$name") ;;
     esac
 done
 stopped=0

@@ -66,6 +66,16 @@ def test_arguments_reach_the_checks_command():
     assert "peer-mcore-fp8-param --steps 6 --set model.attention_core=cudnn --json" in out
 
 
+def test_the_health_row_runs_only_beside_a_1_8b_row():
+    def health_row(*args):
+        return "health.loss.action=skip" in run("--dry-run", "bench", *args).stdout
+
+    assert health_row() and health_row("--shapes", "172b-slice,llmjp3-1.8b")
+    assert not health_row("--shapes", "llmjp4-moe-slice", "--steps", "10")
+    assert not health_row("--shapes=llmjp4-moe-slice")
+    assert not health_row("--shapes", "llmjp3-1.8b", "--shapes", "llmjp4-moe-slice")  # the last one counts
+
+
 def test_an_unknown_check_is_refused_in_one_line():
     result = run("benchmark")
     assert result.returncode == 2 and result.stderr.count("\n") == 1

@@ -66,12 +66,14 @@ command -v mpirun >/dev/null || { echo "error: mpirun is not on PATH: install Op
 # ssh gives the other hosts' ranks only what -x names: PATH and the rendezvous, and the variables a training reads
 # there, by prefix, as DeepSpeed's launcher forwards NCCL_*, PYTHON* and UCX_* (GLOO_SOCKET_IFNAME: the twin of
 # NCCL_SOCKET_IFNAME the trainer reads as well; TORCH_EXTENSIONS_DIR: the build of DeepSpeed's ops this job's
-# environment already has). Not CUDA_VISIBLE_DEVICES: each host has its own.
+# environment already has; NVTE_*, PYTORCH_* and CUDA_DEVICE_MAX_CONNECTIONS: Transformer Engine's switches, the
+# caching allocator's settings and the stream count the kernels' overlap needs, which must be equal on every rank).
+# Not CUDA_VISIBLE_DEVICES: each host has its own.
 forward=(-x MASTER_ADDR -x MASTER_PORT -x PATH -x LD_LIBRARY_PATH)
 for name in $(compgen -e); do
     case "$name" in
         NCCL_* | GLOO_* | UCX_* | PYTHON* | TORCH_* | OMP_NUM_THREADS | HF_* | TRANSFORMERS_* | TOKENIZERS_* \
-            | LLMJP_DS_*) forward+=(-x "$name") ;;
+            | LLMJP_DS_* | NVTE_* | PYTORCH_* | CUDA_DEVICE_MAX_CONNECTIONS) forward+=(-x "$name") ;;
     esac
 done
 stopped=0

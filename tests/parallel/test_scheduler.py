@@ -403,11 +403,12 @@ def test_sge_pbs_template_writes_the_hostfile_starts_mpirun_and_forwards_a_stop(
     SIGUSR2, which it forwards to the ranks, and under Grid Engine the script then exits 99: queue the job again."""
     env = _stand_ins(tmp_path)
     forwarded = ("NCCL_", "GLOO_", "UCX_", "PYTHON", "TORCH_", "OMP_NUM_THREADS", "HF_", "TRANSFORMERS_", "TOKENIZERS_",
-                 "LLMJP_DS_")
+                 "LLMJP_DS_", "NVTE_", "PYTORCH_", "CUDA_DEVICE_MAX_CONNECTIONS")
     for key in [k for k in env if k.startswith(("SLURM_", *forwarded))]:
         del env[key]
     # ssh carries none of the submitting shell's variables to the other hosts: these must go by -x, a host's own not
     env.update(NCCL_SOCKET_IFNAME="ib0", GLOO_SOCKET_IFNAME="ib0", TORCH_EXTENSIONS_DIR=str(tmp_path / "ops"),
+               NVTE_FUSED_ATTN="0", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True", CUDA_DEVICE_MAX_CONNECTIONS="1",
                CUDA_VISIBLE_DEVICES="0,1")
     hostfile = tmp_path / "hostfile"
     if scheduler == "sge":
@@ -427,7 +428,8 @@ def test_sge_pbs_template_writes_the_hostfile_starts_mpirun_and_forwards_a_stop(
     assert parse_hostfile(hostfile) == {"g1": 2, "g2": 2}
     assert _log(tmp_path) == [  # LLM-jp's port rule, from the job id
         f"mpirun -np 4 --hostfile {hostfile} -bind-to none -map-by slot -mca plm_rsh_disable_qrsh 1 -x MASTER_ADDR "
-        "-x MASTER_PORT -x PATH -x LD_LIBRARY_PATH -x GLOO_SOCKET_IFNAME -x LLMJP_DS_HOSTFILE -x NCCL_SOCKET_IFNAME "
+        "-x MASTER_PORT -x PATH -x LD_LIBRARY_PATH -x CUDA_DEVICE_MAX_CONNECTIONS -x GLOO_SOCKET_IFNAME "
+        "-x LLMJP_DS_HOSTFILE -x NCCL_SOCKET_IFNAME -x NVTE_FUSED_ATTN -x PYTORCH_CUDA_ALLOC_CONF "
         "-x TORCH_EXTENSIONS_DIR python -m llmjp_ds.train --set checkpoint.stop_signals=[SIGTERM,SIGINT,SIGUSR2] "
         "| g1:44567"]
     (tmp_path / "log").unlink()
